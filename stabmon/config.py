@@ -1,0 +1,587 @@
+"""Configuration of a stabmon Monitor: the ``Config`` dataclasses and ``load_config``.
+
+``load_config`` builds one frozen ``Config`` from up to four sources; a later source
+wins key by key:
+
+1. the defaults declared on the dataclasses below;
+2. the YAML file ``source`` (when ``source`` is None, the file named by the
+   environment variable ``STABMON_CONFIG``, if set), or a mapping passed as ``source``;
+3. environment variables: ``STABMON_RUN_ID``, ``STABMON_PORT`` and ``STABMON_DIR``
+   (empty values are ignored);
+4. ``overrides``: the keyword arguments of ``stabmon.attach``.
+
+Why this order: the YAML file is checked in and shared by the team, so it is the
+baseline. The launcher (torchrun, SLURM, a pod spec) knows what the file cannot,
+such as this job's run id or a free port, and says it through the environment. The
+training script is the most specific place: what it passes explicitly is never
+overridden from outside. A ``Config`` passed as ``source`` is taken as already
+resolved: only ``overrides`` apply to it.
+
+Usage::
+
+    config = load_config("run.yaml", overrides={"measure_every": 10, "daemon.interval": 2})
+    logger.info("stabmon config: %s", config.to_dict())
+
+Each field declares its type in its annotation and its constraint in its metadata
+(``gt``, ``ge``, ``lt``, ``le``, ``nonempty``, ``max_length``, and ``env`` for the
+variable that sets it; see ``_meta``). One generic checker reads them, for values
+from every source and on direct construction, so a new field or a nested section
+needs no loader code.
+Errors are ``ConfigError`` and read ``<dotted key> in <source>: <problem>``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import operator
+import os
+import re
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
+
+import yaml
+
+from stabmon.errors import ConfigError
+
+__all__ = ["Config", "DaemonConfig", "load_config"]
+
+_MAX_FILE_BYTES = 1024 * 1024  # 1 MiB: a config is a few dozen lines
+_CONFIG_FILE_VARIABLE = "STABMON_CONFIG"
+_MAPPING_SOURCE = "config mapping"
+_OVERRIDE_SOURCE = "attach() keyword argument"
+_TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+_TEXT_FORMS = {bool: "true, false, yes, no, 1 or 0", int: "a decimal integer", float: "a number"}
+_TRUE_WORDS = frozenset({"true", "yes", "1"})
+_FALSE_WORDS = frozenset({"false", "no", "0"})
+_DECIMAL = re.compile(r"[+-]?[0-9]+")
+# Metadata keys of numeric bounds, in the order messages name them.
+_BOUNDS: dict[str, tuple[Callable[[Any, Any], bool], str]] = {
+    "gt": (operator.gt, ">"),
+    "ge": (operator.ge, ">="),
+    "lt": (operator.lt, "<"),
+    "le": (operator.le, "<="),
+}
+
+
+class _Section:
+    """What every config section shares: validation on construction, and ``to_dict``."""
+
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
+
+    def __post_init__(self) -> None:
+        # Config(port=-1) must fail as load_config would, not later inside a thread.
+        source = f"{type(self).__name__}()"
+        for name, spec in _specs(type(self)).items():
+            value = getattr(self, name)
+            if _is_section(spec.kind):
+                if not isinstance(value, spec.kind):
+                    raise ConfigError(
+                        f"expected a {spec.kind.__name__}, got {_show(value, typed=True)}; "
+                        "use load_config() to build a config from a mapping",
+                        key=name,
+                        source=source,
+                        allowed=spec.kind.__name__,
+                    )
+                continue
+            checked = _check_value(spec, value, key=name, source=source)
+            if type(checked) is not type(value):
+                # An int given for a float field is stored as a float; frozen, hence object.
+                object.__setattr__(self, name, checked)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the config as a plain nested dict of JSON-able values, e.g. for logging."""
+        return dataclasses.asdict(self)
+
+
+def _meta(
+    doc: str,
+    *,
+    env: str | None = None,
+    gt: float | None = None,
+    ge: float | None = None,
+    lt: float | None = None,
+    le: float | None = None,
+    nonempty: bool = False,
+    max_length: int | None = None,
+) -> dict[str, Any]:
+    """Field metadata: the doc and the constraint (keywords, so a misspelt rule fails)."""
+    rules = {"env": env, "gt": gt, "ge": ge, "lt": lt, "le": le, "max_length": max_length}
+    meta = {"doc": doc} | {name: rule for name, rule in rules.items() if rule is not None}
+    return meta | ({"nonempty": True} if nonempty else {})
+
+
+@dataclass(frozen=True, kw_only=True)
+class DaemonConfig(_Section):
+    """The node daemon (``stabmon daemon``): one per machine, polling NVML and psutil."""
+
+    port: int = field(
+        default=9401,
+        metadata=_meta("HTTP port of the daemon's exporter; 0 picks a free port.", ge=0, le=65535),
+    )
+    address: str = field(
+        default="0.0.0.0",
+        metadata=_meta("Bind address of the daemon's exporter.", nonempty=True),
+    )
+    interval: float = field(
+        default=5.0,
+        metadata=_meta("Seconds between two NVML/psutil polls.", gt=0),
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config(_Section):
+    """Everything a Monitor can be told; docs/config.md is the reference."""
+
+    run_id: str | None = field(
+        default=None,
+        metadata=_meta(
+            "Run label on every series; None means an id generated once per process.",
+            env="STABMON_RUN_ID",
+            nonempty=True,
+            max_length=128,
+        ),
+    )
+    port: int = field(
+        default=9400,
+        metadata=_meta(
+            "Base HTTP port of the exporter, which listens on port + LOCAL_RANK; "
+            "0 picks a free port.",
+            env="STABMON_PORT",
+            ge=0,
+            le=65535,
+        ),
+    )
+    address: str = field(
+        default="0.0.0.0",
+        metadata=_meta("Bind address of the exporter.", nonempty=True),
+    )
+    port_attempts: int = field(
+        default=8,
+        metadata=_meta("How many ports to try, counting up, when the first is busy.", ge=1),
+    )
+    serve_metrics: bool = field(
+        default=True,
+        metadata=_meta("Start the HTTP exporter at all."),
+    )
+    measure_every: int = field(
+        default=1,
+        metadata=_meta("Measure gradients every N optimizer steps.", ge=1),
+    )
+    module_depth: int = field(
+        default=1,
+        metadata=_meta("Module-name depth of gradient-norm groups (1 = top-level children).", ge=1),
+    )
+    max_modules: int = field(
+        default=32,
+        metadata=_meta(
+            "Most module groups exported (bounded label cardinality); the rest are summed "
+            "into 'other'.",
+            ge=1,
+            le=1024,
+        ),
+    )
+    window_steps: int = field(
+        default=1000,
+        metadata=_meta(
+            "When neither epoch_end() nor track() marks epochs, an epoch is this many steps.",
+            ge=1,
+        ),
+    )
+    spike_threshold: float = field(
+        default=6.0,
+        metadata=_meta("Z-score above which a loss or gradient-norm value is a spike.", gt=0),
+    )
+    spike_warmup_steps: int = field(
+        default=50,
+        metadata=_meta("Values seen before spikes can be flagged.", ge=1),
+    )
+    spike_ema_alpha: float = field(
+        default=0.02,
+        metadata=_meta("EMA weight of the spike statistics.", gt=0, lt=1),
+    )
+    leak_threshold: float = field(
+        default=0.03,
+        metadata=_meta(
+            "Relative memory growth per window that counts toward a leak (0.03 = +3%).", gt=0
+        ),
+    )
+    leak_windows: int = field(
+        default=3,
+        metadata=_meta("Consecutive growing windows that make a leak suspected.", ge=1),
+    )
+    leak_window_epochs: int = field(
+        default=10,
+        metadata=_meta("Epochs per leak window.", ge=1),
+    )
+    leak_warmup_epochs: int = field(
+        default=1,
+        metadata=_meta("Epochs ignored before the baseline epoch is taken.", ge=0),
+    )
+    stall_seconds: float | None = field(
+        default=None,
+        metadata=_meta(
+            "No completed step for this long means stalled; None means the larger of 60 s "
+            "and 10 x the median step time.",
+            gt=0,
+        ),
+    )
+    phase_stall_seconds: float = field(
+        default=3600.0,
+        metadata=_meta(
+            "Stall limit inside named phases (eval, checkpoint) and before the first step.",
+            gt=0,
+        ),
+    )
+    sample_seconds: float = field(
+        default=5.0,
+        metadata=_meta("Interval of background sampling (memory now, heartbeat).", gt=0),
+    )
+    run_dir: str | None = field(
+        default=None,
+        metadata=_meta(
+            "Directory for run records and event logs; None means /var/tmp/stabmon.",
+            env="STABMON_DIR",
+            nonempty=True,
+        ),
+    )
+    event_log: bool = field(
+        default=True,
+        metadata=_meta("Write anomalies and epoch summaries as JSON lines in the run directory."),
+    )
+    log_rate_per_minute: int = field(
+        default=10,
+        metadata=_meta("Log lines per anomaly kind per minute (the event log keeps all).", ge=0),
+    )
+    daemon: DaemonConfig = field(
+        default_factory=DaemonConfig,
+        metadata=_meta("The node daemon section: daemon.port, daemon.address, daemon.interval."),
+    )
+
+
+def load_config(
+    source: str | os.PathLike[str] | Mapping[str, Any] | Config | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Config:
+    """Build the effective ``Config`` from defaults, ``source``, ``env`` and ``overrides``.
+
+    ``source`` is a YAML file path, a mapping shaped like the file, a ``Config``, or
+    None (then the file in ``STABMON_CONFIG``, if set). ``overrides`` take plain keys
+    (``port=9500``), nested sections (``daemon={"interval": 2}``) or dotted keys
+    (``{"daemon.interval": 2}``). ``env`` defaults to ``os.environ``.
+
+    Raises ``ConfigError`` naming the dotted key and its source for an unknown key, a
+    value of the wrong type or out of range, and a file that is missing, too large
+    or not a YAML mapping.
+    """
+    environ: Mapping[str, str] = os.environ if env is None else env
+    layers: list[dict[str, Any]] = []
+    if isinstance(source, Config):
+        base = source
+    else:
+        base = Config()
+        layers.append(_read_source(source, environ))
+        layers.append(_read_env(Config, environ))
+    if overrides is not None:
+        layers.append(_flatten(Config, overrides, source=_OVERRIDE_SOURCE))
+    values: dict[str, Any] = {}
+    for layer in layers:
+        values.update(layer)
+    return _apply(base, values)
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """One field as the checker sees it: a bool/int/float/str or section type, and rules."""
+
+    kind: type
+    optional: bool
+    meta: Mapping[str, Any]
+
+
+_SectionT = TypeVar("_SectionT", bound=_Section)
+
+
+def _specs(cls: type[_Section]) -> dict[str, _Spec]:
+    hints = typing.get_type_hints(cls)
+    specs = {}
+    for f in dataclasses.fields(cls):
+        members = typing.get_args(hints[f.name]) or (hints[f.name],)
+        kinds = [member for member in members if member is not type(None)]
+        if len(kinds) != 1 or not (kinds[0] in _TYPE_NAMES or _is_section(kinds[0])):
+            raise TypeError(f"{cls.__name__}.{f.name}: unsupported annotation {hints[f.name]}")
+        specs[f.name] = _Spec(kinds[0], len(kinds) != len(members), f.metadata)
+    return specs
+
+
+def _is_section(kind: object) -> typing.TypeGuard[type[_Section]]:
+    return isinstance(kind, type) and issubclass(kind, _Section)
+
+
+def _read_source(
+    source: str | os.PathLike[str] | Mapping[str, Any] | None, environ: Mapping[str, str]
+) -> dict[str, Any]:
+    if isinstance(source, Mapping):
+        return _flatten(Config, source, source=_MAPPING_SOURCE)
+    if source is not None:
+        path, advice = os.fspath(source), "check the path"
+    else:
+        path = environ.get(_CONFIG_FILE_VARIABLE, "")
+        if not path:
+            return {}
+        advice = f"check environment variable {_CONFIG_FILE_VARIABLE}, or unset it"
+    return _flatten(Config, _read_yaml(path, advice), source=path)
+
+
+def _read_yaml(path: str, advice: str) -> Mapping[Any, Any]:
+    too_large = f"config file is larger than 1 MiB, too large for a stabmon config; {advice}"
+    try:
+        with open(path, "rb") as file:
+            # Refuse before reading: a wrong path can name a log or a dataset.
+            if os.fstat(file.fileno()).st_size > _MAX_FILE_BYTES:
+                raise ConfigError(too_large, key=None, source=path)
+            data = file.read(_MAX_FILE_BYTES + 1)
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found; {advice}", key=None, source=path) from None
+    except OSError as error:
+        raise ConfigError(
+            f"cannot read config file ({error.strerror or error}); {advice}",
+            key=None,
+            source=path,
+        ) from None
+    if len(data) > _MAX_FILE_BYTES:  # a pipe or device reports size 0 to fstat
+        raise ConfigError(too_large, key=None, source=path)
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise ConfigError(
+            f"config file is not UTF-8 text (bad byte at offset {error.start})",
+            key=None,
+            source=path,
+        ) from None
+    try:
+        document = yaml.safe_load(text)
+    except yaml.constructor.ConstructorError as error:
+        raise ConfigError(
+            f"unsupported YAML{_position(error)}: {error.problem}; a config holds plain "
+            "strings, numbers, booleans, null and mappings, and tags such as "
+            "!!python/object are not allowed",
+            key=None,
+            source=path,
+        ) from None
+    except yaml.MarkedYAMLError as error:
+        raise ConfigError(
+            f"malformed YAML{_position(error)}: {error.problem}", key=None, source=path
+        ) from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"malformed YAML: {error}", key=None, source=path) from None
+    if document is None:  # empty, or only comments
+        return {}
+    if not isinstance(document, dict):
+        raise ConfigError(
+            f"expected a mapping of keys to values at the top level, got a "
+            f"{type(document).__name__}; write one 'key: value' per line",
+            key=None,
+            source=path,
+            allowed="a YAML mapping",
+        )
+    return document
+
+
+def _position(error: yaml.MarkedYAMLError) -> str:
+    mark = error.problem_mark
+    return "" if mark is None else f" at line {mark.line + 1}, column {mark.column + 1}"
+
+
+def _read_env(cls: type[_Section], environ: Mapping[str, str], prefix: str = "") -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for name, spec in _specs(cls).items():
+        key = prefix + name
+        if _is_section(spec.kind):
+            values.update(_read_env(spec.kind, environ, key + "."))
+            continue
+        variable = spec.meta.get("env")
+        text = environ.get(variable, "") if variable else ""
+        if text:
+            values[key] = _from_text(spec, text, key=key, source=f"environment variable {variable}")
+    return values
+
+
+def _from_text(spec: _Spec, text: str, *, key: str, source: str) -> Any:
+    word = text.strip()
+    value: Any = text
+    if spec.kind is bool and word.lower() in _TRUE_WORDS | _FALSE_WORDS:
+        value = word.lower() in _TRUE_WORDS
+    elif spec.kind is int and _DECIMAL.fullmatch(word):
+        value = int(word)
+    elif spec.kind is float:
+        try:
+            value = float(word)
+        except ValueError:
+            pass
+    if spec.kind is not str and isinstance(value, str):
+        raise ConfigError(
+            f"expected {_TEXT_FORMS[spec.kind]}, got {text!r}",
+            key=key,
+            source=source,
+            allowed=_expected(spec),
+        )
+    return _check_value(spec, value, key=key, source=source)
+
+
+def _flatten(
+    cls: type[_Section], mapping: Mapping[Any, Any], *, source: str, prefix: str = ""
+) -> dict[str, Any]:
+    """Check every key and value of ``mapping`` and return them by dotted key."""
+    specs = _specs(cls)
+    allowed = ", ".join(prefix + name for name in sorted(specs))
+    values: dict[str, Any] = {}
+    for raw_key, value in mapping.items():
+        if not isinstance(raw_key, str):
+            raise ConfigError(
+                f"keys must be strings, got {_show(raw_key, typed=True)}",
+                key=prefix[:-1] or None,
+                source=source,
+                allowed=allowed,
+            )
+        name, dotted, rest = raw_key.partition(".")
+        key = prefix + name
+        spec = specs.get(name)
+        if spec is None:
+            close = difflib.get_close_matches(name, list(specs), n=1)
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else ";"
+            raise ConfigError(
+                f"unknown key{hint} allowed: {allowed}",
+                key=prefix + raw_key,
+                source=source,
+                allowed=allowed,
+            )
+        if _is_section(spec.kind):
+            section = {rest: value} if dotted else _section_mapping(spec, value, key, source)
+            values.update(_flatten(spec.kind, section, source=source, prefix=key + "."))
+        elif dotted:
+            raise ConfigError(
+                f"unknown key; {key} is a single value, not a section",
+                key=prefix + raw_key,
+                source=source,
+                allowed=allowed,
+            )
+        else:
+            values[key] = _check_value(spec, value, key=key, source=source)
+    return values
+
+
+def _section_mapping(spec: _Spec, value: object, key: str, source: str) -> Mapping[Any, Any]:
+    if isinstance(value, spec.kind):
+        return typing.cast(_Section, value).to_dict()
+    if isinstance(value, Mapping):
+        return value
+    raise ConfigError(
+        f"expected a mapping of {key}.* keys, got {_show(value, typed=True)}",
+        key=key,
+        source=source,
+        allowed="a mapping",
+    )
+
+
+def _apply(base: _SectionT, values: Mapping[str, Any], prefix: str = "") -> _SectionT:
+    """Return ``base`` with the dotted ``values`` under ``prefix`` replaced."""
+    changes: dict[str, Any] = {}
+    for name, spec in _specs(type(base)).items():
+        key = prefix + name
+        if _is_section(spec.kind):
+            current = getattr(base, name)
+            updated = _apply(current, values, key + ".")
+            if updated is not current:
+                changes[name] = updated
+        elif key in values:
+            changes[name] = values[key]
+    return dataclasses.replace(base, **changes) if changes else base
+
+
+def _check_value(spec: _Spec, value: Any, *, key: str, source: str) -> Any:
+    """Return ``value`` (ints widened for float fields) or raise if type or range is off."""
+    if value is None and spec.optional:
+        return None
+    or_none = " or None" if spec.optional else ""
+    accepted = (int, float) if spec.kind is float else spec.kind
+    if not isinstance(value, accepted) or (spec.kind is not bool and isinstance(value, bool)):
+        raise ConfigError(
+            f"expected {_TYPE_NAMES[spec.kind]}{or_none}, got {_show(value, typed=True)}"
+            + _quote_hint(spec, value),
+            key=key,
+            source=source,
+            allowed=_expected(spec) + or_none,
+        )
+    checked = value
+    if spec.kind is float:
+        try:
+            checked = float(typing.cast(float, value))
+        except OverflowError:
+            checked = math.inf
+        if not math.isfinite(checked):
+            raise ConfigError(
+                f"expected a finite number, got {_show(value)}",
+                key=key,
+                source=source,
+                allowed=_expected(spec) + or_none,
+            )
+    if not _within(spec.meta, checked):
+        shown = f"{len(value)} characters" if isinstance(value, str) and value else _show(value)
+        raise ConfigError(
+            f"expected {_expected(spec)}, got {shown}",
+            key=key,
+            source=source,
+            allowed=_expected(spec) + or_none,
+        )
+    return checked
+
+
+def _within(meta: Mapping[str, Any], value: Any) -> bool:
+    if isinstance(value, str):
+        too_long = len(value) > meta.get("max_length", len(value))
+        return not too_long and not (meta.get("nonempty") and not value)
+    return all(compare(value, meta[name]) for name, (compare, _) in _BOUNDS.items() if name in meta)
+
+
+def _expected(spec: _Spec) -> str:
+    """Describe what a field accepts, e.g. 'an integer from 0 to 65535'."""
+    meta = spec.meta
+    if spec.kind is str:
+        phrase = "a non-empty string" if meta.get("nonempty") else "a string"
+        if "max_length" in meta:
+            phrase += f" of at most {meta['max_length']} characters"
+        return phrase
+    phrase = _TYPE_NAMES[spec.kind]
+    if "ge" in meta and "le" in meta:
+        return f"{phrase} from {meta['ge']} to {meta['le']}"
+    bounds = [f"{symbol} {meta[name]}" for name, (_, symbol) in _BOUNDS.items() if name in meta]
+    return " ".join([phrase, " and ".join(bounds)]) if bounds else phrase
+
+
+def _quote_hint(spec: _Spec, value: object) -> str:
+    """Suggest dropping the quotes from a number written as text, as in ``port: "9400"``."""
+    if not isinstance(value, str) or spec.kind not in (int, float):
+        return ""
+    if spec.kind is int:
+        return "; write it without quotes" if _DECIMAL.fullmatch(value.strip()) else ""
+    try:
+        float(value)
+    except ValueError:
+        return ""
+    return "; write it without quotes"
+
+
+def _show(value: object, *, typed: bool = False) -> str:
+    """Render a bad value for a message: short, and safe for huge integers."""
+    if isinstance(value, int) and value.bit_length() > 64:
+        text = f"<an integer of {value.bit_length()} bits>"
+    else:
+        text = repr(value)
+        if len(text) > 60:
+            text = text[:57] + "..."
+    return f"{text} ({type(value).__name__})" if typed else text

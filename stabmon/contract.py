@@ -1,0 +1,294 @@
+"""The public metric contract: every exported name, its type, help and labels.
+
+This module is the one source of metric names. The exporter, the daemon, the
+dashboards and the rule tests import from here, and a test compares it with
+``shared/metrics-contract.md`` so the code and the published contract cannot
+drift apart. It imports nothing from torch or prometheus-client on purpose:
+tools that only need names stay light.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = [
+    "ANOMALY_KINDS",
+    "DAEMON_METRICS",
+    "INTERNAL_COMPONENTS",
+    "MetricDef",
+    "PHASES",
+    "THROTTLE_REASONS",
+    "TRAINING_METRICS",
+]
+
+MetricType = Literal["gauge", "counter", "histogram"]
+
+#: Labels on every series a training process exports.
+PROCESS_LABELS: tuple[str, ...] = ("rank", "run")
+
+#: Values of ``stabmon_anomalies_total{kind}``; each is exported as 0 from attach.
+ANOMALY_KINDS: tuple[str, ...] = (
+    "nonfinite_grad",
+    "nonfinite_loss",
+    "grad_spike",
+    "loss_spike",
+    "memory_leak",
+    "stall",
+    "device_mismatch",
+)
+
+#: Built-in values of ``stabmon_phase_seconds_total{phase}``; user-named phases add to these.
+PHASES: tuple[str, ...] = ("data_wait", "forward", "backward", "optimizer")
+
+#: Values of ``stabmon_internal_errors_total{component}`` known at start (exported as 0).
+INTERNAL_COMPONENTS: tuple[str, ...] = (
+    "hooks",
+    "grads",
+    "loss",
+    "readback",
+    "detectors",
+    "memory",
+    "stall",
+    "exporter",
+    "event_log",
+    "rundir",
+)
+
+#: NVML clock event reasons, as the ``reason`` label of ``stabmon_gpu_throttle_active``.
+THROTTLE_REASONS: tuple[str, ...] = (
+    "gpu_idle",
+    "applications_clocks_setting",
+    "sw_power_cap",
+    "hw_slowdown",
+    "sync_boost",
+    "sw_thermal_slowdown",
+    "hw_thermal_slowdown",
+    "hw_power_brake_slowdown",
+    "display_clock_setting",
+)
+
+
+@dataclass(frozen=True)
+class MetricDef:
+    """One public metric: name, Prometheus type, help text and extra labels.
+
+    ``labels`` lists the labels beyond the process labels (``rank``, ``run``)
+    that every training-process series carries.
+    """
+
+    name: str
+    type: MetricType
+    help: str
+    labels: tuple[str, ...] = ()
+
+    @property
+    def base_name(self) -> str:
+        """The name prometheus-client wants: counters without ``_total``."""
+        if self.type == "counter" and self.name.endswith("_total"):
+            return self.name[: -len("_total")]
+        return self.name
+
+
+# --- training process -------------------------------------------------------------------------
+
+BUILD_INFO = MetricDef(
+    "stabmon_build_info",
+    "gauge",
+    "Environment fingerprint of the training process (value is always 1).",
+    (
+        "stabmon_version",
+        "torch_version",
+        "cuda_version",
+        "cudnn_version",
+        "nccl_version",
+        "python_version",
+    ),
+)
+STEPS = MetricDef("stabmon_steps_total", "counter", "Optimizer steps completed.")
+EPOCH = MetricDef("stabmon_epoch", "gauge", "Current epoch index.")
+LAST_STEP_TIMESTAMP = MetricDef(
+    "stabmon_last_step_timestamp_seconds",
+    "gauge",
+    "Unix time at which the last optimizer step completed (heartbeat).",
+)
+STEP_DURATION = MetricDef(
+    "stabmon_step_duration_seconds",
+    "histogram",
+    "Host wall time from one optimizer step's end to the next step's end.",
+)
+DATA_WAIT = MetricDef(
+    "stabmon_data_wait_seconds",
+    "histogram",
+    "Host wall time from a step's end to the next forward's start (input pipeline wait).",
+)
+PHASE_SECONDS = MetricDef(
+    "stabmon_phase_seconds_total",
+    "counter",
+    "Host wall time spent in each phase of the training loop.",
+    ("phase",),
+)
+GRAD_NORM = MetricDef(
+    "stabmon_grad_norm", "gauge", "Global L2 norm of all gradients at the last measured step."
+)
+MODULE_GRAD_NORM = MetricDef(
+    "stabmon_module_grad_norm",
+    "gauge",
+    "L2 gradient norm per module group at the last measured step.",
+    ("module",),
+)
+NONFINITE_GRAD_STEPS = MetricDef(
+    "stabmon_nonfinite_grad_steps_total",
+    "counter",
+    "Measured steps whose gradients held a NaN or Inf.",
+)
+NONFINITE_LOSS = MetricDef(
+    "stabmon_nonfinite_loss_total", "counter", "Observed losses that were NaN or Inf."
+)
+ZERO_GRAD_PARAMS = MetricDef(
+    "stabmon_zero_grad_params",
+    "gauge",
+    "Trainable parameter tensors whose gradient was None or all zero at the last measured step.",
+)
+LOSS = MetricDef("stabmon_loss", "gauge", "Last observed loss.")
+ANOMALIES = MetricDef(
+    "stabmon_anomalies_total", "counter", "Anomalies detected in-process, by kind.", ("kind",)
+)
+AMP_LOSS_SCALE = MetricDef(
+    "stabmon_amp_loss_scale", "gauge", "Current GradScaler loss scale (only with a scaler)."
+)
+AMP_SKIPPED_STEPS = MetricDef(
+    "stabmon_amp_skipped_steps_total",
+    "counter",
+    "Optimizer steps skipped by GradScaler because of Inf/NaN gradients.",
+)
+DEVICE_MEMORY_ALLOCATED = MetricDef(
+    "stabmon_device_memory_allocated_bytes",
+    "gauge",
+    "Allocator memory in use now.",
+    ("device",),
+)
+DEVICE_MEMORY_RESERVED = MetricDef(
+    "stabmon_device_memory_reserved_bytes",
+    "gauge",
+    "Allocator memory reserved now.",
+    ("device",),
+)
+DEVICE_MEMORY_PEAK = MetricDef(
+    "stabmon_device_memory_peak_bytes",
+    "gauge",
+    "Peak allocated memory during the current epoch.",
+    ("device",),
+)
+EPOCH_MEMORY = MetricDef(
+    "stabmon_epoch_memory_bytes",
+    "gauge",
+    'Memory sampled at the last epoch end (device="host": process RSS).',
+    ("device",),
+)
+MEMORY_DRIFT = MetricDef(
+    "stabmon_memory_drift_ratio",
+    "gauge",
+    "Relative growth of the epoch-end memory sample against the baseline epoch.",
+    ("device",),
+)
+MEMORY_LEAK_SUSPECTED = MetricDef(
+    "stabmon_memory_leak_suspected",
+    "gauge",
+    "1 while the in-process leak rule holds, else 0.",
+    ("device",),
+)
+HOST_MEMORY_RSS = MetricDef(
+    "stabmon_host_memory_rss_bytes", "gauge", "Resident set size of the training process."
+)
+STALLED = MetricDef(
+    "stabmon_stalled",
+    "gauge",
+    "1 while no step has completed for longer than the stall threshold, else 0.",
+)
+INTERNAL_ERRORS = MetricDef(
+    "stabmon_internal_errors_total",
+    "counter",
+    "Failures inside stabmon that were contained (training went on).",
+    ("component",),
+)
+
+TRAINING_METRICS: tuple[MetricDef, ...] = (
+    BUILD_INFO,
+    STEPS,
+    EPOCH,
+    LAST_STEP_TIMESTAMP,
+    STEP_DURATION,
+    DATA_WAIT,
+    PHASE_SECONDS,
+    GRAD_NORM,
+    MODULE_GRAD_NORM,
+    NONFINITE_GRAD_STEPS,
+    NONFINITE_LOSS,
+    ZERO_GRAD_PARAMS,
+    LOSS,
+    ANOMALIES,
+    AMP_LOSS_SCALE,
+    AMP_SKIPPED_STEPS,
+    DEVICE_MEMORY_ALLOCATED,
+    DEVICE_MEMORY_RESERVED,
+    DEVICE_MEMORY_PEAK,
+    EPOCH_MEMORY,
+    MEMORY_DRIFT,
+    MEMORY_LEAK_SUSPECTED,
+    HOST_MEMORY_RSS,
+    STALLED,
+    INTERNAL_ERRORS,
+)
+
+# --- node daemon ------------------------------------------------------------------------------
+
+_GPU = ("gpu", "uuid")
+
+DAEMON_METRICS: tuple[MetricDef, ...] = (
+    MetricDef("stabmon_gpu_utilization_ratio", "gauge", "NVML GPU utilization, 0..1.", _GPU),
+    MetricDef("stabmon_gpu_memory_used_bytes", "gauge", "Framebuffer memory used.", _GPU),
+    MetricDef("stabmon_gpu_memory_total_bytes", "gauge", "Framebuffer memory total.", _GPU),
+    MetricDef("stabmon_gpu_temperature_celsius", "gauge", "GPU core temperature.", _GPU),
+    MetricDef("stabmon_gpu_power_watts", "gauge", "GPU power draw.", _GPU),
+    MetricDef("stabmon_gpu_sm_clock_hertz", "gauge", "GPU SM clock.", _GPU),
+    MetricDef(
+        "stabmon_gpu_throttle_active",
+        "gauge",
+        "1 while that clock-throttle reason is active.",
+        (*_GPU, "reason"),
+    ),
+    MetricDef("stabmon_gpu_xid_errors_total", "counter", "XID error events seen.", (*_GPU, "xid")),
+    MetricDef("stabmon_gpu_ecc_errors_total", "counter", "ECC errors by type.", (*_GPU, "type")),
+    MetricDef(
+        "stabmon_process_gpu_memory_bytes",
+        "gauge",
+        "GPU memory held by a monitored training process on that physical GPU.",
+        (*_GPU, "rank", "pid"),
+    ),
+    MetricDef(
+        "stabmon_process_up",
+        "gauge",
+        "1 while a monitored training process is alive.",
+        ("rank", "run", "pid"),
+    ),
+    MetricDef(
+        "stabmon_heartbeat_age_seconds",
+        "gauge",
+        "Seconds since that training process last completed a step.",
+        ("rank", "run"),
+    ),
+    MetricDef(
+        "stabmon_process_cpu_seconds_total",
+        "counter",
+        "CPU time of a monitored training process (main) and of its children (workers).",
+        ("rank", "run", "scope"),
+    ),
+    MetricDef(
+        "stabmon_process_memory_bytes",
+        "gauge",
+        "Proportional set size of a monitored training process (main) and its workers.",
+        ("rank", "run", "scope"),
+    ),
+    MetricDef("stabmon_daemon_nvml_up", "gauge", "1 while NVML answers, else 0."),
+)

@@ -1,0 +1,1 @@
+"""Judgement on host values: each detector is pure and state_dict-able."""

@@ -1,0 +1,163 @@
+"""Robust online z-score for loss and gradient-norm spikes.
+
+Each value is compared with an exponentially weighted (EW) mean and variance of the
+values before it, and a value more than ``threshold`` standard deviations *above* the
+mean is a spike. An EW mean follows a loss curve that falls over training, where a
+global mean would be meaningless and a fixed window would cost memory. Three details
+keep the z-score honest:
+
+- warm-up: the first ``warmup`` values feed a plain running mean and variance (an EW
+  mean started from one value is badly biased) and are never judged;
+- clamping: a judged value enters the statistics clamped to ``mean ± threshold·std``,
+  so one spike barely moves them and the next spike is still seen, while a genuine
+  level shift is still followed, gradually;
+- a standard-deviation floor, so a perfectly flat series (a constant loss) does not
+  turn a rounding wiggle into a huge z-score.
+
+With ``log_scale=True`` (gradient norms, which vary multiplicatively) all of this runs
+on ``log(value)``, so the z-score measures a ratio rather than a difference.
+
+    detector = SpikeDetector(threshold=6.0, warmup=100, alpha=0.01)
+    for step, loss in enumerate(losses):
+        if (spike := detector.update(loss)) is not None:
+            print(f"step {step}: {spike.value:.3g} is {spike.zscore:.1f} sd above {spike.mean:.3g}")
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TypeGuard
+
+__all__ = ["ABS_STD_FLOOR", "REL_STD_FLOOR", "Spike", "SpikeDetector"]
+
+# A 0.1% move of a flat series is noise, not a spike; floats carry ~16 digits anyway.
+REL_STD_FLOOR = 1e-3
+# Keeps the z-score finite for a series that sits at exactly zero.
+ABS_STD_FLOOR = 1e-12
+
+_STATE_KEYS = frozenset({"count", "mean", "var"})
+
+
+@dataclass(frozen=True)
+class Spike:
+    """A value that rose more than ``threshold`` standard deviations above the mean."""
+
+    value: float
+    """The observed value, as passed to :meth:`SpikeDetector.update`."""
+    zscore: float
+    """Standard deviations above the running mean, in the detector's (log or linear) space."""
+    mean: float
+    """Running mean before this value, in the original space (a geometric mean when log_scale)."""
+
+
+class SpikeDetector:
+    """Flags upward spikes in a stream of floats, one :meth:`update` per value.
+
+    The detector holds no clock and no history: three numbers of state, saved by
+    :meth:`state_dict` so that a resumed run continues its statistics.
+
+        detector = SpikeDetector(threshold=6.0, warmup=100, alpha=0.01, log_scale=True)
+        spike = detector.update(grad_norm)  # a Spike, or None
+    """
+
+    def __init__(
+        self, *, threshold: float, warmup: int, alpha: float, log_scale: bool = False
+    ) -> None:
+        if not threshold > 0:
+            raise ValueError(
+                f"SpikeDetector threshold must be a z-score > 0 (for example 6.0), "
+                f"got {threshold!r}"
+            )
+        if warmup < 1:
+            raise ValueError(
+                f"SpikeDetector warmup must be a number of values >= 1 (for example 100), "
+                f"got {warmup!r}"
+            )
+        if not 0 < alpha < 1:
+            raise ValueError(
+                f"SpikeDetector alpha must be an EMA weight in (0, 1) (for example 0.01), "
+                f"got {alpha!r}"
+            )
+        self._threshold = threshold
+        self._warmup = warmup
+        self._alpha = alpha
+        self._log_scale = log_scale
+        self._count = 0
+        self._mean = 0.0
+        self._var = 0.0
+
+    @property
+    def count(self) -> int:
+        """Values taken into the statistics: the finite ones (and positive, when log_scale)."""
+        return self._count
+
+    def update(self, value: float) -> Spike | None:
+        """Judge ``value`` against the values before it, then add it to the statistics.
+
+        Returns a :class:`Spike` when ``value`` is more than ``threshold`` standard
+        deviations above the mean, else None. Non-finite values (and values <= 0 when
+        log_scale) are ignored: the state does not change and the result is None.
+        """
+        if not math.isfinite(value) or (self._log_scale and value <= 0):
+            return None
+        x = math.log(value) if self._log_scale else float(value)
+        spike = None
+        if self._count < self._warmup:
+            # A weight of 1/n makes the update below the plain running mean and variance.
+            weight = 1.0 / (self._count + 1)
+        else:
+            std = self._effective_std()
+            zscore = (x - self._mean) / std
+            if zscore > self._threshold:
+                mean = math.exp(self._mean) if self._log_scale else self._mean
+                spike = Spike(value=float(value), zscore=zscore, mean=mean)
+            bound = self._threshold * std
+            x = min(max(x, self._mean - bound), self._mean + bound)
+            weight = self._alpha
+        diff = x - self._mean
+        increment = weight * diff
+        self._mean += increment
+        self._var = (1.0 - weight) * (self._var + diff * increment)
+        self._count += 1
+        return spike
+
+    def state_dict(self) -> dict[str, float | int]:
+        """The running statistics, as JSON-able numbers; see :meth:`load_state_dict`."""
+        return {"count": self._count, "mean": self._mean, "var": self._var}
+
+    def load_state_dict(self, state: Mapping[str, float | int]) -> None:
+        """Continue from statistics saved by :meth:`state_dict`.
+
+        Raises ValueError, and leaves the detector unchanged, when ``state`` is malformed.
+        """
+        if set(state) != _STATE_KEYS:
+            raise ValueError(
+                f"SpikeDetector state must have exactly the keys {sorted(_STATE_KEYS)} "
+                f"(as saved by state_dict()), got {sorted(state)}"
+            )
+        count, mean, var = state["count"], state["mean"], state["var"]
+        if not _is_int(count) or count < 0:
+            raise ValueError(f"SpikeDetector state 'count' must be an integer >= 0, got {count!r}")
+        if not _is_finite_number(mean):
+            raise ValueError(f"SpikeDetector state 'mean' must be a finite number, got {mean!r}")
+        if not _is_finite_number(var) or var < 0:
+            raise ValueError(f"SpikeDetector state 'var' must be a finite number >= 0, got {var!r}")
+        self._count = count
+        self._mean = float(mean)
+        self._var = float(var)
+
+    def _effective_std(self) -> float:
+        # In log space a difference already is a ratio, so the relative floor applies as is.
+        relative = REL_STD_FLOOR if self._log_scale else REL_STD_FLOOR * abs(self._mean)
+        return max(math.sqrt(self._var), relative, ABS_STD_FLOOR)
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    # bool is an int subclass, but True is no count.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_finite_number(value: object) -> TypeGuard[float]:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -1,0 +1,153 @@
+"""Heartbeat and stall watchdog: notices a hung run while its main thread is stuck.
+
+Design
+------
+The training thread owns :class:`Heartbeat` and writes it at each step end
+(``beat``) and at each loop-phase change (``phase``): plain attribute stores,
+no lock. The watchdog thread only reads it. It wakes every ``poll_seconds``,
+compares the time since the last beat with the current limit and reports the
+edge from "running" to "stalled" and back, once each. Because it runs in its
+own thread it fires while the main thread sleeps, waits in a C call that
+releases the GIL (a CUDA sync, a data-loader queue) or is blocked on I/O. A C
+call that holds the GIL freezes the watchdog too: that case is what the node
+daemon's heartbeat age covers from outside the process.
+
+The limit is ``stall_seconds`` when configured, else the larger of 60 s and 10
+times the median of recent step times. Inside a named phase (``eval``,
+``checkpoint``) and before the first step (``startup``: compilation, first
+batches) the longer ``phase_stall_seconds`` applies instead, so expected long
+stretches raise no false stall.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = ["Heartbeat", "StallReport", "StallWatchdog", "capture_stacks"]
+
+#: Floor of the automatic stall limit: a minute is never a stall worth paging about.
+MIN_AUTO_STALL_SECONDS = 60.0
+#: The automatic limit is this many median step times.
+AUTO_STALL_STEPS = 10.0
+#: Phase reported before the first forward (compilation, first batches).
+STARTUP_PHASE = "startup"
+_RING = 64
+
+
+class Heartbeat:
+    """Last progress of the training loop; written by the training thread only."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.last_beat: float = clock()
+        self.phase: str = STARTUP_PHASE
+        self.named_phase: bool = False
+        self.steps = 0
+        self._durations: list[float] = []
+        self._cursor = 0
+
+    def beat(self, now: float, step_seconds: float | None) -> None:
+        """A step completed at ``now`` (monotonic), ``step_seconds`` after the previous one."""
+        self.last_beat = now
+        self.steps += 1
+        if step_seconds is not None:
+            if len(self._durations) < _RING:
+                self._durations.append(step_seconds)
+            else:
+                self._durations[self._cursor] = step_seconds
+                self._cursor = (self._cursor + 1) % _RING
+
+    def median_step_seconds(self) -> float | None:
+        durations = list(self._durations)  # one atomic copy; the training thread goes on
+        return statistics.median(durations) if durations else None
+
+
+@dataclass(frozen=True)
+class StallReport:
+    """What the watchdog saw when it declared a stall."""
+
+    phase: str
+    silent_seconds: float
+    limit_seconds: float
+    steps: int
+    stacks: dict[str, list[str]]
+
+
+class StallWatchdog:
+    """Declares a stall when no step completes within the limit, and its end."""
+
+    def __init__(
+        self,
+        heartbeat: Heartbeat,
+        *,
+        stall_seconds: float | None,
+        phase_stall_seconds: float,
+        on_stall: Callable[[StallReport], None],
+        on_recover: Callable[[float], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._heartbeat = heartbeat
+        self._stall_seconds = stall_seconds
+        self._phase_stall_seconds = phase_stall_seconds
+        self._on_stall = on_stall
+        self._on_recover = on_recover
+        self._clock = clock
+        self._stalled_since: float | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def stalled(self) -> bool:
+        return self._stalled_since is not None
+
+    def limit_seconds(self) -> float:
+        """The limit that applies now (see the module docstring)."""
+        heartbeat = self._heartbeat
+        if heartbeat.named_phase or heartbeat.steps == 0:
+            return self._phase_stall_seconds
+        if self._stall_seconds is not None:
+            return self._stall_seconds
+        median = heartbeat.median_step_seconds()
+        if median is None:
+            return MIN_AUTO_STALL_SECONDS
+        return max(MIN_AUTO_STALL_SECONDS, AUTO_STALL_STEPS * median)
+
+    def check(self) -> None:
+        """One watchdog iteration: report a new stall or the end of one."""
+        with self._lock:  # check() runs in the watchdog thread and, at detach, the caller's
+            now = self._clock()
+            silent = now - self._heartbeat.last_beat
+            limit = self.limit_seconds()
+            if self._stalled_since is None and silent > limit:
+                self._stalled_since = self._heartbeat.last_beat
+                report = StallReport(
+                    phase=self._heartbeat.phase,
+                    silent_seconds=silent,
+                    limit_seconds=limit,
+                    steps=self._heartbeat.steps,
+                    stacks=capture_stacks(),
+                )
+                self._on_stall(report)
+            elif (
+                self._stalled_since is not None and self._heartbeat.last_beat > self._stalled_since
+            ):
+                lasted = self._heartbeat.last_beat - self._stalled_since
+                self._stalled_since = None
+                self._on_recover(lasted)
+
+
+def capture_stacks(skip_current: bool = True) -> dict[str, list[str]]:
+    """Python stack of every thread, keyed ``"<name> (<ident>)"``, innermost frame last."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    current = threading.get_ident()
+    stacks: dict[str, list[str]] = {}
+    for ident, frame in sys._current_frames().items():
+        if skip_current and ident == current:
+            continue
+        label = f"{names.get(ident, 'unknown')} ({ident})"
+        stacks[label] = [line.rstrip("\n") for line in traceback.format_stack(frame)]
+    return stacks

@@ -1,0 +1,38 @@
+"""Exceptions that stabmon raises to its caller.
+
+Only user errors escape, and only at set-up time (``attach``, ``load_config``);
+nothing raised inside a hook or a background thread reaches the training loop
+(see :mod:`stabmon.guard`).
+
+    StabmonError                  base of everything stabmon raises on purpose
+     ├── ConfigError              a config key, type or value is not allowed
+     └── AlreadyAttachedError     the model or optimizer already has a Monitor
+"""
+
+from __future__ import annotations
+
+__all__ = ["AlreadyAttachedError", "ConfigError", "StabmonError"]
+
+
+class StabmonError(Exception):
+    """Base class of the errors stabmon raises on purpose."""
+
+
+class ConfigError(StabmonError, ValueError):
+    """A config value is unknown, of the wrong type or out of range.
+
+    The message reads ``<key> in <source>: <problem>``; the same facts are on
+    the attributes so tools can act on them.
+    """
+
+    def __init__(self, problem: str, *, key: str | None, source: str, allowed: str = "") -> None:
+        self.key = key
+        self.source = source
+        self.allowed = allowed
+        self.problem = problem
+        where = f"{key} in {source}" if key else source
+        super().__init__(f"{where}: {problem}")
+
+
+class AlreadyAttachedError(StabmonError):
+    """A second Monitor was attached to a model or optimizer that has one."""

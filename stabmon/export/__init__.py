@@ -1,0 +1,1 @@
+"""Publication only: Prometheus exposition and the event log; no torch here."""

@@ -1,0 +1,116 @@
+"""Turns a process's :class:`~stabmon.readings.Readings` into metric families at scrape time.
+
+Scrape-time collection keeps prometheus-client off the training thread: hooks
+write plain numbers, and this collector, running in the exporter's thread,
+builds the families from them. Every name, type, help text and label comes
+from :mod:`stabmon.contract`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from stabmon import contract as c
+from stabmon.readings import Histogram, Readings
+
+__all__ = ["ReadingsCollector"]
+
+
+class ReadingsCollector(Collector):
+    """The training-process metric families of one Monitor."""
+
+    def __init__(self, readings: Readings, internal_errors: Mapping[str, int]) -> None:
+        self._readings = readings
+        self._internal_errors = internal_errors
+
+    def collect(self) -> Iterator[Metric]:
+        r = self._readings
+        info = r.build_info
+        yield _gauge(c.BUILD_INFO, r.labels, [(tuple(info.values()), 1.0)], tuple(info))
+        yield _counter(c.STEPS, r.labels, [((), r.steps)])
+        yield _gauge(c.EPOCH, r.labels, [((), r.epoch)])
+        yield _gauge(c.LAST_STEP_TIMESTAMP, r.labels, _optional(r.last_step_unix))
+        yield _histogram(c.STEP_DURATION, r.labels, r.step_duration)
+        yield _histogram(c.DATA_WAIT, r.labels, r.data_wait)
+        yield _counter(c.PHASE_SECONDS, r.labels, _by_key(r.phase_seconds))
+        yield _gauge(c.GRAD_NORM, r.labels, _optional(r.grad_norm))
+        yield _gauge(c.MODULE_GRAD_NORM, r.labels, _by_key(r.module_grad_norms))
+        yield _counter(c.NONFINITE_GRAD_STEPS, r.labels, [((), r.nonfinite_grad_steps)])
+        yield _counter(c.NONFINITE_LOSS, r.labels, [((), r.nonfinite_losses)])
+        yield _gauge(c.ZERO_GRAD_PARAMS, r.labels, _optional(r.zero_grad_params))
+        yield _gauge(c.LOSS, r.labels, _optional(r.loss))
+        yield _counter(c.ANOMALIES, r.labels, _by_key(r.anomalies))
+        yield _gauge(c.AMP_LOSS_SCALE, r.labels, _optional(r.amp_loss_scale))
+        yield _counter(c.AMP_SKIPPED_STEPS, r.labels, _optional(r.amp_skipped_steps))
+        memory = dict(r.device_memory)
+        yield _gauge(
+            c.DEVICE_MEMORY_ALLOCATED,
+            r.labels,
+            [((device,), m.allocated) for device, m in memory.items()],
+        )
+        yield _gauge(
+            c.DEVICE_MEMORY_RESERVED,
+            r.labels,
+            [((device,), m.reserved) for device, m in memory.items()],
+        )
+        yield _gauge(c.DEVICE_MEMORY_PEAK, r.labels, _by_key(r.device_memory_peak))
+        yield _gauge(c.EPOCH_MEMORY, r.labels, _by_key(r.epoch_memory))
+        yield _gauge(c.MEMORY_DRIFT, r.labels, _by_key(r.memory_drift))
+        yield _gauge(c.MEMORY_LEAK_SUSPECTED, r.labels, _by_key(r.memory_leak_suspected))
+        yield _gauge(c.HOST_MEMORY_RSS, r.labels, _optional(r.host_rss))
+        yield _gauge(c.STALLED, r.labels, [((), r.stalled)])
+        yield _counter(c.INTERNAL_ERRORS, r.labels, _by_key(self._internal_errors))
+
+
+Samples = Iterable[tuple[tuple[str, ...], float]]
+
+
+def _optional(value: float | None) -> Samples:
+    return [] if value is None else [((), value)]
+
+
+def _by_key(values: Mapping[str, float]) -> Samples:
+    return [((key,), value) for key, value in dict(values).items()]  # copy: writers go on
+
+
+def _gauge(
+    definition: c.MetricDef,
+    labels: Mapping[str, str],
+    samples: Samples,
+    extra_labels: tuple[str, ...] | None = None,
+) -> GaugeMetricFamily:
+    extra = definition.labels if extra_labels is None else extra_labels
+    family = GaugeMetricFamily(definition.name, definition.help, labels=[*labels, *extra])
+    base = tuple(labels.values())
+    for values, value in samples:
+        family.add_metric([*base, *values], float(value))
+    return family
+
+
+def _counter(
+    definition: c.MetricDef, labels: Mapping[str, str], samples: Samples
+) -> CounterMetricFamily:
+    family = CounterMetricFamily(
+        definition.name, definition.help, labels=[*labels, *definition.labels]
+    )
+    base = tuple(labels.values())
+    for values, value in samples:
+        family.add_metric([*base, *values], float(value))
+    return family
+
+
+def _histogram(
+    definition: c.MetricDef, labels: Mapping[str, str], histogram: Histogram
+) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(definition.name, definition.help, labels=list(labels))
+    buckets, total = histogram.snapshot()
+    family.add_metric(list(labels.values()), buckets, total)
+    return family

@@ -1,0 +1,72 @@
+"""Anomalies and epoch summaries as JSON lines: nothing detected is lost while Prometheus is down.
+
+Each record is one ``os.write`` of a whole line to a file opened with
+``O_APPEND``: a process killed at any moment leaves complete lines (at worst a
+last line cut short, which readers skip). Non-finite floats are written as the
+strings ``"nan"``, ``"inf"`` and ``"-inf"`` so every line is strict JSON. A
+full or read-only disk is contained: counted, logged once, training goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from stabmon.guard import Guard
+
+__all__ = ["EventLog", "to_json_safe"]
+
+_COMPONENT = "event_log"
+
+
+class EventLog:
+    """Appends one JSON object per line to ``path``; never raises."""
+
+    def __init__(self, path: Path, *, common: Mapping[str, Any], guard: Guard) -> None:
+        self.path = path
+        self._common = dict(common)
+        self._guard = guard
+        self._fd: int | None = None
+        with guard.contain(_COMPONENT):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._opened = self._fd is not None
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the file could be opened (it stays readable after ``close``)."""
+        return self._opened
+
+
+    def write(self, event: str, **fields: Any) -> None:
+        """Append ``{"time", "event", <common fields>, <fields>}`` as one line."""
+        if self._fd is None:
+            return
+        with self._guard.contain(_COMPONENT):
+            record = {"time": round(time.time(), 6), "event": event, **self._common, **fields}
+            line = json.dumps(to_json_safe(record), separators=(",", ":")) + "\n"
+            os.write(self._fd, line.encode())
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            with self._guard.contain(_COMPONENT):
+                os.close(fd)
+
+
+def to_json_safe(value: Any) -> Any:
+    """``value`` with non-finite floats as strings and unknown objects as ``str``."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else repr(value)
+    if isinstance(value, Mapping):
+        return {str(key): to_json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_json_safe(item) for item in value]
+    if value is None or isinstance(value, (str, int, bool)):
+        return value
+    return str(value)

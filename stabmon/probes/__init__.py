@@ -1,0 +1,1 @@
+"""Measurement only: probes read the model, the optimizer and the machine; they judge nothing."""

@@ -1,0 +1,162 @@
+"""Where the loop's wall time goes: phases, step duration and input wait.
+
+The four hook boundaries (forward start and end on the root module, optimizer
+step start and end) cut the loop into phases; the time between two boundaries
+goes to the phase the loop was in:
+
+    step end ──data_wait──▶ forward start ──forward──▶ forward end ──backward──▶
+    optimizer start ──optimizer──▶ step end
+
+With gradient accumulation, the stretch from one micro-batch's forward end to
+the next forward start is ``backward`` (it holds the backward pass and the next
+batch's fetch); only the wait before a step's first forward is ``data_wait``.
+Named phases (``with mon.phase("eval")``) take all the time inside them, and
+the hook boundaries they contain are ignored.
+
+These are host timestamps. On CUDA they measure when the host got there, not
+when the device finished: a sync-free loop runs ahead of the device, so host
+phases shift work between each other and only the step-to-step duration is
+true on average. This is documented in the README's "Which figure is which".
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import TypeVar
+
+from stabmon.detectors.stall import Heartbeat
+from stabmon.readings import Readings
+
+__all__ = ["LoopTimer", "timed_iteration"]
+
+T = TypeVar("T")
+
+_DATA_WAIT = "data_wait"
+_FORWARD = "forward"
+_BACKWARD = "backward"
+_OPTIMIZER = "optimizer"
+
+
+class LoopTimer:
+    """Attributes host wall time to loop phases from hook boundaries (training thread only)."""
+
+    def __init__(
+        self,
+        readings: Readings,
+        heartbeat: Heartbeat,
+        *,
+        clock: Callable[[], float] = time.perf_counter,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._readings = readings
+        self._heartbeat = heartbeat
+        self._clock = clock
+        self._monotonic = monotonic
+        self._state = _DATA_WAIT
+        self._mark = clock()
+        self._last_step_end: float | None = None
+        self._named: list[str] = []
+        #: Set while ``track()`` measures input wait itself; the hook figure is then not observed.
+        self.loader_tracked = False
+        #: True from the first forward of an iteration until its optimizer step.
+        self.in_iteration = False
+
+    @property
+    def phase(self) -> str:
+        return self._named[-1] if self._named else self._state
+
+    def forward_start(self) -> None:
+        if self._named:
+            return
+        now = self._clock()
+        elapsed = now - self._mark
+        if self._state == _DATA_WAIT:
+            if not self.loader_tracked and self._last_step_end is not None:
+                self._readings.data_wait.observe(elapsed)
+            self.in_iteration = True
+        self._readings.add_phase_time(self._state, elapsed)
+        self._enter(_FORWARD, now)
+
+    def forward_end(self) -> None:
+        if self._named:
+            return
+        now = self._clock()
+        self._readings.add_phase_time(self._state, now - self._mark)
+        self._enter(_BACKWARD, now)
+
+    def optimizer_start(self) -> None:
+        if self._named:
+            return
+        now = self._clock()
+        self._readings.add_phase_time(self._state, now - self._mark)
+        self._enter(_OPTIMIZER, now)
+
+    def optimizer_end(self) -> None:
+        """A step completed: count it, beat the heartbeat, start the next data wait."""
+        now = self._clock()
+        if not self._named:
+            self._readings.add_phase_time(self._state, now - self._mark)
+        step_seconds = None if self._last_step_end is None else now - self._last_step_end
+        if step_seconds is not None:
+            self._readings.step_duration.observe(step_seconds)
+        self._last_step_end = now
+        readings = self._readings
+        readings.steps += 1
+        readings.last_step_unix = time.time()
+        self._heartbeat.beat(self._monotonic(), step_seconds)
+        self.in_iteration = False
+        if not self._named:
+            self._enter(_DATA_WAIT, now)
+
+    def loader_wait(self, seconds: float) -> None:
+        """Input wait measured around the loader's ``next()`` by ``track()``."""
+        self._readings.data_wait.observe(seconds)
+
+    def enter_named(self, name: str) -> None:
+        now = self._clock()
+        if self._named:
+            self._readings.add_phase_time(self._named[-1], now - self._mark)
+        else:
+            self._readings.add_phase_time(self._state, now - self._mark)
+        self._named.append(name)
+        self._mark = now
+        self._heartbeat.phase = name
+        self._heartbeat.named_phase = True
+
+    def exit_named(self) -> None:
+        now = self._clock()
+        if self._named:
+            self._readings.add_phase_time(self._named.pop(), now - self._mark)
+        self._mark = now
+        if self._named:
+            self._heartbeat.phase = self._named[-1]
+        else:
+            self._heartbeat.named_phase = False
+            # Back in the loop: whatever comes next (a batch fetch, usually) is input wait.
+            self._state = _DATA_WAIT
+            self._heartbeat.phase = _DATA_WAIT
+
+    def _enter(self, state: str, now: float) -> None:
+        self._state = state
+        self._mark = now
+        self._heartbeat.phase = state
+
+
+def timed_iteration(
+    iterable: Iterable[T],
+    on_wait: Callable[[float], None],
+    on_exhausted: Callable[[], None],
+    clock: Callable[[], float] = time.perf_counter,
+) -> Iterator[T]:
+    """Yield from ``iterable``, timing each ``next()``; call ``on_exhausted`` at its end."""
+    iterator = iter(iterable)
+    while True:
+        start = clock()
+        try:
+            item = next(iterator)
+        except StopIteration:
+            break
+        on_wait(clock() - start)
+        yield item
+    on_exhausted()

@@ -1,0 +1,110 @@
+"""Host-side readings of one training process: what the exporter publishes.
+
+Design: the training thread (hooks, ``observe``, ``epoch_end``) and the
+monitor's background threads write plain Python numbers here; the exporter's
+collector reads them at scrape time. Nothing on the hot path takes a lock or
+touches prometheus-client. Each field has one writer thread; readers may see a
+value one update old, never a torn one (attribute and dict-item stores are
+atomic in CPython). Counters only ever grow, so Prometheus sees them monotonic.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from stabmon.contract import ANOMALY_KINDS, PHASES
+
+__all__ = ["DEFAULT_SECONDS_BUCKETS", "DeviceMemory", "Histogram", "Readings"]
+
+#: Step and wait buckets from 1 ms to 10 min: fast CPU steps to slow large-model steps.
+DEFAULT_SECONDS_BUCKETS: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+)  # fmt: skip
+
+
+class Histogram:
+    """A cumulative-free bucket counter: one ``bisect`` and two adds per observation."""
+
+    def __init__(self, bounds: Sequence[float] = DEFAULT_SECONDS_BUCKETS) -> None:
+        self.bounds: tuple[float, ...] = tuple(bounds)
+        # One slot per bound plus the +Inf overflow slot.
+        self._counts = [0] * (len(self.bounds) + 1)
+        self._sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self._counts[bisect.bisect_left(self.bounds, value)] += 1
+        self._sum += value
+
+    def snapshot(self) -> tuple[list[tuple[str, float]], float]:
+        """Cumulative ``(upper_bound, count)`` pairs ending in ``+Inf``, and the sum."""
+        counts = list(self._counts)  # one atomic copy; the writer may go on meanwhile
+        cumulative: list[tuple[str, float]] = []
+        running = 0
+        for bound, count in zip((*map(repr, self.bounds), "+Inf"), counts, strict=True):
+            running += count
+            cumulative.append((bound, float(running)))
+        return cumulative, self._sum
+
+    @property
+    def count(self) -> int:
+        return sum(self._counts)
+
+
+@dataclass
+class DeviceMemory:
+    """Allocator figures of one device, in bytes."""
+
+    allocated: float
+    reserved: float
+
+
+@dataclass
+class Readings:
+    """Everything a training process exports, as plain numbers.
+
+    ``None`` means "not measured yet": such gauges are left out of a scrape
+    rather than exported as a misleading 0.
+    """
+
+    labels: dict[str, str]
+    build_info: dict[str, str] = field(default_factory=dict)
+
+    steps: int = 0
+    epoch: int = 0
+    last_step_unix: float | None = None
+    step_duration: Histogram = field(default_factory=Histogram)
+    data_wait: Histogram = field(default_factory=Histogram)
+    phase_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+
+    grad_norm: float | None = None
+    module_grad_norms: dict[str, float] = field(default_factory=dict)
+    nonfinite_grad_steps: int = 0
+    nonfinite_losses: int = 0
+    zero_grad_params: int | None = None
+    loss: float | None = None
+    anomalies: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ANOMALY_KINDS, 0))
+
+    amp_loss_scale: float | None = None
+    amp_skipped_steps: int | None = None  # None: no scaler attached, so not exported
+
+    device_memory: dict[str, DeviceMemory] = field(default_factory=dict)
+    device_memory_peak: dict[str, float] = field(default_factory=dict)
+    epoch_memory: dict[str, float] = field(default_factory=dict)
+    memory_drift: dict[str, float] = field(default_factory=dict)
+    memory_leak_suspected: dict[str, int] = field(default_factory=dict)
+    host_rss: float | None = None
+    stalled: int = 0
+
+    def add_phase_time(self, phase: str, seconds: float) -> None:
+        self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + seconds
+
+    def count_anomaly(self, kind: str) -> None:
+        self.anomalies[kind] = self.anomalies.get(kind, 0) + 1
+
+    def restore_counts(self, counts: Iterable[tuple[str, int]]) -> None:
+        """Continue anomaly counts from a checkpoint (values never go down)."""
+        for kind, value in counts:
+            self.anomalies[kind] = max(self.anomalies.get(kind, 0), int(value))

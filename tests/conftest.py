@@ -1,0 +1,56 @@
+"""Shared fixtures: environment isolation, tiny models, monitors that clean up, real scrapes."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import stabmon
+
+_ISOLATED_VARIABLES = ("CUDA_VISIBLE_DEVICES", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                       "WORLD_SIZE", "TORCHELASTIC_RUN_ID")  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def clean_environ(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No test sees the developer's STABMON_* or launcher variables."""
+    for name in list(os.environ):
+        if name.startswith("STABMON_") or name in _ISOLATED_VARIABLES:
+            monkeypatch.delenv(name)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="Requires: CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+MonitorFactory = Callable[..., stabmon.Monitor]
+
+
+@pytest.fixture
+def attach(tmp_path: Path) -> Iterator[MonitorFactory]:
+    """``attach(model, optimizer, **overrides)`` on port 0 in a tmp run dir, detached after."""
+    monitors: list[stabmon.Monitor] = []
+
+    def factory(
+        model: torch.nn.Module, optimizer: torch.optim.Optimizer, **overrides: Any
+    ) -> stabmon.Monitor:
+        settings: dict[str, Any] = {"port": 0, "address": "127.0.0.1", "run_dir": str(tmp_path),
+                                    "run_id": "test-run"}  # fmt: skip
+        settings.update(overrides)
+        monitor = stabmon.attach(model, optimizer, **settings)
+        monitors.append(monitor)
+        return monitor
+
+    yield factory
+    for monitor in monitors:
+        monitor.detach()

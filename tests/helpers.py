@@ -1,0 +1,75 @@
+"""Helpers the tests import: tiny models, a training step, real scrapes, event-log reads."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+import stabmon
+
+
+def tiny_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU(),
+        torch.nn.Linear(16, 1),
+    )  # fmt: skip
+
+
+def train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    monitor: stabmon.Monitor | None = None,
+    *,
+    nan_grad: bool = False,
+    batch: int = 4,
+) -> torch.Tensor:
+    """One plain step: forward, backward, optional NaN injection, step, zero_grad, observe."""
+    inputs = torch.randn(batch, 8)
+    loss = model(inputs).pow(2).mean()
+    loss.backward()
+    if nan_grad:
+        first = next(p for p in model.parameters() if p.grad is not None)
+        assert first.grad is not None
+        first.grad.view(-1)[0] = float("nan")
+    optimizer.step()
+    optimizer.zero_grad()
+    if monitor is not None:
+        monitor.observe(loss=loss)
+    return loss
+
+
+def scrape(url: str | None) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """GET ``url`` and parse it with prometheus-client's parser: {(sample name, labels): value}."""
+    assert url is not None, "the monitor has no exporter"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    samples: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, frozenset(sample.labels.items()))] = sample.value
+    return samples
+
+
+def value(
+    samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str
+) -> float | None:
+    """The one sample called ``name`` whose labels include ``labels``; None when absent."""
+    matches = [v for (n, lbl), v in samples.items() if n == name and set(labels.items()) <= lbl]
+    assert len(matches) <= 1, f"{name}{labels} matches {len(matches)} samples"
+    return matches[0] if matches else None
+
+
+def events(path: Path | None) -> list[dict[str, Any]]:
+    """Every record of an event log (each line must be strict JSON)."""
+    assert path is not None, "the monitor has no event log"
+    return [json.loads(line, parse_constant=_reject) for line in path.read_text().splitlines()]
+
+
+def _reject(constant: str) -> Any:
+    raise AssertionError(f"event log holds a non-JSON constant {constant}")
