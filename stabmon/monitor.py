@@ -468,7 +468,7 @@ class Monitor:
             )
             return
         spike = self._grad_spikes.update(summary.total_norm)
-        if spike is not None:
+        if spike is not None and spike.run_length == 1:  # one incident, one anomaly
             self._anomaly(
                 "grad_spike",
                 tag.step,
@@ -489,7 +489,7 @@ class Monitor:
             )
             return
         spike = self._loss_spikes.update(value)
-        if spike is not None:
+        if spike is not None and spike.run_length == 1:  # one incident, one anomaly
             self._anomaly(
                 "loss_spike",
                 step,

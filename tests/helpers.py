@@ -29,15 +29,22 @@ def train_step(
     nan_grad: bool = False,
     batch: int = 4,
 ) -> torch.Tensor:
-    """One plain step: forward, backward, optional NaN injection, step, zero_grad, observe."""
+    """One plain step: forward, backward, optional NaN gradient, step, zero_grad, observe.
+
+    A NaN step leaves the weights as they were, so later steps are clean again.
+    """
     inputs = torch.randn(batch, 8)
     loss = model(inputs).pow(2).mean()
     loss.backward()
+    saved = [p.detach().clone() for p in model.parameters()] if nan_grad else []
     if nan_grad:
         first = next(p for p in model.parameters() if p.grad is not None)
         assert first.grad is not None
         first.grad.view(-1)[0] = float("nan")
     optimizer.step()
+    with torch.no_grad():  # undo the poisoned update, as a skipping GradScaler would
+        for param, copy in zip(model.parameters(), saved, strict=False):
+            param.copy_(copy)
     optimizer.zero_grad()
     if monitor is not None:
         monitor.observe(loss=loss)

@@ -50,6 +50,8 @@ class Spike:
     """Standard deviations above the running mean, in the detector's (log or linear) space."""
     mean: float
     """Running mean before this value, in the original space (a geometric mean when log_scale)."""
+    run_length: int = 1
+    """Consecutive spiking values up to this one; 1 starts a new episode (one incident)."""
 
 
 class SpikeDetector:
@@ -87,6 +89,8 @@ class SpikeDetector:
         self._count = 0
         self._mean = 0.0
         self._var = 0.0
+        # Not part of state_dict: a resume in the middle of a spike starts a new episode.
+        self._run = 0
 
     @property
     def count(self) -> int:
@@ -111,8 +115,11 @@ class SpikeDetector:
             std = self._effective_std()
             zscore = (x - self._mean) / std
             if zscore > self._threshold:
+                self._run += 1
                 mean = math.exp(self._mean) if self._log_scale else self._mean
-                spike = Spike(value=float(value), zscore=zscore, mean=mean)
+                spike = Spike(value=float(value), zscore=zscore, mean=mean, run_length=self._run)
+            else:
+                self._run = 0
             bound = self._threshold * std
             x = min(max(x, self._mean - bound), self._mean + bound)
             weight = self._alpha

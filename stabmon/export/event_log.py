@@ -42,7 +42,6 @@ class EventLog:
         """Whether the file could be opened (it stays readable after ``close``)."""
         return self._opened
 
-
     def write(self, event: str, **fields: Any) -> None:
         """Append ``{"time", "event", <common fields>, <fields>}`` as one line."""
         if self._fd is None:

@@ -249,3 +249,14 @@ def test_spike_detector_rejects_a_malformed_state_and_keeps_its_own(
         detector.load_state_dict(state)
 
     assert detector.state_dict() == before
+
+
+def test_spike_detector_numbers_consecutive_spikes_as_one_episode() -> None:
+    detector = SpikeDetector(threshold=6.0, warmup=20, alpha=0.02)
+    for step in range(40):
+        detector.update(1.0 + 0.01 * (step % 3))
+    runs = [detector.update(50.0) for _ in range(3)]
+    assert [spike.run_length for spike in runs if spike is not None] == [1, 2, 3]
+    assert detector.update(1.0) is None
+    again = detector.update(50.0)
+    assert again is not None and again.run_length == 1

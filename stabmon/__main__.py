@@ -1,0 +1,5 @@
+"""``python -m stabmon`` runs the command line."""
+
+from stabmon.cli import main
+
+raise SystemExit(main())

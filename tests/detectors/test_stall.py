@@ -1,0 +1,104 @@
+"""The stall watchdog on a fake clock: limits, edges and the stacks it captures."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from stabmon.detectors.stall import Heartbeat, StallReport, StallWatchdog, capture_stacks
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _watchdog(
+    clock: FakeClock, stall_seconds: float | None = 10.0, phase_stall_seconds: float = 100.0
+):  # type: ignore[no-untyped-def]
+    heartbeat = Heartbeat(clock)
+    stalls: list[StallReport] = []
+    recoveries: list[float] = []
+    watchdog = StallWatchdog(
+        heartbeat,
+        stall_seconds=stall_seconds,
+        phase_stall_seconds=phase_stall_seconds,
+        on_stall=stalls.append,
+        on_recover=recoveries.append,
+        clock=clock,
+    )
+    return heartbeat, watchdog, stalls, recoveries
+
+
+def test_stall_watchdog_fires_once_after_the_limit_and_recovers_once() -> None:
+    clock = FakeClock()
+    heartbeat, watchdog, stalls, recoveries = _watchdog(clock)
+    heartbeat.beat(clock.now, None)
+    heartbeat.phase = "data_wait"
+    clock.now += 9.0
+    watchdog.check()
+    assert not stalls
+    clock.now += 2.0
+    watchdog.check()
+    watchdog.check()
+    assert len(stalls) == 1 and watchdog.stalled
+    assert stalls[0].phase == "data_wait" and stalls[0].silent_seconds == pytest.approx(11.0)
+    clock.now += 5.0
+    heartbeat.beat(clock.now, 16.0)
+    watchdog.check()
+    watchdog.check()
+    assert recoveries == [pytest.approx(16.0)] and not watchdog.stalled
+
+
+def test_stall_watchdog_uses_the_phase_limit_before_the_first_step() -> None:
+    clock = FakeClock()
+    _, watchdog, stalls, _ = _watchdog(clock, stall_seconds=10.0, phase_stall_seconds=100.0)
+    clock.now += 50.0
+    watchdog.check()
+    assert not stalls
+    clock.now += 51.0
+    watchdog.check()
+    assert len(stalls) == 1 and stalls[0].phase == "startup"
+
+
+def test_stall_watchdog_uses_the_phase_limit_inside_a_named_phase() -> None:
+    clock = FakeClock()
+    heartbeat, watchdog, stalls, _ = _watchdog(clock)
+    heartbeat.beat(clock.now, None)
+    heartbeat.phase, heartbeat.named_phase = "eval", True
+    clock.now += 60.0
+    watchdog.check()
+    assert not stalls
+    assert watchdog.limit_seconds() == 100.0
+
+
+def test_automatic_limit_is_ten_median_steps_but_at_least_a_minute() -> None:
+    clock = FakeClock()
+    heartbeat, watchdog, _, _ = _watchdog(clock, stall_seconds=None)
+    heartbeat.beat(clock.now, None)
+    assert watchdog.limit_seconds() == 60.0
+    for _ in range(10):
+        heartbeat.beat(clock.now, 0.5)
+    assert watchdog.limit_seconds() == 60.0
+    for _ in range(100):
+        heartbeat.beat(clock.now, 30.0)
+    assert watchdog.limit_seconds() == 300.0
+
+
+def test_capture_stacks_includes_a_blocked_thread() -> None:
+    release = threading.Event()
+    worker = threading.Thread(target=release.wait, name="blocked-worker")
+    worker.start()
+    try:
+        time.sleep(0.05)
+        stacks = capture_stacks()
+        (label,) = [name for name in stacks if name.startswith("blocked-worker")]
+        assert any("wait" in line for line in stacks[label])
+    finally:
+        release.set()
+        worker.join()

@@ -1,0 +1,484 @@
+"""Monitor lifecycle and what a training loop sees through the real exporter and event log."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import MonitorFactory
+from helpers import events, scrape, tiny_model, train_step, value
+from torch.nn.utils import get_total_norm
+
+import stabmon
+
+
+def _sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.01)
+
+
+# --- lifecycle ------------------------------------------------------------------------------
+
+
+def test_detach_leaves_model_and_optimizer_hooks_as_before(attach: MonitorFactory) -> None:
+    model = tiny_model()
+    optimizer = _sgd(model)
+    before = (
+        dict(model._forward_pre_hooks),
+        dict(model._forward_hooks),
+        dict(optimizer._optimizer_step_pre_hooks),
+        dict(optimizer._optimizer_step_post_hooks),
+    )
+    monitor = attach(model, optimizer)
+    assert len(model._forward_pre_hooks) == len(before[0]) + 1
+    train_step(model, optimizer, monitor)
+    monitor.detach()
+    after = (
+        dict(model._forward_pre_hooks),
+        dict(model._forward_hooks),
+        dict(optimizer._optimizer_step_pre_hooks),
+        dict(optimizer._optimizer_step_post_hooks),
+    )
+    assert after == before
+    for module in model.modules():
+        assert not module._forward_pre_hooks and not module._forward_hooks
+
+
+def test_attach_twice_to_the_same_optimizer_raises_a_clear_error(attach: MonitorFactory) -> None:
+    model = tiny_model()
+    optimizer = _sgd(model)
+    attach(model, optimizer)
+    with pytest.raises(stabmon.AlreadyAttachedError, match="already attached to this model"):
+        attach(model, _sgd(model))
+    with pytest.raises(stabmon.AlreadyAttachedError, match="already attached to this optimizer"):
+        attach(tiny_model(1), optimizer)
+
+
+def test_attach_after_detach_works_again(attach: MonitorFactory) -> None:
+    model = tiny_model()
+    optimizer = _sgd(model)
+    attach(model, optimizer).detach()
+    monitor = attach(model, optimizer)
+    train_step(model, optimizer, monitor)
+    assert value(scrape(monitor.metrics_url), "stabmon_steps_total") == 1
+
+
+def test_monitor_is_a_context_manager_that_detaches(tmp_path: Path) -> None:
+    model = tiny_model()
+    optimizer = _sgd(model)
+    with stabmon.attach(model, optimizer, port=0, run_dir=str(tmp_path)) as monitor:
+        train_step(model, optimizer, monitor)
+        url = monitor.metrics_url
+        assert value(scrape(url), "stabmon_steps_total") == 1
+    assert monitor.metrics_url is None
+    with pytest.raises(OSError):
+        scrape(url)
+    assert not model._forward_pre_hooks
+
+
+def test_detach_stops_every_thread_within_a_second(attach: MonitorFactory) -> None:
+    import threading
+
+    monitor = attach(tiny_model(), _sgd(tiny_model()), sample_seconds=3600)
+    started = time.monotonic()
+    monitor.detach()
+    assert time.monotonic() - started < 1.0
+    names = {thread.name for thread in threading.enumerate()}
+    assert not {"stabmon-watchdog", "stabmon-sampler"} & names
+
+
+def test_bad_config_raises_config_error_before_any_hook(tmp_path: Path) -> None:
+    model = tiny_model()
+    with pytest.raises(stabmon.ConfigError, match="stall_seconds"):
+        stabmon.attach(model, _sgd(model), stall_seconds=-5, run_dir=str(tmp_path))
+    assert not model._forward_pre_hooks
+
+
+# --- gradients, NaN, loss -------------------------------------------------------------------
+
+
+def test_grad_norm_metric_equals_get_total_norm(attach: MonitorFactory) -> None:
+    model = tiny_model()
+    optimizer = _sgd(model)
+    monitor = attach(model, optimizer)
+    loss = model(torch.randn(4, 8)).pow(2).mean()
+    loss.backward()
+    expected = float(get_total_norm([p.grad for p in model.parameters() if p.grad is not None]))
+    optimizer.step()
+    samples = scrape(monitor.metrics_url)
+    assert value(samples, "stabmon_grad_norm") == pytest.approx(expected, rel=1e-5)
+    module_norms = [v for (name, _), v in samples.items() if name == "stabmon_module_grad_norm"]
+    assert sum(n**2 for n in module_norms) ** 0.5 == pytest.approx(expected, rel=1e-5)
+
+
+def test_nan_at_step_k_is_logged_at_step_k_and_counted_within_one_step(
+    attach: MonitorFactory,
+) -> None:
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: a NaN never reaches weights
+    monitor = attach(model, optimizer)
+    for step in range(8):
+        train_step(model, optimizer, monitor, nan_grad=step == 5)
+        counted = value(scrape(monitor.metrics_url), "stabmon_nonfinite_grad_steps_total")
+        assert counted == (1 if step >= 5 else 0), f"after step {step}"
+    anomalies = [e for e in events(monitor.event_log_path) if e["event"] == "anomaly"]
+    assert [(e["kind"], e["step"]) for e in anomalies] == [("nonfinite_grad", 5)]
+    assert anomalies[0]["parameters"] == ["0.weight"]
+    assert value(scrape(monitor.metrics_url), "stabmon_anomalies_total", kind="nonfinite_grad") == 1
+
+
+def test_non_finite_loss_is_counted_and_exported(attach: MonitorFactory) -> None:
+    model = tiny_model()
+    monitor = attach(model, _sgd(model))
+    monitor.observe(loss=1.5)
+    monitor.observe(loss=torch.tensor(float("inf")))
+    samples = scrape(monitor.metrics_url)
+    assert value(samples, "stabmon_nonfinite_loss_total") == 1
+    assert value(samples, "stabmon_loss") == float("inf")
+    assert value(samples, "stabmon_anomalies_total", kind="nonfinite_loss") == 1
+
+
+def test_loss_spike_is_detected_after_warmup(attach: MonitorFactory) -> None:
+    model = tiny_model()
+    monitor = attach(model, _sgd(model), spike_warmup_steps=20)
+    for step in range(60):
+        monitor.observe(loss=1.0 + 0.01 * (step % 3))
+    monitor.observe(loss=25.0)
+    assert value(scrape(monitor.metrics_url), "stabmon_anomalies_total", kind="loss_spike") == 1
+    kinds = [e["kind"] for e in events(monitor.event_log_path) if e["event"] == "anomaly"]
+    assert kinds == ["loss_spike"]
+
+
+def test_grad_spike_is_detected(attach: MonitorFactory) -> None:
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    monitor = attach(model, optimizer, spike_warmup_steps=20)
+    torch.manual_seed(0)
+    for step in range(40):
+        loss = model(torch.randn(16, 8)).pow(2).mean() * (1000.0 if step == 35 else 1.0)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    spikes = [e for e in events(monitor.event_log_path) if e.get("kind") == "grad_spike"]
+    assert [e["step"] for e in spikes] == [35]
+
+
+def test_zero_grad_params_counts_parameters_without_gradient(attach: MonitorFactory) -> None:
+    model = tiny_model()
+    optimizer = _sgd(model)
+    monitor = attach(model, optimizer)
+    model(torch.randn(2, 8)).sum().backward()
+    model[4].bias.grad = None  # a branch that received no gradient
+    model[2].weight.grad.zero_()  # and one whose gradient is exactly zero
+    optimizer.step()
+    assert value(scrape(monitor.metrics_url), "stabmon_zero_grad_params") == 2
+
+
+def test_measure_every_skips_gradient_measurement_between(attach: MonitorFactory) -> None:
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    monitor = attach(model, optimizer, measure_every=3)
+    for step in range(4):
+        train_step(model, optimizer, monitor, nan_grad=step in (1, 2))  # unmeasured steps
+    assert value(scrape(monitor.metrics_url), "stabmon_nonfinite_grad_steps_total") == 0
+
+
+# --- timing, phases, epochs -----------------------------------------------------------------
+
+
+def test_steps_durations_and_phases_are_exported(attach: MonitorFactory) -> None:
+    model = tiny_model()
+    optimizer = _sgd(model)
+    monitor = attach(model, optimizer)
+    for _ in range(5):
+        time.sleep(0.02)  # input wait
+        train_step(model, optimizer, monitor)
+    with monitor.phase("eval"):
+        time.sleep(0.05)
+    samples = scrape(monitor.metrics_url)
+    assert value(samples, "stabmon_steps_total") == 5
+    assert value(samples, "stabmon_step_duration_seconds_count") == 4
+    assert value(samples, "stabmon_data_wait_seconds_count") == 4
+    assert value(samples, "stabmon_data_wait_seconds_sum") >= 4 * 0.02
+    assert value(samples, "stabmon_phase_seconds_total", phase="eval") >= 0.05
+    for phase in ("data_wait", "forward", "backward", "optimizer"):
+        assert value(samples, "stabmon_phase_seconds_total", phase=phase) > 0
+    last = value(samples, "stabmon_last_step_timestamp_seconds")
+    assert last is not None and abs(time.time() - last) < 5
+
+
+def test_track_times_the_loader_and_marks_epochs(attach: MonitorFactory) -> None:
+    model = tiny_model()
+    optimizer = _sgd(model)
+    monitor = attach(model, optimizer)
+    loader = [torch.randn(4, 8) for _ in range(3)]
+    for _epoch in range(2):
+        for batch in monitor.track(loader):
+            model(batch).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    samples = scrape(monitor.metrics_url)
+    assert value(samples, "stabmon_epoch") == 2
+    assert value(samples, "stabmon_data_wait_seconds_count") == 6
+    epochs = [e for e in events(monitor.event_log_path) if e["event"] == "epoch"]
+    assert [e["epoch"] for e in epochs] == [0, 1]
+    assert "host" in epochs[0]["memory"]
+
+
+def test_epochs_fall_back_to_windows_of_steps(attach: MonitorFactory) -> None:
+    model = tiny_model()
+    optimizer = _sgd(model)
+    monitor = attach(model, optimizer, window_steps=4)
+    for _ in range(9):
+        train_step(model, optimizer, monitor)
+    assert value(scrape(monitor.metrics_url), "stabmon_epoch") == 2
+
+
+def test_invalid_phase_names_are_counted_as_other(attach: MonitorFactory) -> None:
+    monitor = attach(tiny_model(), _sgd(tiny_model()))
+    with monitor.phase("not a label {}"):
+        time.sleep(0.01)
+    assert value(scrape(monitor.metrics_url), "stabmon_phase_seconds_total", phase="other") > 0
+
+
+# --- memory ---------------------------------------------------------------------------------
+
+
+def _epochs(
+    monitor: stabmon.Monitor, model: torch.nn.Module, count: int, leak: list[torch.Tensor] | None
+) -> None:
+    optimizer_steps = torch.optim.SGD(model.parameters(), lr=0.0)
+    del optimizer_steps  # steps are not needed: epoch ends sample memory
+    for _ in range(count):
+        if leak is not None:
+            leak.append(torch.ones(16 * 2**20 // 4))  # 16 MiB of live host tensors per epoch
+            leak[-1].add_(1)  # touch every page so RSS sees it
+        monitor.epoch_end()
+
+
+def test_host_memory_leak_is_flagged(attach: MonitorFactory) -> None:
+    model = tiny_model()
+    monitor = attach(model, _sgd(model), leak_window_epochs=1, leak_windows=3, leak_warmup_epochs=1,
+                     leak_threshold=0.01)  # fmt: skip
+    leaked: list[torch.Tensor] = []
+    _epochs(monitor, model, 8, leaked)
+    samples = scrape(monitor.metrics_url)
+    assert value(samples, "stabmon_memory_leak_suspected", device="host") == 1
+    assert value(samples, "stabmon_anomalies_total", kind="memory_leak") == 1
+    assert value(samples, "stabmon_memory_drift_ratio", device="host") > 0.05
+    leaks = [e for e in events(monitor.event_log_path) if e.get("kind") == "memory_leak"]
+    assert len(leaks) == 1 and leaks[0]["device"] == "host"
+
+
+def test_clean_loop_of_equal_length_is_not_flagged(attach: MonitorFactory) -> None:
+    model = tiny_model()
+    monitor = attach(model, _sgd(model), leak_window_epochs=1, leak_windows=3, leak_warmup_epochs=1,
+                     leak_threshold=0.01)  # fmt: skip
+    _epochs(monitor, model, 8, None)
+    samples = scrape(monitor.metrics_url)
+    assert value(samples, "stabmon_memory_leak_suspected", device="host") == 0
+    assert value(samples, "stabmon_anomalies_total", kind="memory_leak") == 0
+    assert abs(value(samples, "stabmon_memory_drift_ratio", device="host")) < 0.01
+
+
+def test_host_rss_is_sampled_from_attach(attach: MonitorFactory) -> None:
+    monitor = attach(tiny_model(), _sgd(tiny_model()))
+    assert value(scrape(monitor.metrics_url), "stabmon_host_memory_rss_bytes") > 10 * 2**20
+
+
+# --- stall ----------------------------------------------------------------------------------
+
+
+def test_stall_is_flagged_while_the_loop_sleeps_and_cleared_after(attach: MonitorFactory) -> None:
+    model = tiny_model()
+    optimizer = _sgd(model)
+    monitor = attach(model, optimizer, stall_seconds=0.4)
+    train_step(model, optimizer, monitor)
+    assert value(scrape(monitor.metrics_url), "stabmon_stalled") == 0
+    time.sleep(1.0)  # the main thread is blocked: only the watchdog thread can notice
+    assert value(scrape(monitor.metrics_url), "stabmon_stalled") == 1
+    train_step(model, optimizer, monitor)
+    time.sleep(0.3)
+    samples = scrape(monitor.metrics_url)
+    assert value(samples, "stabmon_stalled") == 0
+    assert value(samples, "stabmon_anomalies_total", kind="stall") == 1
+    stall = next(e for e in events(monitor.event_log_path) if e.get("kind") == "stall")
+    assert stall["phase"] == "data_wait"
+    assert any(
+        "time.sleep" in line or "sleep(" in line
+        for stack in stall["stacks"].values()
+        for line in stack
+    )
+    assert any(e["event"] == "stall_end" for e in events(monitor.event_log_path))
+
+
+def test_named_phase_uses_the_longer_stall_limit(attach: MonitorFactory) -> None:
+    model = tiny_model()
+    optimizer = _sgd(model)
+    monitor = attach(model, optimizer, stall_seconds=0.3, phase_stall_seconds=60)
+    train_step(model, optimizer, monitor)
+    with monitor.phase("eval"):
+        time.sleep(0.8)
+        assert value(scrape(monitor.metrics_url), "stabmon_stalled") == 0
+
+
+# --- never break training -------------------------------------------------------------------
+
+
+def test_a_probe_that_raises_is_contained_and_counted(
+    attach: MonitorFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from stabmon.probes.grads import GradProbe
+
+    def broken(self: GradProbe) -> None:
+        raise RuntimeError("probe exploded")
+
+    monkeypatch.setattr(GradProbe, "measure", broken)
+    model = tiny_model()
+    optimizer = _sgd(model)
+    monitor = attach(model, optimizer)
+    before = [p.detach().clone() for p in model.parameters()]
+    for _ in range(3):
+        train_step(model, optimizer, monitor)
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    samples = scrape(monitor.metrics_url)
+    assert value(samples, "stabmon_internal_errors_total", component="grads") == 3
+    assert value(samples, "stabmon_steps_total") == 3
+
+
+def test_training_goes_on_when_the_run_dir_is_not_writable(tmp_path: Path) -> None:
+    blocked = tmp_path / "file-not-dir"
+    blocked.write_text("")
+    model = tiny_model()
+    optimizer = _sgd(model)
+    with stabmon.attach(model, optimizer, port=0, run_dir=str(blocked)) as monitor:
+        train_step(model, optimizer, monitor)
+        samples = scrape(monitor.metrics_url)
+    assert monitor.event_log_path is None
+    assert value(samples, "stabmon_internal_errors_total", component="event_log") == 1
+
+
+# --- models and optimizers of every shape ----------------------------------------------------
+
+
+def test_several_param_groups_frozen_and_unused_parameters(attach: MonitorFactory) -> None:
+    model = tiny_model()
+    model[0].requires_grad_(False)
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": model[2].parameters(), "lr": 1e-3},
+            {"params": model[4].parameters(), "lr": 1e-4},
+        ]
+    )
+    monitor = attach(model, optimizer)
+    for _ in range(3):
+        train_step(model, optimizer, monitor)
+    samples = scrape(monitor.metrics_url)
+    modules = {dict(lbl)["module"] for (name, lbl) in samples if name == "stabmon_module_grad_norm"}
+    assert modules == {"2", "4"}
+
+
+def test_model_without_parameters_and_a_standalone_parameter(attach: MonitorFactory) -> None:
+    model = torch.nn.ReLU()
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    monitor = attach(model, optimizer)
+    model(weight * 2).sum().backward()
+    optimizer.step()
+    samples = scrape(monitor.metrics_url)
+    assert value(samples, "stabmon_grad_norm") == pytest.approx(2 * 3**0.5)
+    assert value(samples, "stabmon_module_grad_norm", module="group0") == pytest.approx(2 * 3**0.5)
+
+
+def test_sparse_embedding_gradients_work(attach: MonitorFactory) -> None:
+    embedding = torch.nn.Embedding(50, 4, sparse=True)
+    optimizer = torch.optim.SGD(embedding.parameters(), lr=0.1)
+    monitor = attach(embedding, optimizer)
+    for _ in range(2):
+        embedding(torch.tensor([1, 1, 7])).sum().backward()
+        expected = float(embedding.weight.grad.to_dense().norm())
+        optimizer.step()
+        optimizer.zero_grad()
+    assert value(scrape(monitor.metrics_url), "stabmon_grad_norm") == pytest.approx(
+        expected, rel=1e-5
+    )
+
+
+def test_gradient_accumulation_counts_optimizer_steps(attach: MonitorFactory) -> None:
+    model = tiny_model()
+    optimizer = _sgd(model)
+    monitor = attach(model, optimizer)
+    for _ in range(3):
+        for _micro in range(4):
+            (model(torch.randn(2, 8)).pow(2).mean() / 4).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    samples = scrape(monitor.metrics_url)
+    assert value(samples, "stabmon_steps_total") == 3
+    assert value(samples, "stabmon_data_wait_seconds_count") == 2
+
+
+def test_grad_scaler_scale_and_skipped_steps(attach: MonitorFactory) -> None:
+    model = tiny_model()
+    optimizer = _sgd(model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    monitor = attach(model, optimizer, scaler=scaler)
+    for step in range(4):
+        loss = model(torch.randn(4, 8)).pow(2).mean()
+        scaler.scale(loss).backward()
+        if step == 1:
+            model[0].weight.grad.view(-1)[0] = float("inf")
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    model(torch.randn(1, 8))  # the next forward reads the scale back
+    samples = scrape(monitor.metrics_url)
+    assert value(samples, "stabmon_amp_skipped_steps_total") == 1
+    assert value(samples, "stabmon_amp_loss_scale") == 512.0
+    assert value(samples, "stabmon_steps_total") == 3  # the skipped step never ran
+
+
+# --- resume ---------------------------------------------------------------------------------
+
+
+def test_state_dict_carries_steps_counts_and_baselines(
+    attach: MonitorFactory, tmp_path: Path
+) -> None:
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    first = attach(model, optimizer)
+    for step in range(6):
+        train_step(model, optimizer, first, nan_grad=step == 2)
+    first.epoch_end()
+    state = first.state_dict()
+    first.detach()
+    torch.save(state, tmp_path / "ckpt.pt")
+
+    resumed = attach(model, optimizer)
+    resumed.load_state_dict(torch.load(tmp_path / "ckpt.pt", weights_only=True))
+    train_step(model, optimizer, resumed)
+    samples = scrape(resumed.metrics_url)
+    assert value(samples, "stabmon_steps_total") == 7
+    assert value(samples, "stabmon_epoch") == 1
+    assert value(samples, "stabmon_nonfinite_grad_steps_total") == 1
+    assert resumed.state_dict()["leaks"] == state["leaks"]
+    assert resumed.state_dict()["loss_spikes"]["count"] == state["loss_spikes"]["count"] + 1
+
+
+def test_load_state_dict_rejects_foreign_state(attach: MonitorFactory) -> None:
+    monitor = attach(tiny_model(), _sgd(tiny_model()))
+    with pytest.raises(stabmon.StabmonError, match="not a stabmon Monitor state"):
+        monitor.load_state_dict({"epoch": 3})
+    with pytest.raises(stabmon.StabmonError, match="malformed stabmon Monitor state"):
+        monitor.load_state_dict({"version": 1, "steps": 1})
+
+
+def test_consecutive_spiking_losses_count_as_one_anomaly(attach: MonitorFactory) -> None:
+    model = tiny_model()
+    monitor = attach(model, _sgd(model), spike_warmup_steps=20)
+    for step in range(60):
+        monitor.observe(loss=1.0 + 0.01 * (step % 3))
+    for _ in range(5):
+        monitor.observe(loss=25.0)  # one incident lasting five steps
+    assert value(scrape(monitor.metrics_url), "stabmon_anomalies_total", kind="loss_spike") == 1

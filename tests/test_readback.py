@@ -1,0 +1,40 @@
+"""Readback: CPU results come back at once, in order, tagged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stabmon.readback import Readback
+
+
+def test_readback_returns_cpu_results_in_submission_order() -> None:
+    readback: Readback[str] = Readback()
+    readback.submit("a", torch.tensor([1.0, 2.0]))
+    readback.submit("b", torch.tensor([3.0]))
+    assert readback.pending == 2
+    assert readback.poll() == [("a", [1.0, 2.0]), ("b", [3.0])]
+    assert readback.poll() == []
+    assert readback.pending == 0
+
+
+def test_readback_drain_returns_everything() -> None:
+    readback: Readback[int] = Readback()
+    readback.submit(1, torch.tensor([float("nan")]))
+    ((tag, values),) = readback.drain()
+    assert tag == 1 and values[0] != values[0]
+
+
+@pytest.mark.gpu
+def test_readback_of_cuda_tensors_never_synchronises() -> None:
+    readback: Readback[int] = Readback()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(50):
+            values = torch.randn(1000, device="cuda").norm().reshape(1)
+            readback.submit(step, values)
+            readback.poll()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert len(readback.poll()) + 50 >= 50
