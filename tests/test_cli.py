@@ -1,0 +1,56 @@
+"""The command line: real subprocesses, one-line errors, exit code 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def _stabmon(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "stabmon", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_check_config_accepts_a_valid_file(tmp_path: Path) -> None:
+    config = tmp_path / "run.yaml"
+    config.write_text("stall_seconds: 120\nmeasure_every: 10\n")
+    result = _stabmon("check-config", str(config))
+    assert result.returncode == 0, result.stderr
+    assert "ok" in result.stdout
+
+
+def test_check_config_rejects_a_bad_file_with_one_line_and_exit_2(tmp_path: Path) -> None:
+    config = tmp_path / "run.yaml"
+    config.write_text("stall_secs: 120\n")
+    result = _stabmon("check-config", str(config))
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1
+    assert "stall_secs" in result.stderr and "did you mean 'stall_seconds'" in result.stderr
+
+
+def test_check_config_of_a_missing_file_exits_2(tmp_path: Path) -> None:
+    result = _stabmon("check-config", str(tmp_path / "absent.yaml"))
+    assert result.returncode == 2
+    assert result.stderr.startswith("stabmon: error:") and result.stderr.count("\n") == 1
+
+
+def test_unknown_command_is_one_line_and_exit_2() -> None:
+    result = _stabmon("frobnicate")
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "invalid choice" in result.stderr
+
+
+@pytest.mark.slow
+def test_demo_detects_every_injected_fault(tmp_path: Path) -> None:
+    result = _stabmon("demo", "--fast", "--port", "0", "--run-dir", str(tmp_path), timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "metrics at http://127.0.0.1:" in result.stdout
+    summary = result.stdout.split("stabmon demo summary", 1)[1]
+    assert "MISSED" not in summary
+    for kind in ("nonfinite_grad", "loss_spike", "grad_spike", "stall", "memory_leak"):
+        assert f"detected  {kind}" in summary
+    assert "at step 100," in summary  # the NaN is reported at the step it was injected
