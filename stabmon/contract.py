@@ -15,6 +15,7 @@ from typing import Literal
 __all__ = [
     "ANOMALY_KINDS",
     "DAEMON_METRICS",
+    "EXTENSION_METRICS",
     "INTERNAL_COMPONENTS",
     "MetricDef",
     "PHASES",
@@ -240,6 +241,20 @@ TRAINING_METRICS: tuple[MetricDef, ...] = (
     STALLED,
     INTERNAL_ERRORS,
 )
+
+#: Metrics beyond contract v1: useful, additive, and free to evolve until a contract lists them.
+DEVICE_PHASE_SECONDS = MetricDef(
+    "stabmon_device_phase_seconds_total",
+    "counter",
+    "Device time between loop boundaries, from CUDA events (data_wait: device idle for input).",
+    ("phase",),
+)
+DEVICE_STEP_DURATION = MetricDef(
+    "stabmon_device_step_duration_seconds",
+    "histogram",
+    "Device time from one optimizer step's end to the next, from CUDA events.",
+)
+EXTENSION_METRICS: tuple[MetricDef, ...] = (DEVICE_PHASE_SECONDS, DEVICE_STEP_DURATION)
 
 # --- node daemon ------------------------------------------------------------------------------
 

@@ -39,6 +39,7 @@ from stabmon.guard import Guard
 from stabmon.hooks import HookSet, unwrap_model
 from stabmon.log import LOGGER, LogLimiter
 from stabmon.probes.amp import ScaleTracker
+from stabmon.probes.device_timing import DeviceTimer
 from stabmon.probes.environment import build_info, default_run_id, process_identity
 from stabmon.probes.grads import GradProbe, GradSample
 from stabmon.probes.memory import HostMemory, cuda_devices, device_label, sample_device
@@ -180,7 +181,14 @@ class Monitor:
                     self._exporter = exporter
 
         self._heartbeat = Heartbeat()
-        self._timer = LoopTimer(self._readings, self._heartbeat)
+        self._device_timer: DeviceTimer | None = None
+        if self._cuda_devices:
+            self._device_timer = DeviceTimer(self._readings)
+        self._timer = LoopTimer(
+            self._readings,
+            self._heartbeat,
+            device_mark=self._device_timer.mark if self._device_timer else None,
+        )
         self._watchdog = StallWatchdog(
             self._heartbeat,
             stall_seconds=cfg.stall_seconds,
@@ -422,6 +430,8 @@ class Monitor:
             self._guard.record("hooks", error)
         try:
             self._consume(self._readback.poll())
+            if self._device_timer is not None:
+                self._device_timer.poll()
         except Exception as error:
             self._guard.record("readback", error)
         if not self._explicit_epochs and self._readings.steps % self.config.window_steps == 0:

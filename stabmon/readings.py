@@ -98,8 +98,15 @@ class Readings:
     host_rss: float | None = None
     stalled: int = 0
 
+    # CUDA-event timing (stabmon/probes/device_timing.py); empty without CUDA.
+    device_phase_seconds: dict[str, float] = field(default_factory=dict)
+    device_step_duration: Histogram = field(default_factory=Histogram)
+
     def add_phase_time(self, phase: str, seconds: float) -> None:
         self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + seconds
+
+    def add_device_phase_time(self, phase: str, seconds: float) -> None:
+        self.device_phase_seconds[phase] = self.device_phase_seconds.get(phase, 0.0) + seconds
 
     def count_anomaly(self, kind: str) -> None:
         self.anomalies[kind] = self.anomalies.get(kind, 0) + 1

@@ -48,8 +48,12 @@ class LoopTimer:
         *,
         clock: Callable[[], float] = time.perf_counter,
         monotonic: Callable[[], float] = time.monotonic,
+        device_mark: Callable[[str, bool], None] | None = None,
     ) -> None:
         self._readings = readings
+        #: Called at each boundary with the phase starting there and whether a step just
+        #: ended (CUDA-event timing), if set.
+        self._device_mark = device_mark
         self._heartbeat = heartbeat
         self._clock = clock
         self._monotonic = monotonic
@@ -107,7 +111,7 @@ class LoopTimer:
         self._heartbeat.beat(self._monotonic(), step_seconds)
         self.in_iteration = False
         if not self._named:
-            self._enter(_DATA_WAIT, now)
+            self._enter(_DATA_WAIT, now, step_end=True)
 
     def loader_wait(self, seconds: float) -> None:
         """Input wait measured around the loader's ``next()`` by ``track()``."""
@@ -121,6 +125,8 @@ class LoopTimer:
             self._readings.add_phase_time(self._state, now - self._mark)
         self._named.append(name)
         self._mark = now
+        if self._device_mark is not None:
+            self._device_mark(name, False)
         self._heartbeat.phase = name
         self._heartbeat.named_phase = True
 
@@ -129,6 +135,8 @@ class LoopTimer:
         if self._named:
             self._readings.add_phase_time(self._named.pop(), now - self._mark)
         self._mark = now
+        if self._device_mark is not None:
+            self._device_mark(self._named[-1] if self._named else _DATA_WAIT, False)
         if self._named:
             self._heartbeat.phase = self._named[-1]
         else:
@@ -137,10 +145,12 @@ class LoopTimer:
             self._state = _DATA_WAIT
             self._heartbeat.phase = _DATA_WAIT
 
-    def _enter(self, state: str, now: float) -> None:
+    def _enter(self, state: str, now: float, *, step_end: bool = False) -> None:
         self._state = state
         self._mark = now
         self._heartbeat.phase = state
+        if self._device_mark is not None:
+            self._device_mark(state, step_end)
 
 
 def timed_iteration(
