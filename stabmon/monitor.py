@@ -535,6 +535,8 @@ class Monitor:
         readings = self._readings
         epoch = readings.epoch
         self._consume(self._readback.poll())
+        if self._device_timer is not None:
+            self._device_timer.poll()
         samples: dict[str, float] = {}
         for device in self._cuda_devices:
             label = device_label(device)

@@ -1,0 +1,72 @@
+"""On CUDA: the monitored step never synchronises, and the CUDA-only metrics appear.
+
+Run with `pytest -m gpu` on a machine with a GPU; elsewhere these skip with "Requires: CUDA".
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import MonitorFactory
+from helpers import scrape, value
+from torch.nn.utils import get_total_norm
+
+pytestmark = pytest.mark.gpu
+
+
+def _cuda_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256)
+    ).cuda()  # fmt: skip
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def _step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler
+) -> torch.Tensor:
+    inputs = torch.randn(64, 256, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(inputs).float().pow(2).mean()
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+def test_monitored_steps_never_synchronise_the_device(attach: MonitorFactory) -> None:
+    model, optimizer = _cuda_model()
+    scaler = torch.amp.GradScaler("cuda")
+    monitor = attach(model, optimizer, scaler=scaler)
+    for _ in range(5):  # warm-up: first-use allocations and index uploads happen here
+        monitor.observe(loss=_step(model, optimizer, scaler))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(300):
+            monitor.observe(loss=_step(model, optimizer, scaler))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    model(torch.randn(1, 256, device="cuda"))
+    samples = scrape(monitor.metrics_url)
+    assert value(samples, "stabmon_steps_total") == 305
+    assert value(samples, "stabmon_amp_loss_scale") is not None
+    assert value(samples, "stabmon_internal_errors_total", component="grads") == 0
+
+
+def test_grad_norm_and_memory_metrics_on_cuda(attach: MonitorFactory) -> None:
+    model, optimizer = _cuda_model()
+    monitor = attach(model, optimizer)
+    model(torch.randn(8, 256, device="cuda")).pow(2).mean().backward()
+    expected = float(get_total_norm([p.grad for p in model.parameters()]))
+    optimizer.step()
+    torch.cuda.synchronize()  # the read-back copy has landed; epoch_end polls it
+    monitor.epoch_end()
+    samples = scrape(monitor.metrics_url)
+    assert value(samples, "stabmon_grad_norm") == pytest.approx(expected, rel=1e-5)
+    for name in ("stabmon_device_memory_allocated_bytes", "stabmon_device_memory_reserved_bytes",
+                 "stabmon_device_memory_peak_bytes", "stabmon_epoch_memory_bytes"):  # fmt: skip
+        assert value(samples, name, device="cuda:0") is not None, name
+    assert value(samples, "stabmon_device_phase_seconds_total", phase="forward") > 0
