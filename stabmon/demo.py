@@ -111,10 +111,9 @@ def run_demo(
                 step += 1
             if epoch >= plan.leak_from_epoch:
                 leaked.append(torch.ones(plan.leak_bytes_per_epoch // 4))  # a history list, kept
-            state = monitor.state_dict()
             print(
-                f"epoch {epoch:2d}  step {step:5d}  loss {float(loss):9.4f}  "
-                f"anomalies {sum(state['anomalies'].values())}",
+                f"epoch {epoch:2d}  step {step:5d}  loss {float(loss.detach()):9.4f}  "
+                f"anomalies {_anomaly_count(monitor)}",
                 file=out,
             )
         if serve_seconds > 0 and monitor.metrics_url:
@@ -149,6 +148,18 @@ def _nan_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         for param, copy, state in zip(model.parameters(), saved, buffers, strict=True):
             param.copy_(copy)
             optimizer.state[param] = state
+
+
+def _anomaly_count(monitor: Monitor) -> int:
+    """Anomalies so far, read the way a scrape reads them."""
+    return int(
+        sum(
+            sample.value
+            for family in monitor.registry.collect()
+            for sample in family.samples
+            if sample.name == "stabmon_anomalies_total"
+        )
+    )
 
 
 def _read_anomalies(path: Path | None) -> dict[str, Any]:

@@ -21,6 +21,7 @@ than waited for, and the drop is counted.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -65,7 +66,8 @@ class Readback(Generic[Tag]):
             return
         slot = self._take_slot(values)
         slot.host.copy_(values, non_blocking=True)
-        slot.event.record()
+        # The copy runs on the source device's stream, which need not be the current device's.
+        slot.event.record(torch.cuda.current_stream(values.device))
         self._pending.append(_Pending(tag, slot))
         if len(self._pending) > self._max_pending:
             self._release(self._pending.popleft().slot)
@@ -80,11 +82,18 @@ class Readback(Generic[Tag]):
             self._release(done.slot)
         return ready
 
-    def drain(self) -> list[tuple[Tag, list[float]]]:
-        """Wait for every pending result and return all of them (slow path: detach, flush)."""
-        for pending in self._pending:
-            pending.slot.event.synchronize()
-        return self.poll()
+    def drain(self, timeout: float = 1.0) -> list[tuple[Tag, list[float]]]:
+        """Wait up to ``timeout`` seconds for pending results; return what completed.
+
+        The slow path of ``detach``: bounded, because a detach during a hung
+        collective or a failed device must not hang the process too.
+        """
+        deadline = time.monotonic() + timeout
+        ready = self.poll()
+        while self._pending and time.monotonic() < deadline:
+            time.sleep(0.001)
+            ready.extend(self.poll())
+        return ready
 
     @property
     def pending(self) -> int:

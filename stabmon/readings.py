@@ -3,9 +3,12 @@
 Design: the training thread (hooks, ``observe``, ``epoch_end``) and the
 monitor's background threads write plain Python numbers here; the exporter's
 collector reads them at scrape time. Nothing on the hot path takes a lock or
-touches prometheus-client. Each field has one writer thread; readers may see a
-value one update old, never a torn one (attribute and dict-item stores are
-atomic in CPython). Counters only ever grow, so Prometheus sees them monotonic.
+touches prometheus-client. Most fields have one writer; the memory gauges are
+written by the sampler and at epoch end, and the anomaly counts by the training
+thread and the watchdog, each a single store or ``+= 1`` under the GIL (a lost
+increment would need two threads to judge an anomaly in the same instant).
+Readers may see a value one update old, never a torn one. Counters only grow
+within a process, so Prometheus sees them monotonic.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Where a run's files live, and how files other processes read are written.
+"""Where a run's files live.
 
 Layout: ``<run_dir>/<run_id>/rank-<rank>.events.jsonl``. The default root is
 ``/var/tmp/stabmon``: node-wide, so the node daemon finds every run without
@@ -9,13 +9,11 @@ moves it.
 
 from __future__ import annotations
 
-import os
 import re
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["DEFAULT_RUN_DIR", "RunPaths", "safe_component", "write_atomic"]
+__all__ = ["DEFAULT_RUN_DIR", "RunPaths", "safe_component"]
 
 DEFAULT_RUN_DIR = Path("/var/tmp/stabmon")
 
@@ -43,20 +41,3 @@ class RunPaths:
     @property
     def events(self) -> Path:
         return self.run_directory / f"rank-{self.rank}.events.jsonl"
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the new one, never half.
-
-    rename(2) is atomic within a filesystem, so the file is written under a
-    temporary name (unique per process and thread) beside it and renamed over
-    the target; the temporary file is removed if anything fails.
-    """
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    try:
-        with open(temporary, "wb") as handle:
-            handle.write(data)
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise

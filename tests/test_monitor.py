@@ -175,13 +175,17 @@ def test_zero_grad_params_counts_parameters_without_gradient(attach: MonitorFact
     assert value(scrape(monitor.metrics_url), "stabmon_zero_grad_params") == 2
 
 
-def test_measure_every_skips_gradient_measurement_between(attach: MonitorFactory) -> None:
+def test_measure_every_measures_only_every_nth_step(attach: MonitorFactory) -> None:
     model = tiny_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     monitor = attach(model, optimizer, measure_every=3)
-    for step in range(4):
-        train_step(model, optimizer, monitor, nan_grad=step in (1, 2))  # unmeasured steps
-    assert value(scrape(monitor.metrics_url), "stabmon_nonfinite_grad_steps_total") == 0
+    for step in range(7):
+        train_step(model, optimizer, monitor, nan_grad=step in (1, 2, 3, 6))  # 3 and 6 measured
+    assert value(scrape(monitor.metrics_url), "stabmon_nonfinite_grad_steps_total") == 2
+    nan_steps = [
+        e["step"] for e in events(monitor.event_log_path) if e.get("kind") == "nonfinite_grad"
+    ]
+    assert nan_steps == [3, 6]
 
 
 # --- timing, phases, epochs -----------------------------------------------------------------
@@ -442,43 +446,232 @@ def test_grad_scaler_scale_and_skipped_steps(attach: MonitorFactory) -> None:
 # --- resume ---------------------------------------------------------------------------------
 
 
-def test_state_dict_carries_steps_counts_and_baselines(
+def test_resume_continues_numbering_and_baselines_while_counters_restart(
     attach: MonitorFactory, tmp_path: Path
 ) -> None:
     model = tiny_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    first = attach(model, optimizer)
+    first = attach(model, optimizer, leak_warmup_epochs=0)
     for step in range(6):
         train_step(model, optimizer, first, nan_grad=step == 2)
     first.epoch_end()
     state = first.state_dict()
     first.detach()
+    assert state["leaks"]["host"]["baseline"] is not None
     torch.save(state, tmp_path / "ckpt.pt")
 
-    resumed = attach(model, optimizer)
+    resumed = attach(model, optimizer, leak_warmup_epochs=0)
     resumed.load_state_dict(torch.load(tmp_path / "ckpt.pt", weights_only=True))
-    train_step(model, optimizer, resumed)
+    train_step(model, optimizer, resumed, nan_grad=True)
     samples = scrape(resumed.metrics_url)
-    assert value(samples, "stabmon_steps_total") == 7
-    assert value(samples, "stabmon_epoch") == 1
+    # Counters count this process (a restart is a counter reset to Prometheus) ...
+    assert value(samples, "stabmon_steps_total") == 1
     assert value(samples, "stabmon_nonfinite_grad_steps_total") == 1
+    # ... while numbering, epochs and baselines continue.
+    assert value(samples, "stabmon_epoch") == 1
+    nan_events = [e for e in events(resumed.event_log_path) if e.get("kind") == "nonfinite_grad"]
+    assert [e["step"] for e in nan_events] == [2, 6]
     assert resumed.state_dict()["leaks"] == state["leaks"]
-    assert resumed.state_dict()["loss_spikes"]["count"] == state["loss_spikes"]["count"] + 1
+    assert resumed.state_dict()["step"] == 7
 
 
-def test_load_state_dict_rejects_foreign_state(attach: MonitorFactory) -> None:
+def test_load_state_dict_rejects_foreign_state_and_changes_nothing(attach: MonitorFactory) -> None:
     monitor = attach(tiny_model(), _sgd(tiny_model()))
+    before = monitor.state_dict()
     with pytest.raises(stabmon.StabmonError, match="not a stabmon Monitor state"):
         monitor.load_state_dict({"epoch": 3})
-    with pytest.raises(stabmon.StabmonError, match="malformed stabmon Monitor state"):
-        monitor.load_state_dict({"version": 1, "steps": 1})
+    with pytest.raises(stabmon.StabmonError, match="missing key.*loss_spikes"):
+        monitor.load_state_dict(
+            {"version": 2, "step": 1, "epoch": 1, "grad_spikes": {}, "leaks": {}}
+        )
+    bad = dict(before, step=9, epoch=4, loss_spikes={"count": -1, "mean": 0.0, "var": 0.0})
+    with pytest.raises(stabmon.StabmonError, match="malformed.*count"):
+        monitor.load_state_dict(bad)
+    assert monitor.state_dict() == before
 
 
-def test_consecutive_spiking_losses_count_as_one_anomaly(attach: MonitorFactory) -> None:
+def test_resumed_run_gets_the_start_up_grace_again(attach: MonitorFactory) -> None:
     model = tiny_model()
-    monitor = attach(model, _sgd(model), spike_warmup_steps=20)
-    for step in range(60):
-        monitor.observe(loss=1.0 + 0.01 * (step % 3))
-    for _ in range(5):
-        monitor.observe(loss=25.0)  # one incident lasting five steps
-    assert value(scrape(monitor.metrics_url), "stabmon_anomalies_total", kind="loss_spike") == 1
+    optimizer = _sgd(model)
+    first = attach(model, optimizer)
+    train_step(model, optimizer, first)
+    state = first.state_dict()
+    first.detach()
+    resumed = attach(model, optimizer, stall_seconds=0.3, phase_stall_seconds=60)
+    resumed.load_state_dict(state)
+    time.sleep(0.8)  # loading data, compiling: no step yet in this process
+    assert value(scrape(resumed.metrics_url), "stabmon_stalled") == 0
+
+
+# --- what training code does to a model with hooks ------------------------------------------
+
+
+def test_model_can_be_deep_copied_averaged_and_saved_while_attached(
+    attach: MonitorFactory, tmp_path: Path
+) -> None:
+    import copy
+
+    model = tiny_model()
+    optimizer = _sgd(model)
+    scaler = torch.amp.GradScaler("cpu")
+    monitor = attach(model, optimizer, scaler=scaler)
+    ema = torch.optim.swa_utils.AveragedModel(model)  # deep-copies the model
+    clone = copy.deepcopy(model)
+    torch.save(model, tmp_path / "model.pt")
+    copied_scaler = copy.deepcopy(scaler)
+    assert copied_scaler.update.__self__ is copied_scaler  # the plain method, on the copy
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    for other in (ema, clone, loaded):
+        other(torch.randn(2, 8)).sum().backward()  # the copies' hooks are inert
+    train_step(model, optimizer, monitor)
+    samples = scrape(monitor.metrics_url)
+    assert value(samples, "stabmon_steps_total") == 1
+    assert value(samples, "stabmon_internal_errors_total", component="hooks") == 0
+
+
+def test_compiled_model_trains_without_graph_breaks_from_stabmon(attach: MonitorFactory) -> None:
+    model = tiny_model()
+    optimizer = _sgd(model)
+    monitor = attach(model, optimizer)
+    model.compile(backend="eager", fullgraph=True)  # compiles _call_impl: the hooks are traced
+    for _ in range(3):
+        train_step(model, optimizer, monitor)
+    samples = scrape(monitor.metrics_url)
+    assert value(samples, "stabmon_steps_total") == 3
+    assert value(samples, "stabmon_grad_norm") > 0
+    torch._dynamo.reset()
+
+
+def test_attach_that_fails_halfway_leaves_nothing_behind(tmp_path: Path) -> None:
+    import threading
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # TorchScript is deprecated
+        scripted = torch.jit.script(torch.nn.Linear(2, 2))
+    optimizer = torch.optim.SGD(scripted.parameters(), lr=0.1)
+    with pytest.raises(stabmon.StabmonError, match="cannot install hooks on RecursiveScriptModule"):
+        stabmon.attach(scripted, optimizer, port=0, run_dir=str(tmp_path))
+    assert not {"stabmon-watchdog", "stabmon-sampler"} & {t.name for t in threading.enumerate()}
+    model = torch.nn.Linear(2, 2)
+    with stabmon.attach(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), port=0, run_dir=str(tmp_path)
+    ):
+        pass
+
+
+def test_a_monitor_dropped_without_detach_is_collected(tmp_path: Path) -> None:
+    import gc
+    import threading
+    import weakref
+
+    model = tiny_model()
+    optimizer = _sgd(model)
+    monitor = stabmon.attach(model, optimizer, port=0, run_dir=str(tmp_path))
+    train_step(model, optimizer, monitor)
+    gone = weakref.ref(monitor)
+    del monitor
+    gc.collect()
+    assert gone() is None
+    time.sleep(0.3)
+    assert not {"stabmon-watchdog", "stabmon-sampler"} & {t.name for t in threading.enumerate()}
+    assert not model._forward_pre_hooks and not optimizer._optimizer_step_pre_hooks
+    stabmon.attach(model, optimizer, port=0, run_dir=str(tmp_path)).detach()  # free again
+
+
+# --- loops that are not plain ---------------------------------------------------------------
+
+
+def test_track_plus_epoch_end_counts_each_epoch_once(attach: MonitorFactory) -> None:
+    model = tiny_model()
+    optimizer = _sgd(model)
+    monitor = attach(model, optimizer)
+    loader = [torch.randn(4, 8) for _ in range(2)]
+    for _epoch in range(3):
+        for batch in monitor.track(loader):
+            model(batch).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        monitor.epoch_end()
+    assert value(scrape(monitor.metrics_url), "stabmon_epoch") == 3
+
+
+def test_a_tracked_validation_loader_marks_no_epoch(attach: MonitorFactory) -> None:
+    model = tiny_model()
+    optimizer = _sgd(model)
+    monitor = attach(model, optimizer)
+    train, val = [torch.randn(4, 8)] * 2, [torch.randn(4, 8)] * 3
+    for _epoch in range(2):
+        for batch in monitor.track(train):
+            model(batch).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        with torch.no_grad():
+            for batch in monitor.track(val):
+                model(batch)
+    samples = scrape(monitor.metrics_url)
+    assert value(samples, "stabmon_epoch") == 2
+    assert value(samples, "stabmon_data_wait_seconds_count") == 4 + 6
+
+
+def test_evaluation_forwards_and_losses_do_not_count_as_training(attach: MonitorFactory) -> None:
+    model = tiny_model()
+    optimizer = _sgd(model)
+    monitor = attach(model, optimizer, spike_warmup_steps=5)
+    for _ in range(10):
+        train_step(model, optimizer, monitor)
+    with torch.no_grad():
+        model(torch.randn(4, 8))  # evaluation outside a named phase
+    with monitor.phase("eval"):
+        monitor.observe(loss=1e6)  # an evaluation loss
+    samples = scrape(monitor.metrics_url)
+    assert value(samples, "stabmon_anomalies_total", kind="loss_spike") == 0
+    assert value(samples, "stabmon_loss") != 1e6
+
+
+def test_no_false_stall_after_a_named_phase_longer_than_the_limit(attach: MonitorFactory) -> None:
+    model = tiny_model()
+    optimizer = _sgd(model)
+    monitor = attach(model, optimizer, stall_seconds=0.5, phase_stall_seconds=60)
+    train_step(model, optimizer, monitor)
+    with monitor.phase("eval"):
+        time.sleep(1.0)
+    time.sleep(0.2)  # back in the loop, well within the limit
+    assert value(scrape(monitor.metrics_url), "stabmon_stalled") == 0
+    assert value(scrape(monitor.metrics_url), "stabmon_anomalies_total", kind="stall") == 0
+
+
+def test_parameter_groups_added_mid_run_are_measured(attach: MonitorFactory) -> None:
+    backbone, head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+    model = torch.nn.Sequential(backbone, head)
+    optimizer = torch.optim.SGD(head.parameters(), lr=0.1)
+    monitor = attach(model, optimizer)
+    model(torch.randn(2, 8)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    optimizer.add_param_group({"params": backbone.parameters(), "lr": 0.01})  # unfreeze
+    model(torch.randn(2, 8)).sum().backward()
+    optimizer.step()
+    samples = scrape(monitor.metrics_url)
+    assert value(samples, "stabmon_module_grad_norm", module="0") > 0
+
+
+def test_long_gradient_accumulation_with_amp_loses_no_measurement(attach: MonitorFactory) -> None:
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    monitor = attach(model, optimizer, scaler=scaler)
+    for step in range(3):
+        for micro in range(100):
+            loss = model(torch.randn(2, 8)).pow(2).mean() / 100
+            scaler.scale(loss).backward()
+            monitor.observe(loss=loss)
+            if step == 1 and micro == 99:
+                model[0].weight.grad.view(-1)[0] = float("nan")
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    samples = scrape(monitor.metrics_url)
+    assert value(samples, "stabmon_amp_skipped_steps_total") == 1
+    assert value(samples, "stabmon_steps_total") == 2
+    assert value(samples, "stabmon_amp_loss_scale") == 2.0**9

@@ -44,9 +44,11 @@ class Heartbeat:
     """Last progress of the training loop; written by the training thread only."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        #: Last progress (monotonic): a step end, or a named phase's start or end.
         self.last_beat: float = clock()
         self.phase: str = STARTUP_PHASE
         self.named_phase: bool = False
+        #: Steps completed in this process (a resumed run has a start-up again).
         self.steps = 0
         self._durations: list[float] = []
         self._cursor = 0
@@ -61,6 +63,10 @@ class Heartbeat:
             else:
                 self._durations[self._cursor] = step_seconds
                 self._cursor = (self._cursor + 1) % _RING
+
+    def progress(self, now: float) -> None:
+        """Progress that is not a step (a named phase began or ended): restart the silence."""
+        self.last_beat = now
 
     def median_step_seconds(self) -> float | None:
         durations = list(self._durations)  # one atomic copy; the training thread goes on

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -32,6 +33,8 @@ class EventLog:
         self._common = dict(common)
         self._guard = guard
         self._fd: int | None = None
+        # The watchdog thread writes too; the lock keeps a write off a closed (reused) fd.
+        self._lock = threading.Lock()
         with guard.contain(_COMPONENT):
             path.parent.mkdir(parents=True, exist_ok=True)
             self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -48,11 +51,14 @@ class EventLog:
             return
         with self._guard.contain(_COMPONENT):
             record = {"time": round(time.time(), 6), "event": event, **self._common, **fields}
-            line = json.dumps(to_json_safe(record), separators=(",", ":")) + "\n"
-            os.write(self._fd, line.encode())
+            line = (json.dumps(to_json_safe(record), separators=(",", ":")) + "\n").encode()
+            with self._lock:
+                if self._fd is not None:
+                    os.write(self._fd, line)
 
     def close(self) -> None:
-        fd, self._fd = self._fd, None
+        with self._lock:
+            fd, self._fd = self._fd, None
         if fd is not None:
             with self._guard.contain(_COMPONENT):
                 os.close(fd)

@@ -27,11 +27,24 @@ import torch
 
 from stabmon.readings import Readings
 
-__all__ = ["DeviceTimer"]
+__all__ = ["DeviceTimer", "recorder_for"]
 
 
 def _new_event() -> Any:
     return torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # unannotated
+
+
+def _record_on_current_stream(event: Any) -> None:
+    event.record()
+
+
+def recorder_for(device: torch.device) -> Callable[[Any], None]:
+    """Records events on ``device``'s current stream, where the loop issues its work."""
+
+    def record(event: Any) -> None:
+        event.record(torch.cuda.current_stream(device))
+
+    return record
 
 
 class DeviceTimer:
@@ -41,10 +54,12 @@ class DeviceTimer:
         self,
         readings: Readings,
         *,
+        record: Callable[[Any], None] | None = None,
         max_pending: int = 512,
         new_event: Callable[[], Any] = _new_event,
     ) -> None:
         self._readings = readings
+        self._record = record or _record_on_current_stream
         self._max_pending = max_pending
         self._new_event = new_event
         self._pending: deque[tuple[Any, str, bool]] = deque()
@@ -55,7 +70,7 @@ class DeviceTimer:
     def mark(self, phase: str, step_end: bool = False) -> None:
         """Record a boundary where ``phase`` starts; ``step_end`` after an optimizer step."""
         event = self._free.pop() if self._free else self._new_event()
-        event.record()  # the current stream: where the training loop issues its work
+        self._record(event)
         self._pending.append((event, phase, step_end))
         if len(self._pending) > self._max_pending:
             self._recycle(self._pending.popleft()[0])

@@ -52,10 +52,8 @@ class GradSample:
     """A measurement in flight: the packed device tensor and what the host needs to read it."""
 
     packed: torch.Tensor
+    #: Gradients that were None (they are measured as zero placeholders).
     none_count: int
-    #: Positions (into the probe's parameter list) of the gradients that were present,
-    #: or None when all were; needed to name offenders on the slow path.
-    present: tuple[int, ...] | None
 
 
 @dataclass(frozen=True)
@@ -64,10 +62,10 @@ class GradSummary:
 
     total_norm: float
     group_norms: dict[str, float]
+    #: Trainable tensors whose gradient was None or all zero.
     zero_grad_params: int
     nonfinite: bool
     tensor_norms: list[float]
-    present: tuple[int, ...] | None
 
 
 @dataclass(frozen=True)
@@ -82,9 +80,13 @@ class _Bucket:
 class GradProbe:
     """Measures the gradients of a fixed list of trainable parameters.
 
-    The layout (buckets, module groups, index tensors) is computed once; a step
-    costs one list of ``.grad`` reads, one ``_foreach_norm`` per bucket and a
-    handful of tiny reductions, none of which waits for the device.
+    The layout (buckets, module groups, index tensor) is computed once and has a
+    fixed length: a missing (None) gradient is measured as a zero placeholder,
+    so the packed result never changes size and nothing is uploaded per step.
+    The layout is rebuilt when the parameters move or change dtype (``model.to("cuda")``
+    or ``.half()`` after attach). A step costs one list of ``.grad`` reads, one ``_foreach_norm``
+    per bucket and a handful of tiny reductions, none of which waits for the
+    device.
     """
 
     def __init__(
@@ -93,80 +95,107 @@ class GradProbe:
         *,
         module_depth: int = 1,
         max_modules: int = 32,
+        candidates: Sequence[torch.Tensor] = (),
     ) -> None:
+        """``named_params`` are measured; ``candidates`` (all of the optimizer's parameters)
+        are watched for ``requires_grad`` changes, see :meth:`trainable_changed`."""
         self.names: tuple[str, ...] = tuple(name for name, _ in named_params)
+        self._candidates = tuple(candidates)
+        self._trainable = tuple(param.requires_grad for param in self._candidates)
         self._params: tuple[torch.Tensor, ...] = tuple(param for _, param in named_params)
-        self.groups, group_of = _assign_groups(self.names, self._params, module_depth, max_modules)
-        self._group_of: tuple[int, ...] = group_of
-        self._buckets = _bucket(self._params)
-        self.device: torch.device = self._params[0].device if self._params else torch.device("cpu")
-        # Order of the per-tensor norms when every gradient is present: bucket order.
-        self._full_order: tuple[int, ...] = tuple(
-            position for bucket in self._buckets for position in bucket.positions
+        self.groups, self._group_of = _assign_groups(
+            self.names, self._params, module_depth, max_modules
         )
-        self._index_cache: dict[tuple[int, ...], torch.Tensor] = {}
-        # Buckets whose fused launch failed once (sparse gradients): normed per tensor from then on.
+        # Buckets whose fused launch failed on sparse gradients: normed per tensor from then on.
         self._per_tensor_buckets: set[int] = set()
+        self._build()
 
     @property
     def params(self) -> tuple[torch.Tensor, ...]:
         return self._params
 
+    @property
+    def packed_length(self) -> int:
+        """Length of every packed result of this layout."""
+        return Packed.GROUPS + len(self.groups) + len(self._params)
+
+    def trainable_changed(self) -> bool:
+        """Whether a candidate parameter was frozen or unfrozen since the probe was built."""
+        return tuple(param.requires_grad for param in self._candidates) != self._trainable
+
     def measure(self) -> GradSample | None:
         """Start measuring the current gradients; None when no gradient is present."""
+        if self._params and (self._params[0].device, self._params[0].dtype) != self._placed_as:
+            self._build()  # the model was moved or cast after attach (model.to(...), .half())
         grads = [param.grad for param in self._params]
         none_count = sum(grad is None for grad in grads)  # `None in grads` would call Tensor.__eq__
         if none_count == len(grads):
             return None
-        stacked: list[torch.Tensor] = []
-        order: list[int] = []
-        for index, bucket in enumerate(self._buckets):
-            if none_count:
-                positions = tuple(p for p in bucket.positions if grads[p] is not None)
-            else:
-                positions = bucket.positions
-            if not positions:
-                continue
-            if len(self._buckets) == 1 and not none_count:
-                # The common case: one bucket holding every parameter, in order, all present.
-                present_grads = cast(list[torch.Tensor], grads)
-            else:
-                present_grads = [grad for grad in (grads[p] for p in positions) if grad is not None]
-            norms = torch.stack(self._bucket_norms(index, present_grads))
-            stacked.append(norms.to(self.device, non_blocking=True))
-            order.extend(positions)
-        present = None if none_count == 0 else tuple(order)
-        tensor_norms = stacked[0] if len(stacked) == 1 else torch.cat(stacked)
-        packed = _pack(tensor_norms, self._group_index(tuple(order)), len(self.groups))
-        return GradSample(packed=packed, none_count=none_count, present=present)
+        present = cast(
+            list[torch.Tensor],
+            [
+                zero if grad is None else grad
+                for grad, zero in zip(grads, self._placeholders, strict=True)
+            ]
+            if none_count
+            else grads,
+        )
+        if len(self._buckets) == 1:
+            tensor_norms = torch.stack(self._bucket_norms(0, present)).to(self.device)
+        else:
+            tensor_norms = torch.cat(
+                [
+                    torch.stack(
+                        self._bucket_norms(index, [present[p] for p in bucket.positions])
+                    ).to(self.device, non_blocking=True)
+                    for index, bucket in enumerate(self._buckets)
+                ]
+            )
+        packed = _pack(tensor_norms, self._group_index, len(self.groups))
+        return GradSample(packed=packed, none_count=none_count)
 
-    def summarize(
-        self, sample_values: Sequence[float], none_count: int, present: tuple[int, ...] | None
-    ) -> GradSummary:
+    def summarize(self, values: Sequence[float]) -> GradSummary:
         """Turn a read-back packed result into host numbers."""
         group_count = len(self.groups)
-        total_sq = sample_values[Packed.TOTAL_SQ]
-        group_sq = sample_values[Packed.GROUPS : Packed.GROUPS + group_count]
-        tensor_norms = list(sample_values[Packed.GROUPS + group_count :])
+        total_sq = values[Packed.TOTAL_SQ]
+        group_sq = values[Packed.GROUPS : Packed.GROUPS + group_count]
         return GradSummary(
             total_norm=_sqrt(total_sq),
             group_norms={name: _sqrt(sq) for name, sq in zip(self.groups, group_sq, strict=True)},
-            zero_grad_params=int(sample_values[Packed.ZERO_COUNT]) + none_count,
+            zero_grad_params=int(values[Packed.ZERO_COUNT]),
             nonfinite=not math.isfinite(total_sq),
-            tensor_norms=tensor_norms,
-            present=present,
+            tensor_norms=list(values[Packed.GROUPS + group_count :]),
         )
 
     def nonfinite_offenders(self, summary: GradSummary, limit: int = 5) -> list[str]:
         """Names of the first parameters whose gradient norm is NaN or Inf (slow path)."""
-        order = summary.present if summary.present is not None else self._full_order
         offenders = [
             self.names[position]
-            for position, norm in zip(order, summary.tensor_norms, strict=True)
+            for position, norm in zip(self._order, summary.tensor_norms, strict=True)
             if not math.isfinite(norm)
         ]
         offenders.sort(key=self.names.index)  # model order, not bucket order
         return offenders[:limit]
+
+    def _build(self) -> None:
+        """Buckets, zero placeholders and the group index for where the parameters are now."""
+        self._buckets = _bucket(self._params)
+        self.device: torch.device = self._params[0].device if self._params else torch.device("cpu")
+        self._placed_as = (self.device, self._params[0].dtype if self._params else None)
+        # Order of the per-tensor norms in the packed result: bucket order.
+        self._order: tuple[int, ...] = tuple(
+            position for bucket in self._buckets for position in bucket.positions
+        )
+        zeros = {
+            (bucket.device, bucket.dtype): torch.zeros((), dtype=bucket.dtype, device=bucket.device)
+            for bucket in self._buckets
+        }
+        self._placeholders = [zeros[(param.device, param.dtype)] for param in self._params]
+        index = torch.tensor([self._group_of[p] for p in self._order], dtype=torch.long)
+        if self.device.type == "cuda":
+            index = index.pin_memory()  # a pageable upload would synchronise
+        self._index_source = index  # kept alive until the asynchronous upload is done
+        self._group_index = index.to(self.device, non_blocking=True)
 
     def _bucket_norms(self, index: int, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         bucket = self._buckets[index]
@@ -175,20 +204,11 @@ class GradProbe:
             try:
                 return list(torch._foreach_norm(grads, 2.0, dtype=norm_dtype))
             except (RuntimeError, NotImplementedError):
+                if not any(grad.is_sparse for grad in grads):
+                    raise
                 # Sparse gradients (nn.Embedding(sparse=True)) have no fused kernel.
                 self._per_tensor_buckets.add(index)
         return [_tensor_norm(grad, norm_dtype) for grad in grads]
-
-    def _group_index(self, order: tuple[int, ...]) -> torch.Tensor:
-        index = self._index_cache.get(order)
-        if index is None:
-            if len(self._index_cache) >= 16:  # None-patterns vary rarely; stay bounded if they do
-                self._index_cache.clear()
-            index = torch.tensor(
-                [self._group_of[position] for position in order], dtype=torch.long
-            ).to(self.device)
-            self._index_cache[order] = index
-        return index
 
 
 def _pack(tensor_norms: torch.Tensor, group_index: torch.Tensor, group_count: int) -> torch.Tensor:

@@ -1,5 +1,9 @@
 """Device allocator figures and host RSS, sampled off the per-step path.
 
+The background sampler updates the "now" gauges every ``sample_seconds``;
+the epoch-end sample feeds drift and leak detection and starts a new peak
+window (``reset_peak_memory_stats`` is process-wide: documented in the README).
+
 Every call here reads host-side bookkeeping: the CUDA caching allocator keeps
 its statistics on the host, so ``memory_allocated`` and friends never wait for
 the device; psutil reads ``/proc``.
@@ -7,13 +11,22 @@ the device; psutil reads ``/proc``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import psutil
 import torch
 
-__all__ = ["DeviceMemorySample", "HostMemory", "cuda_devices", "device_label", "sample_device"]
+from stabmon.readings import DeviceMemory, Readings
+
+__all__ = [
+    "DeviceMemorySample",
+    "HostMemory",
+    "MemorySampler",
+    "cuda_devices",
+    "device_label",
+    "sample_device",
+]
 
 
 @dataclass(frozen=True)
@@ -61,3 +74,47 @@ class HostMemory:
 
     def rss_bytes(self) -> int:
         return int(self._process.memory_info().rss)
+
+
+HOST = "host"
+
+
+class MemorySampler:
+    """Memory now (background thread) and at epoch end (training thread)."""
+
+    def __init__(
+        self,
+        readings: Readings,
+        host: HostMemory | None,
+        devices: Callable[[], tuple[torch.device, ...]],
+    ) -> None:
+        self._readings = readings
+        self._host = host
+        self._devices = devices
+
+    def sample(self) -> None:
+        """Host RSS and each device's allocated, reserved and epoch-peak bytes, now."""
+        readings = self._readings
+        if self._host is not None:
+            readings.host_rss = self._host.rss_bytes()
+        for device in self._devices():
+            memory = sample_device(device)
+            label = device_label(device)
+            readings.device_memory[label] = DeviceMemory(memory.allocated, memory.reserved)
+            readings.device_memory_peak[label] = memory.peak_allocated
+
+    def epoch_samples(self) -> tuple[dict[str, float], dict[str, float]]:
+        """Epoch-end bytes by label (allocated per device, RSS for host) and the epoch peaks;
+        starts the next epoch's peak window."""
+        samples: dict[str, float] = {}
+        peaks: dict[str, float] = {}
+        for device in self._devices():
+            label = device_label(device)
+            memory = sample_device(device, reset_peak=True)
+            samples[label] = memory.allocated
+            peaks[label] = memory.peak_allocated
+        if self._host is not None:
+            rss = self._host.rss_bytes()
+            self._readings.host_rss = rss
+            samples[HOST] = rss
+        return samples, peaks

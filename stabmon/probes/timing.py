@@ -61,8 +61,8 @@ class LoopTimer:
         self._mark = clock()
         self._last_step_end: float | None = None
         self._named: list[str] = []
-        #: Set while ``track()`` measures input wait itself; the hook figure is then not observed.
-        self.loader_tracked = False
+        # Set once ``track()`` measures input wait itself; the hook figure is then not observed.
+        self._loader_tracked = False
         #: True from the first forward of an iteration until its optimizer step.
         self.in_iteration = False
 
@@ -70,13 +70,21 @@ class LoopTimer:
     def phase(self) -> str:
         return self._named[-1] if self._named else self._state
 
+    @property
+    def in_named_phase(self) -> bool:
+        return bool(self._named)
+
+    def track_loader(self) -> None:
+        """From now on input wait is timed around the loader's ``next()`` (``track()``)."""
+        self._loader_tracked = True
+
     def forward_start(self) -> None:
         if self._named:
             return
         now = self._clock()
         elapsed = now - self._mark
         if self._state == _DATA_WAIT:
-            if not self.loader_tracked and self._last_step_end is not None:
+            if not self._loader_tracked and self._last_step_end is not None:
                 self._readings.data_wait.observe(elapsed)
             self.in_iteration = True
         self._readings.add_phase_time(self._state, elapsed)
@@ -115,7 +123,17 @@ class LoopTimer:
 
     def loader_wait(self, seconds: float) -> None:
         """Input wait measured around the loader's ``next()`` by ``track()``."""
-        self._readings.data_wait.observe(seconds)
+        if not self._named:  # a validation loader inside mon.phase("eval") is not input wait
+            self._readings.data_wait.observe(seconds)
+
+    def iteration_skipped(self) -> None:
+        """The optimizer step was skipped (GradScaler): end the iteration without a step."""
+        if self._named:
+            return
+        now = self._clock()
+        self._readings.add_phase_time(self._state, now - self._mark)
+        self.in_iteration = False
+        self._enter(_DATA_WAIT, now)
 
     def enter_named(self, name: str) -> None:
         now = self._clock()
@@ -125,6 +143,7 @@ class LoopTimer:
             self._readings.add_phase_time(self._state, now - self._mark)
         self._named.append(name)
         self._mark = now
+        self._heartbeat.progress(self._monotonic())
         if self._device_mark is not None:
             self._device_mark(name, False)
         self._heartbeat.phase = name
@@ -135,6 +154,7 @@ class LoopTimer:
         if self._named:
             self._readings.add_phase_time(self._named.pop(), now - self._mark)
         self._mark = now
+        self._heartbeat.progress(self._monotonic())  # silence is measured from the phase's end
         if self._device_mark is not None:
             self._device_mark(self._named[-1] if self._named else _DATA_WAIT, False)
         if self._named:

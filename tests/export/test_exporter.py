@@ -47,7 +47,7 @@ def test_training_goes_on_without_an_exporter_when_every_port_is_busy(
     assert monitor.metrics_url is None
     for _ in range(3):
         train_step(model, optimizer, monitor)
-    assert monitor.state_dict()["steps"] == 3
+    assert monitor.state_dict()["step"] == 3
     assert "could not bind the metrics exporter" in caplog.text
 
 

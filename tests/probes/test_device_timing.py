@@ -25,7 +25,7 @@ class FakeEvent:
         self._device = device
         self.at_ms = -1.0
 
-    def record(self) -> None:
+    def record(self, stream: object = None) -> None:
         self.at_ms = self._device.now_ms
 
     def query(self) -> bool:

@@ -22,7 +22,7 @@ def _measure(probe: GradProbe):  # type: ignore[no-untyped-def]
     readback: Readback[int] = Readback()
     readback.submit(0, sample.packed)
     ((_, values),) = readback.poll()
-    return probe.summarize(values, sample.none_count, sample.present)
+    return probe.summarize(values)
 
 
 def _backward(model: torch.nn.Module, inputs: torch.Tensor) -> None:
@@ -169,3 +169,29 @@ def test_grad_probe_bounds_module_groups_by_max_modules() -> None:
 )  # fmt: skip
 def test_group_name_cuts_the_module_path_at_depth(name: str, depth: int, group: str) -> None:
     assert group_name(name, depth) == group
+
+
+def test_grad_probe_keeps_one_fixed_layout_as_missing_gradients_vary() -> None:
+    params = [(f"expert{i}.w", torch.nn.Parameter(torch.zeros(2))) for i in range(4)]
+    probe = GradProbe(params)
+    sizes = set()
+    for missing in range(4):  # a different expert gets no tokens each step (MoE)
+        for i, (_, param) in enumerate(params):
+            param.grad = None if i == missing else torch.full((2,), float(i + 1))
+        sample = probe.measure()
+        assert sample is not None and sample.none_count == 1
+        sizes.add(sample.packed.numel())
+        summary = _measure(probe)
+        assert summary.zero_grad_params == 1
+        assert summary.group_norms[f"expert{missing}"] == 0.0
+    assert len(sizes) == 1
+
+
+def test_grad_probe_follows_parameters_moved_after_it_was_built() -> None:
+    model = torch.nn.Linear(3, 1)
+    probe = GradProbe(_named(model))
+    model.to(torch.float64)  # moves (re-types) the same Parameter objects in place
+    model(torch.randn(2, 3, dtype=torch.float64)).sum().backward()
+    summary = _measure(probe)
+    expected = get_total_norm([model.weight.grad, model.bias.grad])
+    assert summary.total_norm == pytest.approx(float(expected), rel=1e-9)

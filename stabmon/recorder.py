@@ -1,0 +1,282 @@
+"""Host-side judgement: read-back values in; readings, event records and log lines out.
+
+The Recorder is the one place where measurements become verdicts. It feeds the
+spike and leak detectors, writes :class:`~stabmon.readings.Readings` (what the
+exporter publishes), the event log and the rate-limited log lines. It holds no
+reference to the Monitor, the model or any thread, so a Monitor that is dropped
+without ``detach()`` can still be garbage-collected.
+
+Threads: everything runs on the training thread except :meth:`stalled` and
+:meth:`resumed`, which the watchdog calls; they touch only the stall gauge, the
+stall anomaly count and the event log (whose writes are serialised).
+
+Step numbers: ``step`` in every record is the global index of the step the
+record belongs to (the count of optimizer steps completed before it, across
+resumes). Counters in Readings count this process only, so a restart looks to
+Prometheus like the counter reset that ``rate()`` and ``increase()`` handle.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from stabmon.config import Config
+from stabmon.detectors.leak import LeakDetector
+from stabmon.detectors.spike import SpikeDetector
+from stabmon.detectors.stall import StallReport
+from stabmon.errors import StabmonError
+from stabmon.export.event_log import EventLog
+from stabmon.log import LOGGER, LogLimiter
+from stabmon.probes.amp import ScaleTracker
+from stabmon.probes.grads import GradSummary
+from stabmon.readings import Readings
+
+__all__ = ["STATE_VERSION", "Recorder"]
+
+STATE_VERSION = 2
+HOST = "host"
+
+
+class Recorder:
+    """Judges host values and records the verdicts (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: Config,
+        readings: Readings,
+        *,
+        events: EventLog | None,
+        limiter: LogLimiter,
+    ) -> None:
+        self._config = config
+        self._readings = readings
+        self._events = events
+        self._limiter = limiter
+        self.step_offset = 0
+        self._loss_spikes, self._grad_spikes = self._new_spike_detectors()
+        self._leaks: dict[str, LeakDetector] = {}
+        self._scale = ScaleTracker()
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps completed, across resumes."""
+        return self.step_offset + self._readings.steps
+
+    # --- per step -----------------------------------------------------------------------------
+
+    def grads(self, step: int, summary: GradSummary, offenders: Callable[[], list[str]]) -> None:
+        readings = self._readings
+        readings.grad_norm = summary.total_norm
+        readings.module_grad_norms = summary.group_norms
+        readings.zero_grad_params = summary.zero_grad_params
+        if summary.nonfinite:
+            readings.nonfinite_grad_steps += 1
+            names = offenders()
+            self.anomaly(
+                "nonfinite_grad",
+                step,
+                f"non-finite gradient norm {summary.total_norm} at step {step}; first offending "
+                f"parameters: {', '.join(names) or 'unknown'}",
+                grad_norm=summary.total_norm,
+                parameters=names,
+                modules=sorted({name.rsplit(".", 1)[0] for name in names}),
+            )
+            return
+        spike = self._grad_spikes.update(summary.total_norm)
+        if spike is not None and spike.run_length == 1:  # one incident, one anomaly
+            self.anomaly(
+                "grad_spike",
+                step,
+                f"gradient norm spike at step {step}: {spike.value:.4g} (z={spike.zscore:.1f}, "
+                f"running mean {spike.mean:.4g})",
+                grad_norm=spike.value,
+                zscore=spike.zscore,
+                mean=spike.mean,
+            )
+
+    def loss(self, step: int, value: float) -> None:
+        readings = self._readings
+        readings.loss = value
+        if not math.isfinite(value):
+            readings.nonfinite_losses += 1
+            self.anomaly(
+                "nonfinite_loss", step, f"non-finite loss {value} at step {step}", loss=value
+            )
+            return
+        spike = self._loss_spikes.update(value)
+        if spike is not None and spike.run_length == 1:  # one incident, one anomaly
+            self.anomaly(
+                "loss_spike",
+                step,
+                f"loss spike at step {step}: {spike.value:.4g} (z={spike.zscore:.1f}, running "
+                f"mean {spike.mean:.4g})",
+                loss=spike.value,
+                zscore=spike.zscore,
+                mean=spike.mean,
+            )
+
+    def scale(self, step: int, scale: float) -> None:
+        """One GradScaler scale per ``update()``; a drop means that step was skipped."""
+        readings = self._readings
+        readings.amp_loss_scale = scale
+        if self._scale.update(scale):
+            readings.amp_skipped_steps = (readings.amp_skipped_steps or 0) + 1
+            self.write(
+                "amp_skip", step=step, scale=scale, consecutive=self._scale.consecutive_skips
+            )
+
+    # --- per epoch ----------------------------------------------------------------------------
+
+    def epoch(self, samples: Mapping[str, float], peaks: Mapping[str, float]) -> None:
+        """Judge the epoch-end memory samples (bytes by device label) and close the epoch."""
+        readings = self._readings
+        epoch = readings.epoch
+        step = self.global_step
+        drift: dict[str, float | None] = {}
+        for label, value in samples.items():
+            verdict = self._leak_detector(label).update(epoch, value)
+            readings.epoch_memory[label] = value
+            drift[label] = verdict.drift
+            if verdict.drift is not None:
+                readings.memory_drift[label] = verdict.drift
+            readings.memory_leak_suspected[label] = int(verdict.suspected)
+            if verdict.newly_suspected:
+                cfg = self._config
+                self.anomaly(
+                    "memory_leak",
+                    step,
+                    f"memory on {label} grew more than {cfg.leak_threshold:.1%} in "
+                    f"{cfg.leak_windows} consecutive windows of {cfg.leak_window_epochs} "
+                    f"epoch(s); now {value / 2**20:.1f} MiB, {verdict.drift or 0.0:+.1%} against "
+                    "the baseline epoch",
+                    device=label,
+                    bytes=value,
+                    drift=verdict.drift,
+                )
+        self.write(
+            "epoch",
+            epoch=epoch,
+            step=step,
+            memory=dict(samples),
+            peak=dict(peaks),
+            drift=drift,
+            leak_suspected={label: bool(v) for label, v in readings.memory_leak_suspected.items()},
+            grad_norm=readings.grad_norm,
+            loss=readings.loss,
+            anomalies={kind: n for kind, n in readings.anomalies.items() if n},
+        )
+        readings.epoch = epoch + 1
+
+    # --- stalls (watchdog thread) -------------------------------------------------------------
+
+    def stalled(self, report: StallReport) -> None:
+        self._readings.stalled = 1
+        step = self.global_step
+        self.anomaly(
+            "stall",
+            step,
+            f"no step completed for {report.silent_seconds:.1f} s (limit "
+            f"{report.limit_seconds:.1f} s) after step {step}, in phase {report.phase!r}; "
+            "every thread's stack is in the event log",
+            phase=report.phase,
+            silent_seconds=round(report.silent_seconds, 3),
+            limit_seconds=round(report.limit_seconds, 3),
+            stacks=report.stacks,
+        )
+
+    def resumed(self, lasted: float) -> None:
+        self._readings.stalled = 0
+        self.write("stall_end", step=self.global_step, stalled_seconds=round(lasted, 3))
+        LOGGER.info("stabmon: steps resumed after a stall of %.1f s", lasted)
+
+    # --- records ------------------------------------------------------------------------------
+
+    def anomaly(self, kind: str, step: int, message: str, **details: Any) -> None:
+        self._readings.count_anomaly(kind)
+        self.write("anomaly", kind=kind, step=step, epoch=self._readings.epoch, **details)
+        self._limiter.limited(f"anomaly:{kind}", logging.WARNING, "stabmon: %s", message)
+
+    def write(self, event: str, **fields: Any) -> None:
+        if self._events is not None:
+            self._events.write(event, **fields)
+
+    # --- resume -------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION,
+            "step": self.global_step,
+            "epoch": self._readings.epoch,
+            "loss_spikes": self._loss_spikes.state_dict(),
+            "grad_spikes": self._grad_spikes.state_dict(),
+            "leaks": {device: leak.state_dict() for device, leak in self._leaks.items()},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue numbering and baselines; checks everything before changing anything."""
+        if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
+            raise StabmonError(
+                f"not a stabmon Monitor state of version {STATE_VERSION} (got "
+                f"{type(state).__name__} with version {_version_of(state)!r}); pass what "
+                "Monitor.state_dict() returned"
+            )
+        missing = sorted({"step", "epoch", "loss_spikes", "grad_spikes", "leaks"} - set(state))
+        if missing:
+            raise StabmonError(
+                f"stabmon Monitor state is missing key(s) {', '.join(missing)}; pass what "
+                "Monitor.state_dict() returned"
+            )
+        step, epoch = state["step"], state["epoch"]
+        if not (_is_count(step) and _is_count(epoch)):
+            raise StabmonError(
+                f"stabmon Monitor state has step={step!r}, epoch={epoch!r}; expected integers >= 0"
+            )
+        loss_spikes, grad_spikes = self._new_spike_detectors()
+        leaks = {label: self._new_leak_detector() for label in dict(state["leaks"])}
+        try:
+            loss_spikes.load_state_dict(state["loss_spikes"])
+            grad_spikes.load_state_dict(state["grad_spikes"])
+            for label, leak_state in dict(state["leaks"]).items():
+                leaks[label].load_state_dict(leak_state)
+        except (TypeError, ValueError) as error:
+            raise StabmonError(f"stabmon Monitor state is malformed: {error}") from error
+        self.step_offset = step - self._readings.steps
+        self._readings.epoch = epoch
+        self._loss_spikes, self._grad_spikes = loss_spikes, grad_spikes
+        self._leaks.update(leaks)
+        self.write("resume", step=step, epoch=epoch)
+
+    def _new_spike_detectors(self) -> tuple[SpikeDetector, SpikeDetector]:
+        """Loss (linear) and gradient-norm (log scale: norms vary multiplicatively) detectors."""
+        cfg = self._config
+        threshold, warmup, alpha = cfg.spike_threshold, cfg.spike_warmup_steps, cfg.spike_ema_alpha
+        return (
+            SpikeDetector(threshold=threshold, warmup=warmup, alpha=alpha),
+            SpikeDetector(threshold=threshold, warmup=warmup, alpha=alpha, log_scale=True),
+        )
+
+    def _leak_detector(self, label: str) -> LeakDetector:
+        detector = self._leaks.get(label)
+        if detector is None:
+            detector = self._leaks[label] = self._new_leak_detector()
+        return detector
+
+    def _new_leak_detector(self) -> LeakDetector:
+        cfg = self._config
+        return LeakDetector(
+            threshold=cfg.leak_threshold,
+            windows=cfg.leak_windows,
+            window_epochs=cfg.leak_window_epochs,
+            warmup_epochs=cfg.leak_warmup_epochs,
+        )
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _version_of(state: object) -> object:
+    return state.get("version") if isinstance(state, Mapping) else None
