@@ -42,7 +42,9 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 StepFn = Callable[[Batch], None]
 GradCheck = Callable[[], object]
 
-DEFAULT_THREADS = 2
+# One thread: on a shared 2-core box, two OpenMP threads turned a neighbour's burst into
+# 10x slower rounds; `--threads` measures other settings.
+DEFAULT_THREADS = 1
 DEFAULT_ROUNDS = 16  # even, so every pair of variants runs equally often in each order
 WARMUP_STEPS = 5
 TARGET_SECONDS = 1.0  # plain-loop time of one variant's timed segment in one round
@@ -350,7 +352,8 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def header(rounds: int, steps: dict[str, int]) -> dict[str, Any]:
+def header(**run: object) -> dict[str, Any]:
+    """The machine and versions, then the run's own settings (``run``)."""
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "hostname": socket.gethostname(),
@@ -360,9 +363,7 @@ def header(rounds: int, steps: dict[str, int]) -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "stabmon": stabmon.__version__,
-        "rounds": rounds,
-        "steps_per_round": ", ".join(f"{name} {count}" for name, count in steps.items()),
-        "warmup_steps_per_variant_per_round": WARMUP_STEPS,
+        **run,
     }
 
 
@@ -469,8 +470,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="stabmon-bench-") as tmp:
         run_dir = Path(tmp)
         if args.steps_rss is not None:
-            report["header"] = header(rounds=0, steps={"tiny": args.steps_rss})
-            del report["header"]["rounds"], report["header"]["warmup_steps_per_variant_per_round"]
+            report["header"] = header(rss_steps=args.steps_rss)
             print(format_header(report["header"]), flush=True)
             report["rss"] = run_rss(args.steps_rss, args.seed, run_dir)
             print()
@@ -481,7 +481,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 name: fixed_steps or calibrate_steps(name, args.seed, run_dir)
                 for name in args.workloads
             }
-            report["header"] = header(rounds, steps)
+            report["header"] = header(
+                rounds=rounds,
+                steps_per_round=", ".join(f"{name} {count}" for name, count in steps.items()),
+                warmup_steps_per_variant_per_round=WARMUP_STEPS,
+            )
             print(format_header(report["header"]), flush=True)
             report["workloads"] = []
             for name in args.workloads:

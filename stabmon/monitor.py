@@ -317,10 +317,12 @@ class Monitor:
                 step = max(step - 1, 0)  # observed after the step it belongs to
             if isinstance(loss, torch.Tensor):
                 value = loss.detach()
-                value = value.reshape(1) if value.numel() == 1 else value.float().mean().reshape(1)
-                self._readback.submit(_ValueTag("loss", step), value.to(torch.float64))
+                if value.numel() != 1:
+                    value = value.float().mean()
                 if value.device.type == "cpu":
-                    self._consume(self._readback.poll())
+                    self._recorder.loss(step, float(value))  # host memory: no device to wait for
+                else:
+                    self._readback.submit(_ValueTag("loss", step), value.reshape(1).double())
             else:
                 self._recorder.loss(step, float(loss))
         except Exception as error:  # never break training
@@ -498,7 +500,7 @@ class Monitor:
 
     def _consume(self, results: list[tuple[_GradTag | _ValueTag, list[float]]]) -> None:
         for tag, values in results:
-            with self._guard.contain("detectors"):
+            try:  # per result, so one bad value does not lose the others
                 if isinstance(tag, _GradTag):
                     probe = self._grads
                     if probe is None or len(values) != probe.packed_length:
@@ -510,6 +512,8 @@ class Monitor:
                     self._recorder.loss(tag.step, values[0])
                 else:
                     self._recorder.scale(tag.step, values[0])
+            except Exception as error:
+                self._guard.record("detectors", error)
 
     def _close_epoch(self) -> None:
         with self._guard.contain("memory"):

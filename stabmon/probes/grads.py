@@ -2,8 +2,10 @@
 
 ``torch._foreach_norm`` gives the L2 norm of each gradient tensor in one fused
 launch per (device, dtype) bucket; everything else is reduced from those norms
-on the device: squared norms summed per module group (``index_add_``) and in
-total, and the count of all-zero gradients. The non-finite check needs no pass
+on the device: the squared norms summed per module group (``index_add_``) and
+in total. Counting all-zero gradients needs no
+device work: the per-tensor norms come back anyway, and ``list.count(0.0)``
+on the host is cheaper than two more launches. The non-finite check needs no pass
 of its own: a NaN or Inf anywhere makes the total NaN or Inf, which the host
 sees when the packed result is read back a step later. Half-precision
 gradients are normed in fp32 and the sums run in fp64, so a large but finite
@@ -32,11 +34,15 @@ ROOT_GROUP = "root"
 
 
 class Packed:
-    """Offsets of the packed result: ``[total_sq, zero_count, group_sq..., tensor_norms...]``."""
+    """Layout of the packed result: ``[group_sq..., total_sq, tensor_norms...]``.
 
-    TOTAL_SQ = 0
-    ZERO_COUNT = 1
-    GROUPS = 2
+    Group sums use ``index_add_``, not a product with an indicator matrix: there
+    ``0 * NaN`` would turn every group NaN and hide which module blew up.
+    """
+
+    @staticmethod
+    def length(groups: int, tensors: int) -> int:
+        return groups + 1 + tensors
 
 
 def group_name(param_name: str, depth: int) -> str:
@@ -117,7 +123,7 @@ class GradProbe:
     @property
     def packed_length(self) -> int:
         """Length of every packed result of this layout."""
-        return Packed.GROUPS + len(self.groups) + len(self._params)
+        return Packed.length(len(self.groups), len(self._params))
 
     def trainable_changed(self) -> bool:
         """Whether a candidate parameter was frozen or unfrozen since the probe was built."""
@@ -140,8 +146,8 @@ class GradProbe:
             if none_count
             else grads,
         )
-        if len(self._buckets) == 1:
-            tensor_norms = torch.stack(self._bucket_norms(0, present)).to(self.device)
+        if len(self._buckets) == 1:  # then every parameter is on self.device already
+            tensor_norms = torch.stack(self._bucket_norms(0, present))
         else:
             tensor_norms = torch.cat(
                 [
@@ -157,14 +163,16 @@ class GradProbe:
     def summarize(self, values: Sequence[float]) -> GradSummary:
         """Turn a read-back packed result into host numbers."""
         group_count = len(self.groups)
-        total_sq = values[Packed.TOTAL_SQ]
-        group_sq = values[Packed.GROUPS : Packed.GROUPS + group_count]
+        total_sq = values[group_count]
+        tensor_norms = list(values[group_count + 1 :])
         return GradSummary(
             total_norm=_sqrt(total_sq),
-            group_norms={name: _sqrt(sq) for name, sq in zip(self.groups, group_sq, strict=True)},
-            zero_grad_params=int(values[Packed.ZERO_COUNT]),
+            group_norms={
+                name: _sqrt(sq) for name, sq in zip(self.groups, values[:group_count], strict=True)
+            },
+            zero_grad_params=tensor_norms.count(0.0),  # None gradients are zero placeholders
             nonfinite=not math.isfinite(total_sq),
-            tensor_norms=list(values[Packed.GROUPS + group_count :]),
+            tensor_norms=tensor_norms,
         )
 
     def nonfinite_offenders(self, summary: GradSummary, limit: int = 5) -> list[str]:
@@ -212,14 +220,11 @@ class GradProbe:
 
 
 def _pack(tensor_norms: torch.Tensor, group_index: torch.Tensor, group_count: int) -> torch.Tensor:
-    """Pack ``[total_sq, zero_count, group_sq..., tensor_norms...]`` in fp64 (fp32 on MPS)."""
-    accumulate = torch.float32 if tensor_norms.device.type == "mps" else torch.float64
-    norms = tensor_norms.to(accumulate)
+    """``[group_sq..., total_sq, tensor_norms...]`` in fp64 (fp32 on MPS, which has no fp64)."""
+    norms = tensor_norms.to(torch.float32 if tensor_norms.device.type == "mps" else torch.float64)
     squares = norms * norms
     group_sq = squares.new_zeros(group_count).index_add_(0, group_index, squares)
-    total_sq = group_sq.sum(0, keepdim=True)
-    zero_count = (norms == 0).sum(0, keepdim=True).to(accumulate)
-    return torch.cat([total_sq, zero_count, group_sq, norms])
+    return torch.cat([group_sq, squares.sum(0, keepdim=True), norms])
 
 
 def _tensor_norm(grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -195,3 +195,13 @@ def test_grad_probe_follows_parameters_moved_after_it_was_built() -> None:
     summary = _measure(probe)
     expected = get_total_norm([model.weight.grad, model.bias.grad])
     assert summary.total_norm == pytest.approx(float(expected), rel=1e-9)
+
+
+def test_grad_probe_keeps_clean_module_norms_finite_when_one_module_is_nan() -> None:
+    clean = torch.nn.Parameter(torch.zeros(2))
+    broken = torch.nn.Parameter(torch.zeros(2))
+    clean.grad = torch.tensor([3.0, 4.0])
+    broken.grad = torch.tensor([float("nan"), 1.0])
+    summary = _measure(GradProbe([("encoder.w", clean), ("decoder.w", broken)]))
+    assert summary.group_norms["encoder"] == pytest.approx(5.0)  # where the NaN is not
+    assert math.isnan(summary.group_norms["decoder"])
