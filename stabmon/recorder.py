@@ -25,7 +25,7 @@ from typing import Any
 
 from stabmon.config import Config
 from stabmon.detectors.leak import LeakDetector
-from stabmon.detectors.spike import SpikeDetector
+from stabmon.detectors.spike import Spike, SpikeDetector
 from stabmon.detectors.stall import StallReport
 from stabmon.errors import StabmonError
 from stabmon.export.event_log import EventLog
@@ -85,17 +85,13 @@ class Recorder:
                 modules=sorted({name.rsplit(".", 1)[0] for name in names}),
             )
             return
-        spike = self._grad_spikes.update(summary.total_norm)
-        if spike is not None and spike.run_length == 1:  # one incident, one anomaly
-            self.anomaly(
-                "grad_spike",
-                step,
-                f"gradient norm spike at step {step}: {spike.value:.4g} (z={spike.zscore:.1f}, "
-                f"running mean {spike.mean:.4g})",
-                grad_norm=spike.value,
-                zscore=spike.zscore,
-                mean=spike.mean,
-            )
+        self._spike(
+            "grad_spike",
+            "gradient norm",
+            "grad_norm",
+            step,
+            self._grad_spikes.update(summary.total_norm),
+        )
 
     def loss(self, step: int, value: float) -> None:
         readings = self._readings
@@ -106,17 +102,20 @@ class Recorder:
                 "nonfinite_loss", step, f"non-finite loss {value} at step {step}", loss=value
             )
             return
-        spike = self._loss_spikes.update(value)
-        if spike is not None and spike.run_length == 1:  # one incident, one anomaly
-            self.anomaly(
-                "loss_spike",
-                step,
-                f"loss spike at step {step}: {spike.value:.4g} (z={spike.zscore:.1f}, running "
-                f"mean {spike.mean:.4g})",
-                loss=spike.value,
-                zscore=spike.zscore,
-                mean=spike.mean,
-            )
+        self._spike("loss_spike", "loss", "loss", step, self._loss_spikes.update(value))
+
+    def _spike(self, kind: str, what: str, field: str, step: int, spike: Spike | None) -> None:
+        if spike is None or spike.run_length != 1:  # one incident, one anomaly
+            return
+        self.anomaly(
+            kind,
+            step,
+            f"{what} spike at step {step}: {spike.value:.4g} (z={spike.zscore:.1f}, running "
+            f"mean {spike.mean:.4g})",
+            **{field: spike.value},
+            zscore=spike.zscore,
+            mean=spike.mean,
+        )
 
     def scale(self, step: int, scale: float) -> None:
         """One GradScaler scale per ``update()``; a drop means that step was skipped."""
