@@ -1,21 +1,50 @@
-"""Where a run's files live.
+"""Where a run's files live, and the registration records the node daemon reads.
 
-Layout: ``<run_dir>/<run_id>/rank-<rank>.events.jsonl``. The default root is
-``/var/tmp/stabmon``: node-wide, so the node daemon finds every run without
-configuration, and, unlike ``/tmp``, kept across reboots, so an event log
-outlives a crashed machine. ``run_dir`` in the config (or ``STABMON_DIR``)
-moves it.
+Layout::
+
+    <run_dir>/<run_id>/rank-<rank>.json          registration + heartbeat (this module)
+    <run_dir>/<run_id>/rank-<rank>.events.jsonl  event log (stabmon.export.event_log)
+
+The default root is ``/var/tmp/stabmon``: node-wide, so the daemon finds every
+run without configuration, and, unlike ``/tmp``, kept across reboots, so an
+event log outlives a crashed machine. ``run_dir`` in the config (or
+``STABMON_DIR``) moves it.
+
+A training process writes its record at attach, rewrites it from its sampler
+thread (the heartbeat: ``last_step_unix``) and removes it at detach. Records
+are written atomically (write, then rename) so a reader sees the old record or
+the new one, never half. Readers tolerate what a crash, a disk or a person can
+leave behind (partial, stale, malformed files, a vanished directory) and skip
+such files with a reason.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import os
 import re
-from dataclasses import dataclass
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
-__all__ = ["DEFAULT_RUN_DIR", "RunPaths", "safe_component"]
+__all__ = [
+    "DEFAULT_RUN_DIR",
+    "RECORD_VERSION",
+    "ProcessRecord",
+    "RecordProblem",
+    "RunPaths",
+    "read_records",
+    "safe_component",
+    "write_atomic",
+]
 
 DEFAULT_RUN_DIR = Path("/var/tmp/stabmon")
+RECORD_VERSION = 1
+#: Records larger than this are not records (a person's file, a corrupted disk).
+MAX_RECORD_BYTES = 64 * 1024
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
@@ -41,3 +70,160 @@ class RunPaths:
     @property
     def events(self) -> Path:
         return self.run_directory / f"rank-{self.rank}.events.jsonl"
+
+    @property
+    def record(self) -> Path:
+        return self.run_directory / f"rank-{self.rank}.json"
+
+
+@dataclass(frozen=True)
+class ProcessRecord:
+    """One training process, as it registers itself for the node daemon."""
+
+    pid: int
+    #: psutil's create time of ``pid``: tells a live process from a reused pid.
+    create_time: float
+    run: str
+    rank: int
+    local_rank: int = 0
+    hostname: str = ""
+    #: Physical GPUs the process declared it uses, as NVML spells them (``GPU-...``, ``MIG-...``).
+    gpu_uuids: tuple[str, ...] = ()
+    cuda_visible_devices: str | None = None
+    metrics_url: str | None = None
+    attached_unix: float = 0.0
+    #: Unix time of the last completed optimizer step (the heartbeat); None before the first.
+    last_step_unix: float | None = None
+    steps: int = 0
+    #: When the record was last written (the sampler rewrites it every ``sample_seconds``).
+    updated_unix: float = 0.0
+    #: The process's stall limit, when configured (the daemon's heartbeat age compares to it).
+    stall_seconds: float | None = None
+    version: int = field(default=RECORD_VERSION)
+
+    def to_json(self) -> bytes:
+        data = asdict(self)
+        data["gpu_uuids"] = list(self.gpu_uuids)
+        return json.dumps(data, separators=(",", ":"), allow_nan=False).encode()
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> ProcessRecord:
+        """Validate a parsed record; raises ValueError saying what is wrong."""
+        if data.get("version") != RECORD_VERSION:
+            raise ValueError(f"unsupported record version {data.get('version')!r}")
+        return cls(
+            pid=_int(data, "pid", minimum=1),
+            create_time=_number(data, "create_time"),
+            run=_text(data, "run"),
+            rank=_int(data, "rank", minimum=0),
+            local_rank=_int(data, "local_rank", minimum=0, default=0),
+            hostname=_text(data, "hostname", default=""),
+            gpu_uuids=tuple(_uuid_list(data.get("gpu_uuids", []))),
+            cuda_visible_devices=_optional_text(data, "cuda_visible_devices"),
+            metrics_url=_optional_text(data, "metrics_url"),
+            attached_unix=_number(data, "attached_unix", default=0.0),
+            last_step_unix=_optional_number(data, "last_step_unix"),
+            steps=_int(data, "steps", minimum=0, default=0),
+            updated_unix=_number(data, "updated_unix", default=0.0),
+            stall_seconds=_optional_number(data, "stall_seconds"),
+        )
+
+
+@dataclass(frozen=True)
+class RecordProblem:
+    """A file in the run directory that is not a usable record, and why."""
+
+    path: Path
+    reason: str
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the new one, never half.
+
+    rename(2) is atomic within a filesystem, so the file is written under a
+    temporary name (unique per process and thread) beside it and renamed over
+    the target; the temporary file is removed if anything fails.
+    """
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        with open(temporary, "wb") as handle:
+            handle.write(data)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+def read_records(root: Path) -> tuple[list[ProcessRecord], list[RecordProblem]]:
+    """Every record under ``root`` (``<run>/rank-*.json``), and the files that are not records.
+
+    Never raises for what is on disk: a missing root is no records; an
+    unreadable, oversized, partial or malformed file is a problem, not an error.
+    """
+    records: list[ProcessRecord] = []
+    problems: list[RecordProblem] = []
+    for path in _record_paths(root):
+        try:
+            if path.stat().st_size > MAX_RECORD_BYTES:
+                raise ValueError(f"larger than {MAX_RECORD_BYTES} bytes")
+            data = json.loads(path.read_bytes())
+            if not isinstance(data, dict):
+                raise ValueError("not a JSON object")
+            records.append(ProcessRecord.from_mapping(data))
+        except FileNotFoundError:
+            continue  # removed at detach between listing and reading: not a problem
+        except (OSError, ValueError, UnicodeDecodeError) as error:
+            problems.append(RecordProblem(path, f"{type(error).__name__}: {error}"))
+    return records, problems
+
+
+def _record_paths(root: Path) -> Iterator[Path]:
+    try:
+        runs = [entry for entry in root.iterdir() if entry.is_dir()]
+    except OSError:
+        return
+    for run in sorted(runs):
+        try:
+            yield from sorted(run.glob("rank-*.json"))
+        except OSError:
+            continue
+
+
+def _int(data: Mapping[str, Any], key: str, *, minimum: int, default: int | None = None) -> int:
+    value = data.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{key} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _number(data: Mapping[str, Any], key: str, *, default: float | None = None) -> float:
+    value = data.get(key, default)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise ValueError(f"{key} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _optional_number(data: Mapping[str, Any], key: str) -> float | None:
+    return None if data.get(key) is None else _number(data, key)
+
+
+def _text(data: Mapping[str, Any], key: str, *, default: str | None = None) -> str:
+    value = data.get(key, default)
+    if not isinstance(value, str) or len(value) > 256:
+        raise ValueError(f"{key} must be a string of at most 256 characters, got {value!r}")
+    return value
+
+
+def _optional_text(data: Mapping[str, Any], key: str) -> str | None:
+    return None if data.get(key) is None else _text(data, key)
+
+
+def _uuid_list(value: object) -> list[str]:
+    if not isinstance(value, list) or len(value) > 64:
+        raise ValueError(f"gpu_uuids must be a list of at most 64 strings, got {value!r}")
+    uuids = []
+    for item in value:
+        if not isinstance(item, str) or len(item) > 128:
+            raise ValueError(f"gpu_uuids holds {item!r}, not a UUID string")
+        uuids.append(item)
+    return uuids
