@@ -1,4 +1,4 @@
-"""The ``stabmon`` command: ``demo`` and ``check-config``.
+"""The ``stabmon`` command: ``demo``, ``daemon`` and ``check-config``.
 
 Errors are one line on stderr and exit code 2; nothing prints a traceback for
 a mistake the user can fix.
@@ -43,7 +43,46 @@ def _parser() -> argparse.ArgumentParser:
 
     check = commands.add_parser("check-config", help="validate a YAML config file (exit 0 or 2)")
     check.add_argument("file")
+
+    daemon = commands.add_parser(
+        "daemon", help="serve GPU, process and liveness telemetry of this node (one per node)"
+    )
+    daemon.add_argument("--config", help="YAML config file (the same schema as the library)")
+    daemon.add_argument("--port", type=int, help="HTTP port (default 9401; 0: any free port)")
+    daemon.add_argument("--address", help="bind address (default 0.0.0.0)")
+    daemon.add_argument("--run-dir", help="run directory to watch (default /var/tmp/stabmon)")
+    daemon.add_argument("--interval", type=float, help="poll interval in seconds (default 5)")
     return parser
+
+
+def _run_daemon(args: argparse.Namespace) -> int:
+    import logging
+    import os
+
+    from stabmon.daemon.app import DaemonApp
+
+    overrides = {
+        key: value
+        for key, value in (
+            ("daemon.port", args.port),
+            ("daemon.address", args.address),
+            ("daemon.interval", args.interval),
+            ("run_dir", args.run_dir),
+        )
+        if value is not None
+    }
+    config = load_config(args.config, overrides, env=os.environ)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    app = DaemonApp(config)
+    if not app.start():
+        sys.stderr.write(
+            f"stabmon: error: could not bind {config.daemon.address}:{config.daemon.port}; "
+            "choose a free --port\n"
+        )
+        return 2
+    print(f"stabmon daemon: serving {app.url}", flush=True)
+    app.run_until_signalled()
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -53,6 +92,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             config = load_config(args.file, env={})
             print(f"{args.file}: ok ({len(config.to_dict())} keys)")
             return 0
+        if args.command == "daemon":
+            return _run_daemon(args)
         if args.command == "demo":
             from stabmon.demo import DemoPlan, run_demo
 

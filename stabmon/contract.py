@@ -254,7 +254,18 @@ DEVICE_STEP_DURATION = MetricDef(
     "histogram",
     "Device time from one optimizer step's end to the next, from CUDA events.",
 )
-EXTENSION_METRICS: tuple[MetricDef, ...] = (DEVICE_PHASE_SECONDS, DEVICE_STEP_DURATION)
+DEVICE_UTILIZATION = MetricDef(
+    "stabmon_device_utilization_ratio",
+    "gauge",
+    "GPU utilization of a device this process uses, 0..1 (the process's view; the daemon's "
+    "stabmon_gpu_utilization_ratio is the node's).",
+    ("device",),
+)
+EXTENSION_METRICS: tuple[MetricDef, ...] = (
+    DEVICE_PHASE_SECONDS,
+    DEVICE_STEP_DURATION,
+    DEVICE_UTILIZATION,
+)
 
 # --- node daemon ------------------------------------------------------------------------------
 

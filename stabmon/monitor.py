@@ -19,6 +19,8 @@ import functools
 import logging
 import os
 import re
+import socket
+import time
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -26,6 +28,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, TypeVar
 
+import psutil
 import torch
 from prometheus_client import CollectorRegistry
 
@@ -43,6 +46,7 @@ from stabmon.hooks import HookSet, unwrap_model
 from stabmon.log import LOGGER, LogLimiter
 from stabmon.probes.amp import scale_tensor
 from stabmon.probes.device_timing import DeviceTimer, recorder_for
+from stabmon.probes.devices import torch_device_uuids
 from stabmon.probes.environment import build_info, default_run_id, process_identity
 from stabmon.probes.grads import GradProbe, GradSample
 from stabmon.probes.memory import HostMemory, MemorySampler, cuda_devices
@@ -50,7 +54,7 @@ from stabmon.probes.timing import LoopTimer, timed_iteration
 from stabmon.readback import Readback
 from stabmon.readings import Readings
 from stabmon.recorder import Recorder
-from stabmon.rundir import DEFAULT_RUN_DIR, RunPaths
+from stabmon.rundir import DEFAULT_RUN_DIR, ProcessRecord, Registration, RunPaths
 
 __all__ = ["Monitor", "attach"]
 
@@ -112,12 +116,18 @@ class _Resources:
     threads: list[PeriodicThread] = field(default_factory=list)
     exporter: Exporter | None = None
     events: EventLog | None = None
+    registration: Registration | None = None
 
     def close(self) -> None:
         if self.hooks is not None:
             self.hooks.remove()
         for thread in self.threads:
             thread.stop()
+        if self.registration is not None:
+            try:
+                self.registration.remove()
+            except OSError:
+                pass  # the daemon reports a record whose process is gone as down
         if self.exporter is not None:
             try:
                 self.exporter.stop()
@@ -163,6 +173,7 @@ class Monitor:
         local_world_size: int,
     ) -> None:
         cfg = self.config
+        self._local_rank = local_rank
         self._optimizer = optimizer
         self._model = model
         self._readings = Readings(
@@ -228,6 +239,7 @@ class Monitor:
                 if exporter.start():
                     self._resources.exporter = exporter
 
+        self._register(probe)
         watchdog = StallWatchdog(
             self._heartbeat,
             stall_seconds=cfg.stall_seconds,
@@ -248,6 +260,26 @@ class Monitor:
                 component="memory",
             ),
         ]
+        registration = self._resources.registration
+        if registration is not None:
+            readings, recorder = self._readings, self._recorder
+
+            def heartbeat() -> None:  # captures no Monitor: a dropped Monitor can be collected
+                registration.write(
+                    last_step_unix=readings.last_step_unix,
+                    steps=recorder.global_step,
+                    now=time.time(),
+                )
+
+            self._resources.threads.append(
+                PeriodicThread(
+                    "stabmon-heartbeat",
+                    cfg.sample_seconds,
+                    heartbeat,
+                    guard=self._guard,
+                    component="rundir",
+                )
+            )
         with self._guard.contain("memory"):
             self._memory.sample()
         for thread in self._resources.threads:
@@ -283,6 +315,31 @@ class Monitor:
             self.metrics_url or "(no exporter)",
             self.event_log_path or "(no event log)",
         )
+
+    def _register(self, probe: GradProbe | None) -> None:
+        """Register this process in the run directory for the node daemon (never raises)."""
+        with self._guard.contain("rundir"):
+            devices = cuda_devices(probe.params) if probe else ()
+            registration = Registration(
+                self._paths.record,
+                ProcessRecord(
+                    pid=os.getpid(),
+                    create_time=psutil.Process().create_time(),
+                    run=self.run_id,
+                    rank=self.rank,
+                    local_rank=self._local_rank,
+                    hostname=socket.gethostname(),
+                    gpu_uuids=tuple(torch_device_uuids(devices)),
+                    cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+                    metrics_url=self.metrics_url,
+                    attached_unix=time.time(),
+                    stall_seconds=self.config.stall_seconds,
+                ),
+            )
+            registration.write(
+                last_step_unix=None, steps=self._recorder.global_step, now=time.time()
+            )
+            self._resources.registration = registration
 
     # --- public API ---------------------------------------------------------------------------
 

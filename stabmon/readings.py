@@ -103,6 +103,7 @@ class Readings:
 
     # CUDA-event timing (stabmon/probes/device_timing.py); empty without CUDA.
     device_phase_seconds: dict[str, float] = field(default_factory=dict)
+    device_utilization: dict[str, float] = field(default_factory=dict)
     device_step_duration: Histogram = field(default_factory=Histogram)
 
     def add_phase_time(self, phase: str, seconds: float) -> None:

@@ -26,7 +26,7 @@ import os
 import re
 import threading
 from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ __all__ = [
     "RECORD_VERSION",
     "ProcessRecord",
     "RecordProblem",
+    "Registration",
     "RunPaths",
     "read_records",
     "safe_component",
@@ -227,3 +228,27 @@ def _uuid_list(value: object) -> list[str]:
             raise ValueError(f"gpu_uuids holds {item!r}, not a UUID string")
         uuids.append(item)
     return uuids
+
+
+class Registration:
+    """Keeps one process's record current: written at attach, refreshed, removed at detach.
+
+    Runs on the monitor's heartbeat thread (``refresh``) and the training thread
+    (``write``/``remove``); each write is atomic, so interleaving is harmless.
+    """
+
+    def __init__(self, path: Path, record: ProcessRecord) -> None:
+        self.path = path
+        self._record = record
+
+    def write(self, *, last_step_unix: float | None, steps: int, now: float) -> None:
+        """Write the record with the latest heartbeat (creating the run directory if needed)."""
+        self._record = replace(
+            self._record, last_step_unix=last_step_unix, steps=steps, updated_unix=now
+        )
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(self.path, self._record.to_json())
+
+    def remove(self) -> None:
+        """Deregister: a detached process is no longer monitored (the daemon drops it)."""
+        self.path.unlink(missing_ok=True)

@@ -70,3 +70,4 @@ def test_grad_norm_and_memory_metrics_on_cuda(attach: MonitorFactory) -> None:
                  "stabmon_device_memory_peak_bytes", "stabmon_epoch_memory_bytes"):  # fmt: skip
         assert value(samples, name, device="cuda:0") is not None, name
     assert value(samples, "stabmon_device_phase_seconds_total", phase="forward") > 0
+    assert 0 <= value(samples, "stabmon_device_utilization_ratio", device="cuda:0") <= 1

@@ -68,6 +68,8 @@ class ReadingsCollector(Collector):
         yield _gauge(c.HOST_MEMORY_RSS, r.labels, _optional(r.host_rss))
         yield _gauge(c.STALLED, r.labels, [((), r.stalled)])
         yield _counter(c.INTERNAL_ERRORS, r.labels, _by_key(self._internal_errors))
+        if r.device_utilization:
+            yield _gauge(c.DEVICE_UTILIZATION, r.labels, _by_key(r.device_utilization))
         if r.device_phase_seconds:  # CUDA only: absent rather than a misleading 0 on CPU
             yield _counter(c.DEVICE_PHASE_SECONDS, r.labels, _by_key(r.device_phase_seconds))
             yield _histogram(c.DEVICE_STEP_DURATION, r.labels, r.device_step_duration)

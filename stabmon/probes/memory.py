@@ -91,9 +91,10 @@ class MemorySampler:
         self._readings = readings
         self._host = host
         self._devices = devices
+        self._utilization = True  # until NVML proves unavailable
 
     def sample(self) -> None:
-        """Host RSS and each device's allocated, reserved and epoch-peak bytes, now."""
+        """Host RSS, and each device's allocated, reserved and epoch-peak bytes and utilization."""
         readings = self._readings
         if self._host is not None:
             readings.host_rss = self._host.rss_bytes()
@@ -102,6 +103,12 @@ class MemorySampler:
             label = device_label(device)
             readings.device_memory[label] = DeviceMemory(memory.allocated, memory.reserved)
             readings.device_memory_peak[label] = memory.peak_allocated
+            if self._utilization:
+                try:
+                    # NVML through torch, which maps CUDA_VISIBLE_DEVICES; a few ms, so here only.
+                    readings.device_utilization[label] = torch.cuda.utilization(device) / 100.0
+                except (RuntimeError, ModuleNotFoundError, OSError):
+                    self._utilization = False  # no NVML in this process: leave it to the daemon
 
     def epoch_samples(self) -> tuple[dict[str, float], dict[str, float]]:
         """Epoch-end bytes by label (allocated per device, RSS for host) and the epoch peaks;

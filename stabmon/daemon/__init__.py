@@ -1,0 +1,1 @@
+"""The node daemon: GPU, process and liveness telemetry for every training process on a node."""

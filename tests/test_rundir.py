@@ -1,0 +1,109 @@
+"""Run-directory records: atomic writes by training processes, tolerant reads by the daemon."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import psutil
+import torch
+from conftest import MonitorFactory
+from helpers import tiny_model, train_step
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stabmon.rundir import ProcessRecord, read_records, write_atomic
+
+FIXTURES = Path(__file__).with_name("fixtures") / "rundir"
+
+
+def test_read_records_skips_partial_malformed_and_foreign_files_with_a_reason(
+    tmp_path: Path,
+) -> None:
+    shutil.copytree(FIXTURES, tmp_path, dirs_exist_ok=True)
+    (tmp_path / "job" / "rank-6.json").mkdir()  # a directory where a file should be
+    (tmp_path / "job" / "rank-7.json").write_bytes(b" " * (65 * 1024))  # oversized
+    records, problems = read_records(tmp_path)
+    assert [(r.rank, r.pid, r.steps) for r in records] == [(5, 4242, 10)]
+    assert records[0].gpu_uuids == ("GPU-8932f937-d72c-4106-c12f-20bd9faed9f6",)
+    reasons = {p.path.name: p.reason for p in problems}
+    assert set(reasons) == {f"rank-{i}.json" for i in (0, 1, 2, 3, 4, 6, 7)}
+    assert "pid must be an integer" in reasons["rank-2.json"]
+    assert "version" in reasons["rank-4.json"]
+    assert "larger than" in reasons["rank-7.json"]
+
+
+def test_read_records_of_a_missing_directory_is_empty(tmp_path: Path) -> None:
+    assert read_records(tmp_path / "gone") == ([], [])
+
+
+def test_write_atomic_leaves_no_temporary_file_and_replaces_whole(tmp_path: Path) -> None:
+    target = tmp_path / "rank-0.json"
+    write_atomic(target, b"old")
+    write_atomic(target, b"new")
+    assert target.read_bytes() == b"new"
+    assert [p.name for p in tmp_path.iterdir()] == ["rank-0.json"]
+
+
+def test_attached_process_registers_heartbeats_and_deregisters(
+    attach: MonitorFactory, tmp_path: Path
+) -> None:
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = attach(model, optimizer, sample_seconds=0.1, run_id="job-a")
+    (record,), problems = read_records(tmp_path)
+    assert not problems
+    assert record.pid == psutil.Process().pid
+    assert abs(record.create_time - psutil.Process().create_time()) < 0.01
+    assert (record.run, record.rank, record.last_step_unix) == ("job-a", 0, None)
+    assert record.metrics_url == monitor.metrics_url
+    train_step(model, optimizer, monitor)
+    import time
+
+    time.sleep(0.4)  # the heartbeat thread rewrites the record
+    (record,), _ = read_records(tmp_path)
+    assert record.steps == 1 and record.last_step_unix is not None
+    monitor.detach()
+    assert read_records(tmp_path) == ([], [])
+
+
+_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4)
+    ),
+    max_leaves=20,
+)
+
+
+_KEYS = [
+    "version",
+    "pid",
+    "create_time",
+    "run",
+    "rank",
+    "gpu_uuids",
+    "last_step_unix",
+    "steps",
+    "x",
+]
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@given(st.dictionaries(st.sampled_from(_KEYS), _values))
+def test_record_reader_never_crashes_on_arbitrary_json(data: dict[str, object]) -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as root:
+        run = Path(root) / "job"
+        run.mkdir()
+        try:
+            payload = json.dumps(data).encode()
+        except ValueError:  # NaN is not JSON: write it the way a broken writer would
+            payload = json.dumps(data, allow_nan=True).encode()
+        (run / "rank-0.json").write_bytes(payload)
+        records, problems = read_records(Path(root))
+        assert len(records) + len(problems) == 1
+        for record in records:
+            ProcessRecord.from_mapping(json.loads(record.to_json()))  # a read record round-trips
