@@ -361,6 +361,7 @@ def test_training_goes_on_when_the_run_dir_is_not_writable(tmp_path: Path) -> No
         samples = scrape(monitor.metrics_url)
     assert monitor.event_log_path is None
     assert value(samples, "stabmon_internal_errors_total", component="event_log") == 1
+    assert value(samples, "stabmon_internal_errors_total", component="rundir") == 1
 
 
 # --- models and optimizers of every shape ----------------------------------------------------
