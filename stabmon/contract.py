@@ -271,50 +271,92 @@ EXTENSION_METRICS: tuple[MetricDef, ...] = (
 
 _GPU = ("gpu", "uuid")
 
+GPU_UTILIZATION = MetricDef(
+    "stabmon_gpu_utilization_ratio", "gauge", "NVML GPU utilization, 0..1.", _GPU
+)
+GPU_MEMORY_USED = MetricDef(
+    "stabmon_gpu_memory_used_bytes", "gauge", "Framebuffer memory used.", _GPU
+)
+GPU_MEMORY_TOTAL = MetricDef(
+    "stabmon_gpu_memory_total_bytes", "gauge", "Framebuffer memory total.", _GPU
+)
+GPU_TEMPERATURE = MetricDef(
+    "stabmon_gpu_temperature_celsius", "gauge", "GPU core temperature.", _GPU
+)
+GPU_POWER = MetricDef("stabmon_gpu_power_watts", "gauge", "GPU power draw.", _GPU)
+GPU_SM_CLOCK = MetricDef("stabmon_gpu_sm_clock_hertz", "gauge", "GPU SM clock.", _GPU)
+GPU_THROTTLE_ACTIVE = MetricDef(
+    "stabmon_gpu_throttle_active",
+    "gauge",
+    "1 while that clock-throttle reason is active.",
+    (*_GPU, "reason"),
+)
+GPU_XID_ERRORS = MetricDef(
+    "stabmon_gpu_xid_errors_total", "counter", "XID error events seen.", (*_GPU, "xid")
+)
+GPU_ECC_ERRORS = MetricDef(
+    "stabmon_gpu_ecc_errors_total", "counter", "ECC errors by type.", (*_GPU, "type")
+)
+PROCESS_GPU_MEMORY = MetricDef(
+    "stabmon_process_gpu_memory_bytes",
+    "gauge",
+    "GPU memory held by a monitored training process on that physical GPU.",
+    (*_GPU, "rank", "pid"),
+)
+PROCESS_UP = MetricDef(
+    "stabmon_process_up",
+    "gauge",
+    "1 while a monitored training process is alive.",
+    ("rank", "run", "pid"),
+)
+HEARTBEAT_AGE = MetricDef(
+    "stabmon_heartbeat_age_seconds",
+    "gauge",
+    "Seconds since that training process last completed a step.",
+    ("rank", "run"),
+)
+PROCESS_CPU_SECONDS = MetricDef(
+    "stabmon_process_cpu_seconds_total",
+    "counter",
+    "CPU time of a monitored training process (main) and of its children (workers).",
+    ("rank", "run", "scope"),
+)
+PROCESS_MEMORY = MetricDef(
+    "stabmon_process_memory_bytes",
+    "gauge",
+    "Proportional set size of a monitored training process (main) and its workers.",
+    ("rank", "run", "scope"),
+)
+DAEMON_NVML_UP = MetricDef("stabmon_daemon_nvml_up", "gauge", "1 while NVML answers, else 0.")
+
 DAEMON_METRICS: tuple[MetricDef, ...] = (
-    MetricDef("stabmon_gpu_utilization_ratio", "gauge", "NVML GPU utilization, 0..1.", _GPU),
-    MetricDef("stabmon_gpu_memory_used_bytes", "gauge", "Framebuffer memory used.", _GPU),
-    MetricDef("stabmon_gpu_memory_total_bytes", "gauge", "Framebuffer memory total.", _GPU),
-    MetricDef("stabmon_gpu_temperature_celsius", "gauge", "GPU core temperature.", _GPU),
-    MetricDef("stabmon_gpu_power_watts", "gauge", "GPU power draw.", _GPU),
-    MetricDef("stabmon_gpu_sm_clock_hertz", "gauge", "GPU SM clock.", _GPU),
-    MetricDef(
-        "stabmon_gpu_throttle_active",
-        "gauge",
-        "1 while that clock-throttle reason is active.",
-        (*_GPU, "reason"),
-    ),
-    MetricDef("stabmon_gpu_xid_errors_total", "counter", "XID error events seen.", (*_GPU, "xid")),
-    MetricDef("stabmon_gpu_ecc_errors_total", "counter", "ECC errors by type.", (*_GPU, "type")),
-    MetricDef(
-        "stabmon_process_gpu_memory_bytes",
-        "gauge",
-        "GPU memory held by a monitored training process on that physical GPU.",
-        (*_GPU, "rank", "pid"),
-    ),
-    MetricDef(
-        "stabmon_process_up",
-        "gauge",
-        "1 while a monitored training process is alive.",
-        ("rank", "run", "pid"),
-    ),
-    MetricDef(
-        "stabmon_heartbeat_age_seconds",
-        "gauge",
-        "Seconds since that training process last completed a step.",
-        ("rank", "run"),
-    ),
-    MetricDef(
-        "stabmon_process_cpu_seconds_total",
-        "counter",
-        "CPU time of a monitored training process (main) and of its children (workers).",
-        ("rank", "run", "scope"),
-    ),
-    MetricDef(
-        "stabmon_process_memory_bytes",
-        "gauge",
-        "Proportional set size of a monitored training process (main) and its workers.",
-        ("rank", "run", "scope"),
-    ),
-    MetricDef("stabmon_daemon_nvml_up", "gauge", "1 while NVML answers, else 0."),
+    GPU_UTILIZATION,
+    GPU_MEMORY_USED,
+    GPU_MEMORY_TOTAL,
+    GPU_TEMPERATURE,
+    GPU_POWER,
+    GPU_SM_CLOCK,
+    GPU_THROTTLE_ACTIVE,
+    GPU_XID_ERRORS,
+    GPU_ECC_ERRORS,
+    PROCESS_GPU_MEMORY,
+    PROCESS_UP,
+    HEARTBEAT_AGE,
+    PROCESS_CPU_SECONDS,
+    PROCESS_MEMORY,
+    DAEMON_NVML_UP,
+)
+
+#: The daemon's own health, beyond contract v1 (no labels: one daemon per node and target).
+DAEMON_POLL_DURATION = MetricDef(
+    "stabmon_daemon_poll_duration_seconds",
+    "gauge",
+    "Wall time of the daemon's last poll, by poller (nvml, processes).",
+    ("poller",),
+)
+DAEMON_LAST_POLL = MetricDef(
+    "stabmon_daemon_last_poll_timestamp_seconds",
+    "gauge",
+    "Unix time at which each of the daemon's pollers last completed.",
+    ("poller",),
 )

@@ -37,6 +37,7 @@ __all__ = [
     "RecordProblem",
     "Registration",
     "RunPaths",
+    "boot_id",
     "read_records",
     "safe_component",
     "write_atomic",
@@ -98,8 +99,13 @@ class ProcessRecord:
     steps: int = 0
     #: When the record was last written (the sampler rewrites it every ``sample_seconds``).
     updated_unix: float = 0.0
-    #: The process's stall limit, when configured (the daemon's heartbeat age compares to it).
+    #: The process's configured stall limit, for readers such as ``stabmon status``.
     stall_seconds: float | None = None
+    #: The kernel's boot id: a record from another boot (or another host) is not this node's.
+    boot_id: str = ""
+    #: Set at interpreter exit: when, and "clean" or "exception" (an uncaught error).
+    exited_unix: float | None = None
+    exit_status: str | None = None
     version: int = field(default=RECORD_VERSION)
 
     def to_json(self) -> bytes:
@@ -110,8 +116,10 @@ class ProcessRecord:
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> ProcessRecord:
         """Validate a parsed record; raises ValueError saying what is wrong."""
-        if data.get("version") != RECORD_VERSION:
-            raise ValueError(f"unsupported record version {data.get('version')!r}")
+        version = data.get("version")
+        # Newer writers only add fields: accept them, so library and daemon upgrade independently.
+        if not isinstance(version, int) or isinstance(version, bool) or version < RECORD_VERSION:
+            raise ValueError(f"unsupported record version {version!r}")
         return cls(
             pid=_int(data, "pid", minimum=1),
             create_time=_number(data, "create_time"),
@@ -127,6 +135,9 @@ class ProcessRecord:
             steps=_int(data, "steps", minimum=0, default=0),
             updated_unix=_number(data, "updated_unix", default=0.0),
             stall_seconds=_optional_number(data, "stall_seconds"),
+            boot_id=_text(data, "boot_id", default=""),
+            exited_unix=_optional_number(data, "exited_unix"),
+            exit_status=_optional_text(data, "exit_status"),
         )
 
 
@@ -136,6 +147,14 @@ class RecordProblem:
 
     path: Path
     reason: str
+
+
+def boot_id() -> str:
+    """This boot's id (Linux); empty where the kernel does not say."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
 
 
 def write_atomic(path: Path, data: bytes) -> None:
