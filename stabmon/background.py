@@ -40,9 +40,16 @@ class PeriodicThread:
 
     def stop(self, timeout: float = 1.0) -> None:
         """Ask the thread to end and wait up to ``timeout`` seconds for it."""
+        self.request_stop()
+        self.join(timeout)
+
+    def request_stop(self) -> None:
+        """Ask the thread to end without waiting (to stop several against one deadline)."""
         self._stopping.set()
+
+    def join(self, timeout: float) -> None:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+            self._thread.join(max(timeout, 0.0))
 
     @property
     def alive(self) -> bool:

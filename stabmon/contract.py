@@ -312,7 +312,7 @@ PROCESS_UP = MetricDef(
 HEARTBEAT_AGE = MetricDef(
     "stabmon_heartbeat_age_seconds",
     "gauge",
-    "Seconds since that training process last completed a step.",
+    "Seconds since that training process last completed a step (since attach before the first).",
     ("rank", "run"),
 )
 PROCESS_CPU_SECONDS = MetricDef(

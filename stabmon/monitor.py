@@ -14,6 +14,7 @@ it; nothing a thread or a hook holds refers back to the Monitor.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import logging
@@ -22,7 +23,7 @@ import re
 import socket
 import time
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -54,7 +55,14 @@ from stabmon.probes.timing import LoopTimer, timed_iteration
 from stabmon.readback import Readback
 from stabmon.readings import Readings
 from stabmon.recorder import Recorder
-from stabmon.rundir import DEFAULT_RUN_DIR, ProcessRecord, Registration, RunPaths
+from stabmon.rundir import (
+    DEFAULT_RUN_DIR,
+    ExitWatch,
+    ProcessRecord,
+    Registration,
+    RunPaths,
+    boot_id,
+)
 
 __all__ = ["Monitor", "attach"]
 
@@ -117,8 +125,11 @@ class _Resources:
     exporter: Exporter | None = None
     events: EventLog | None = None
     registration: Registration | None = None
+    at_exit: Callable[[], None] | None = None
 
     def close(self) -> None:
+        if self.at_exit is not None:
+            atexit.unregister(self.at_exit)
         if self.hooks is not None:
             self.hooks.remove()
         for thread in self.threads:
@@ -157,6 +168,9 @@ class Monitor:
         self._guard = Guard(self._limiter, INTERNAL_COMPONENTS)
         self._resources = _Resources(hooks=HookSet(model, optimizer, scaler))
         self._finalizer = weakref.finalize(self, self._resources.close)
+        # At interpreter exit the atexit hook records how the run ended; removing the
+        # record then would make a crash look like a clean detach.
+        self._finalizer.atexit = False
         self._detached = False
         try:
             self._start(model, optimizer, scaler, identity.local_rank, identity.local_world_size)
@@ -317,10 +331,16 @@ class Monitor:
         )
 
     def _register(self, probe: GradProbe | None) -> None:
-        """Register this process in the run directory for the node daemon (never raises)."""
+        """Register this process in the run directory for the node daemon (never raises).
+
+        A first write that fails (say the run directory is not yet writable) is
+        retried by the heartbeat thread; at interpreter exit the record says
+        whether the run ended cleanly or on an uncaught exception.
+        """
         with self._guard.contain("rundir"):
             devices = cuda_devices(probe.params) if probe else ()
             registration = Registration(
+                self._paths.root,
                 self._paths.record,
                 ProcessRecord(
                     pid=os.getpid(),
@@ -334,12 +354,16 @@ class Monitor:
                     metrics_url=self.metrics_url,
                     attached_unix=time.time(),
                     stall_seconds=self.config.stall_seconds,
+                    boot_id=boot_id(),
                 ),
             )
+            self._resources.registration = registration
+            ExitWatch.install()
+            self._resources.at_exit = functools.partial(_record_exit, weakref.ref(registration))
+            atexit.register(self._resources.at_exit)
             registration.write(
                 last_step_unix=None, steps=self._recorder.global_step, now=time.time()
             )
-            self._resources.registration = registration
 
     # --- public API ---------------------------------------------------------------------------
 
@@ -601,6 +625,16 @@ class Monitor:
             return "other"
         self._named_phases.add(name)
         return name
+
+
+def _record_exit(registration: weakref.ref[Registration]) -> None:
+    """atexit: mark the record "clean" or "exception" so the daemon can tell a crash from an end."""
+    target = registration()
+    if target is not None:
+        try:
+            target.exited(ExitWatch.status(), time.time())
+        except OSError:
+            pass  # the daemon then sees a process that vanished: reported as down
 
 
 def _param_signature(optimizer: torch.optim.Optimizer) -> tuple[int, int]:

@@ -24,14 +24,18 @@ import json
 import math
 import os
 import re
+import stat
+import sys
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 __all__ = [
     "DEFAULT_RUN_DIR",
+    "ExitWatch",
     "RECORD_VERSION",
     "ProcessRecord",
     "RecordProblem",
@@ -184,9 +188,7 @@ def read_records(root: Path) -> tuple[list[ProcessRecord], list[RecordProblem]]:
     problems: list[RecordProblem] = []
     for path in _record_paths(root):
         try:
-            if path.stat().st_size > MAX_RECORD_BYTES:
-                raise ValueError(f"larger than {MAX_RECORD_BYTES} bytes")
-            data = json.loads(path.read_bytes())
+            data = json.loads(_read_regular_file(path, MAX_RECORD_BYTES))
             if not isinstance(data, dict):
                 raise ValueError("not a JSON object")
             records.append(ProcessRecord.from_mapping(data))
@@ -195,6 +197,25 @@ def read_records(root: Path) -> tuple[list[ProcessRecord], list[RecordProblem]]:
         except (OSError, ValueError, UnicodeDecodeError) as error:
             problems.append(RecordProblem(path, f"{type(error).__name__}: {error}"))
     return records, problems
+
+
+def _read_regular_file(path: Path, limit: int) -> bytes:
+    """At most ``limit`` bytes of a regular file; anything else is refused, never waited on.
+
+    Anyone who can write the run directory can leave a FIFO (``read`` would
+    block the daemon forever) or a symlink to ``/dev/zero`` (its size says 0 but
+    it never ends) under a record's name.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError("not a regular file")
+        data = os.read(fd, limit + 1)
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise ValueError(f"larger than {limit} bytes")
+    return data
 
 
 def _record_paths(root: Path) -> Iterator[Path]:
@@ -250,24 +271,86 @@ def _uuid_list(value: object) -> list[str]:
 
 
 class Registration:
-    """Keeps one process's record current: written at attach, refreshed, removed at detach.
+    """Keeps one process's record current: written at attach, refreshed, finished, removed.
 
-    Runs on the monitor's heartbeat thread (``refresh``) and the training thread
-    (``write``/``remove``); each write is atomic, so interleaving is harmless.
+    ``write`` runs on the monitor's heartbeat thread, ``exited`` at interpreter
+    exit and ``remove`` at detach; a lock and a closed flag keep a late
+    heartbeat from resurrecting a record that was already removed. The run
+    directory's root is created world-writable and sticky (like ``/tmp``), so
+    every user of a shared node can register under it.
     """
 
-    def __init__(self, path: Path, record: ProcessRecord) -> None:
+    def __init__(self, root: Path, path: Path, record: ProcessRecord) -> None:
+        self.root = root
         self.path = path
         self._record = record
+        self._lock = threading.Lock()
+        self._closed = False
 
     def write(self, *, last_step_unix: float | None, steps: int, now: float) -> None:
-        """Write the record with the latest heartbeat (creating the run directory if needed)."""
-        self._record = replace(
-            self._record, last_step_unix=last_step_unix, steps=steps, updated_unix=now
-        )
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(self.path, self._record.to_json())
+        """Write the record with the latest heartbeat (creating the directories if needed)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._record = replace(
+                self._record, last_step_unix=last_step_unix, steps=steps, updated_unix=now
+            )
+            self._write()
+
+    def exited(self, status: str, now: float) -> None:
+        """Record how the process ended ("clean" or "exception"); the last write."""
+        with self._lock:
+            if self._closed:
+                return
+            self._record = replace(self._record, exited_unix=now, exit_status=status)
+            self._write()
+            self._closed = True
 
     def remove(self) -> None:
         """Deregister: a detached process is no longer monitored (the daemon drops it)."""
-        self.path.unlink(missing_ok=True)
+        with self._lock:
+            self._closed = True
+            # Only our own record: a forked child or a late finalizer must not remove another's.
+            if self._record.pid == os.getpid():
+                self.path.unlink(missing_ok=True)
+
+    def _write(self) -> None:
+        if not self.root.exists():
+            self.root.mkdir(parents=True, exist_ok=True)
+            try:
+                os.chmod(self.root, 0o1777)  # shared by every user of the node, like /tmp
+            except OSError:
+                pass  # someone else created it first, or may not change it: theirs to set
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(self.path, self._record.to_json())
+
+
+class ExitWatch:
+    """Tells a clean interpreter exit from one caused by an uncaught exception.
+
+    Python calls ``sys.excepthook`` for an uncaught exception before it runs
+    ``atexit`` handlers, so a chained hook that notes it is all it takes. The
+    hook is process-wide by nature; it is installed once and only observes.
+    """
+
+    _installed = False
+    _uncaught = False
+
+    @classmethod
+    def install(cls) -> None:
+        if cls._installed:
+            return
+        cls._installed = True
+        previous = sys.excepthook
+
+        def note_uncaught(
+            kind: type[BaseException], error: BaseException, trace: TracebackType | None
+        ) -> None:
+            cls._uncaught = True  # sys.exit() never gets here; Ctrl-C does, and is no clean end
+            previous(kind, error, trace)
+
+        sys.excepthook = note_uncaught
+
+    @classmethod
+    def status(cls) -> str:
+        return "exception" if cls._uncaught else "clean"

@@ -54,3 +54,16 @@ def test_demo_detects_every_injected_fault(tmp_path: Path) -> None:
     for kind in ("nonfinite_grad", "loss_spike", "grad_spike", "stall", "memory_leak"):
         assert f"detected  {kind}" in summary
     assert "at step 100," in summary  # the NaN is reported at the step it was injected
+
+
+def test_daemon_on_a_taken_port_exits_2_with_one_line(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        result = _stabmon("daemon", "--port", str(port), "--address", "127.0.0.1",
+                          "--run-dir", str(tmp_path))  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith("stabmon: error: could not bind")

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import psutil
+import pytest
 import torch
 from conftest import MonitorFactory
 from helpers import tiny_model, train_step
@@ -35,6 +39,18 @@ def test_read_records_skips_partial_malformed_and_foreign_files_with_a_reason(
     assert "larger than" in reasons["rank-7.json"]
 
 
+def test_read_records_refuses_a_fifo_and_a_symlink_to_an_endless_device(tmp_path: Path) -> None:
+    import os
+
+    run = tmp_path / "job"
+    run.mkdir()
+    os.mkfifo(run / "rank-0.json")  # reading it would block the daemon forever
+    (run / "rank-1.json").symlink_to("/dev/zero")  # its size says 0, its content never ends
+    records, problems = read_records(tmp_path)
+    assert records == []
+    assert {p.path.name for p in problems} == {"rank-0.json", "rank-1.json"}
+
+
 def test_read_records_of_a_missing_directory_is_empty(tmp_path: Path) -> None:
     assert read_records(tmp_path / "gone") == ([], [])
 
@@ -60,10 +76,9 @@ def test_attached_process_registers_heartbeats_and_deregisters(
     assert (record.run, record.rank, record.last_step_unix) == ("job-a", 0, None)
     assert record.metrics_url == monitor.metrics_url
     train_step(model, optimizer, monitor)
-    import time
-
-    time.sleep(0.4)  # the heartbeat thread rewrites the record
-    (record,), _ = read_records(tmp_path)
+    deadline = time.monotonic() + 5
+    while (record := read_records(tmp_path)[0][0]).steps == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)  # the heartbeat thread rewrites the record every 0.1 s
     assert record.steps == 1 and record.last_step_unix is not None
     monitor.detach()
     assert read_records(tmp_path) == ([], [])
@@ -108,3 +123,33 @@ def test_record_reader_never_crashes_on_arbitrary_json(data: dict[str, object]) 
         assert len(records) + len(problems) == 1
         for record in records:
             ProcessRecord.from_mapping(json.loads(record.to_json()))  # a read record round-trips
+
+
+_EXITING_SCRIPT = """
+import sys, torch, stabmon
+model = torch.nn.Linear(2, 1)
+mon = stabmon.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), port=0,
+                     run_dir=sys.argv[1], run_id="job")
+if sys.argv[2] == "raise":
+    raise RuntimeError("the training loop failed")
+if sys.argv[2] == "detach":
+    mon.detach()
+"""
+
+
+@pytest.mark.parametrize(
+    ("ending", "expected"),
+    [("raise", "exception"), ("return", "clean"), ("detach", None)],
+)
+def test_record_tells_a_crash_from_a_clean_end(
+    tmp_path: Path, ending: str, expected: str | None
+) -> None:
+    subprocess.run([sys.executable, "-c", _EXITING_SCRIPT, str(tmp_path), ending],
+                   capture_output=True, timeout=120, check=False)  # fmt: skip
+    records, problems = read_records(tmp_path)
+    assert not problems
+    if expected is None:
+        assert records == []  # detached: deregistered
+    else:
+        (record,) = records
+        assert record.exit_status == expected and record.exited_unix is not None

@@ -1,30 +1,34 @@
-"""The daemon's lifecycle: one poll loop, one HTTP endpoint, a clean stop on SIGTERM/SIGINT.
+"""The daemon's lifecycle: two poll threads, one HTTP endpoint, a clean stop on SIGTERM/SIGINT.
 
 Design
 ------
-One poll thread runs every ``daemon.interval`` seconds: NVML (through
-:class:`~stabmon.daemon.gpu.GpuPoller`), the registered training processes
-(:class:`~stabmon.daemon.processes.ProcessTable`) and their GPU placement.
-Each poll writes immutable snapshots; collectors build the metric families
-from the last snapshot, so a scrape never calls NVML or psutil and returns in
-milliseconds whatever the hardware is doing. XID events are read by their own
-thread, because NVML's event wait blocks. Every poll runs under the guard: an
-NVML or psutil failure is logged once and the daemon keeps serving the rest;
-it never exits on its own.
+NVML (:class:`~stabmon.daemon.gpu.GpuPoller`) and the registered training
+processes (:class:`~stabmon.daemon.processes.ProcessTable`, then their GPU
+placement) are polled every ``daemon.interval`` seconds by two threads of their
+own: an NVML call on a sick GPU can block for minutes, and liveness and
+heartbeats must keep flowing exactly then. Each poll writes immutable
+snapshots; collectors build the metric families from the last snapshot, so a
+scrape never calls NVML or psutil and returns in milliseconds. XID events are
+read by a third thread, because NVML's event wait blocks. Every poll runs under
+the guard: a failure is counted in ``stabmon_internal_errors_total``, logged
+once, and the daemon keeps serving the rest; it never exits on its own.
 """
 
 from __future__ import annotations
 
-import logging
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 
 from prometheus_client import CollectorRegistry
 from prometheus_client import ProcessCollector as OwnProcessCollector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
+from stabmon import contract
 from stabmon.background import PeriodicThread
 from stabmon.config import Config
 from stabmon.daemon.gpu import GpuCollector, GpuPoller
@@ -39,7 +43,9 @@ from stabmon.rundir import DEFAULT_RUN_DIR
 
 __all__ = ["DaemonApp"]
 
-_COMPONENTS = ("nvml", "processes", "placement", "xid", "exporter")
+_COMPONENTS = ("nvml", "processes", "placement", "xid")
+#: How long stop() may take in all: every thread is signalled first, then joined against it.
+STOP_SECONDS = 1.0
 
 
 class DaemonApp:
@@ -56,7 +62,7 @@ class DaemonApp:
         self.run_dir = Path(config.run_dir) if config.run_dir else DEFAULT_RUN_DIR
         self._limiter = LogLimiter(LOGGER, per_minute=config.log_rate_per_minute)
         self._guard = Guard(self._limiter, _COMPONENTS)
-        self._reader = reader if reader is not None else PynvmlReader()
+        self._reader = reader if reader is not None else PynvmlReader(lock_timeout=0.2)
         self._gpus = GpuPoller(self._reader, limiter=self._limiter)
         self._processes = ProcessTable(self.run_dir, limiter=self._limiter)
         self._placement = PlacementCollector(limiter=self._limiter)
@@ -66,55 +72,74 @@ class DaemonApp:
             guard=self._guard,
             limiter=self._limiter,
         )
+        self._health = _HealthCollector(self._guard, self._gpus)
         self.registry = registry if registry is not None else CollectorRegistry()
         self.registry.register(GpuCollector(self._gpus, self._xid.counts))
         self.registry.register(ProcessCollector(self._processes))
         self.registry.register(self._placement)
+        self.registry.register(self._health)
         OwnProcessCollector(registry=self.registry)  # the daemon's own CPU and memory
         self._exporter: Exporter | None = None
-        self._poller = PeriodicThread(
-            "stabmon-daemon-poll",
-            config.daemon.interval,
-            self.poll_once,
-            guard=self._guard,
-            component="processes",
-        )
+        interval = config.daemon.interval
+        self._threads = [
+            PeriodicThread(
+                "stabmon-daemon-nvml", interval, self.poll_gpus, guard=self._guard, component="nvml"
+            ),
+            PeriodicThread(
+                "stabmon-daemon-processes",
+                interval,
+                self.poll_processes,
+                guard=self._guard,
+                component="processes",
+            ),
+        ]
         self._stopped = threading.Event()
 
     @property
     def url(self) -> str | None:
         return self._exporter.url if self._exporter else None
 
-    def poll_once(self) -> None:
-        """One poll of NVML, the registered processes and their placement."""
+    def poll_gpus(self) -> None:
+        """One NVML poll (the NVML thread)."""
         with self._guard.contain("nvml"):
             self._gpus.poll()
+
+    def poll_processes(self) -> None:
+        """One poll of the registered processes and their GPU placement (the processes thread)."""
+        started = time.monotonic()
         with self._guard.contain("processes"):
             samples = self._processes.poll()
-        with self._guard.contain("placement"):
-            snapshot = self._gpus.snapshot()
-            self._placement.update(
-                samples,
-                {
-                    index: [(p.pid, p.used_bytes) for p in procs]
-                    for index, procs in snapshot.processes.items()
-                },  # fmt: skip
-                {identity.index: identity.uuid for identity in snapshot.identities},
-                self._reader.mig_parent_uuid if snapshot.nvml_up else (lambda uuid: None),
-            )
+            with self._guard.contain("placement"):
+                snapshot = self._gpus.snapshot()
+                self._placement.update(
+                    samples,
+                    {
+                        index: [(p.pid, p.used_bytes) for p in procs]
+                        for index, procs in snapshot.processes.items()
+                    },  # fmt: skip
+                    {identity.index: identity.uuid for identity in snapshot.identities},
+                    self._reader.mig_parent_uuid if snapshot.nvml_up else _no_parent,
+                )
+            self._health.processes_polled(time.monotonic() - started, time.time())
+
+    def poll_once(self) -> None:
+        """Both polls, in order (start-up, and tests)."""
+        self.poll_gpus()
+        self.poll_processes()
 
     def start(self) -> bool:
-        """Poll once, serve, and start the background threads; False when no port could be bound."""
+        """Poll once, serve, and start the background threads; False when the port is taken."""
         self.poll_once()
         daemon = self.config.daemon
         self._exporter = Exporter(
             self.registry, address=daemon.address, ports=[daemon.port], limiter=self._limiter
         )
         if not self._exporter.start():
+            self._gpus.close()
             return False
-        self._poller.start()
-        if self._gpus.nvml_up:
-            self._xid.start()
+        for thread in self._threads:
+            thread.start()
+        self._xid.start()  # registers XID events whenever NVML is (or becomes) available
         LOGGER.info(
             "stabmon daemon: serving %s; run directory %s; polling every %.1f s; NVML %s",
             self.url,
@@ -125,13 +150,19 @@ class DaemonApp:
         return True
 
     def stop(self) -> None:
-        """Stop every thread and the server; returns within about a second."""
+        """Stop every thread and the server within about ``STOP_SECONDS``."""
+        deadline = time.monotonic() + STOP_SECONDS
         self._stopped.set()
-        self._poller.stop()
-        self._xid.stop()
+        for thread in self._threads:
+            thread.request_stop()
+        self._xid.request_stop()
         if self._exporter is not None:
             self._exporter.stop()
-        self._gpus.close()
+        for thread in self._threads:
+            thread.join(deadline - time.monotonic())
+        self._xid.stop(max(deadline - time.monotonic(), 0.0))
+        if not self._threads[0].alive:  # never shut NVML down under a call still in flight
+            self._gpus.close()
 
     def run_until_signalled(self) -> None:
         """Serve until SIGTERM or SIGINT, then stop cleanly (the CLI's main loop)."""
@@ -142,13 +173,54 @@ class DaemonApp:
 
         previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
-            while not self._stopped.wait(0.2):
+            while not self._stopped.wait(0.1):
                 pass
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             started = time.monotonic()
             self.stop()
-            logging.getLogger("stabmon").info(
-                "stabmon daemon: stopped in %.2f s", time.monotonic() - started
-            )
+            LOGGER.info("stabmon daemon: stopped in %.2f s", time.monotonic() - started)
+
+
+def _no_parent(uuid: str) -> str | None:
+    return None
+
+
+class _HealthCollector(Collector):
+    """The daemon's contained errors and both pollers' timing (one family per name)."""
+
+    def __init__(self, guard: Guard, gpus: GpuPoller) -> None:
+        self._guard = guard
+        self._gpus = gpus
+        self._poll: tuple[float, float] | None = None
+
+    def processes_polled(self, seconds: float, at_unix: float) -> None:
+        self._poll = (seconds, at_unix)
+
+    def collect(self) -> Iterator[Metric]:
+        errors = CounterMetricFamily(
+            contract.INTERNAL_ERRORS.name, contract.INTERNAL_ERRORS.help, labels=["component"]
+        )
+        for component, count in dict(self._guard.counts).items():
+            errors.add_metric([component], count)
+        yield errors
+        polls: dict[str, tuple[float, float]] = {}
+        gpus = self._gpus.snapshot()
+        if gpus.last_poll_unix is not None:
+            polls["nvml"] = (gpus.poll_seconds, gpus.last_poll_unix)
+        if self._poll is not None:
+            polls["processes"] = self._poll
+        duration = GaugeMetricFamily(
+            contract.DAEMON_POLL_DURATION.name,
+            contract.DAEMON_POLL_DURATION.help,
+            labels=["poller"],
+        )
+        last = GaugeMetricFamily(
+            contract.DAEMON_LAST_POLL.name, contract.DAEMON_LAST_POLL.help, labels=["poller"]
+        )
+        for poller, (seconds, at_unix) in polls.items():
+            duration.add_metric([poller], seconds)
+            last.add_metric([poller], at_unix)
+        yield duration
+        yield last

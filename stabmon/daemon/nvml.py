@@ -7,8 +7,11 @@ clock-event bitmasks stop here, converted by the pure helpers below
 :func:`throttle_reason_names`) that the test double in
 ``tests/daemon/fake_nvml.py`` uses too.
 
-Errors: a field the GPU does not support is ``None`` in the reading; any other
-NVML failure raises :class:`NvmlError`, which names the NVML call, and a node
+Errors: each field of a reading fails on its own. A field the GPU does not
+support is ``None``; a field whose call fails otherwise (no permission, not
+found, unknown) is ``None`` too and its :class:`NvmlError` is listed in
+:attr:`GpuReading.errors`. Only a GPU that is gone (:attr:`NvmlError.gpu_lost`)
+or whose handle cannot be had makes :meth:`NvmlReader.reading` raise. A node
 without a driver raises :class:`NvmlUnavailable` from :meth:`NvmlReader.init`.
 
 Design
@@ -16,12 +19,16 @@ Design
 :class:`PynvmlReader` keeps no device handles: it asks NVML for the handle by
 index on every call (NVML caches them), so a re-init never leaves a stale one.
 Its only state is the XID event set, which the XID thread waits on while the
-poll thread may shut NVML down; a lock makes ``shutdown`` wait for the current
-wait to return (at most its timeout) instead of freeing the set under it.
+poll thread may shut NVML down. A lock keeps ``shutdown`` from freeing the set
+under a wait; ``shutdown`` waits for it at most ``lock_timeout`` seconds, then
+leaves the set alone (the XID thread resets it after its wait fails) and shuts
+NVML down regardless, because NVML's init is reference-counted and a skipped
+``nvmlShutdown`` would leak a reference into every later re-init.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -31,6 +38,7 @@ from typing import Any, Protocol
 import pynvml
 
 from stabmon.contract import THROTTLE_REASONS
+from stabmon.log import LogLimiter
 
 __all__ = [
     "GpuIdentity",
@@ -47,6 +55,8 @@ __all__ = [
     "to_ratio",
 ]
 
+_GPU_IS_LOST: int = pynvml.NVML_ERROR_GPU_IS_LOST
+
 
 class NvmlError(Exception):
     """An NVML call failed; ``call`` names it and ``code`` is NVML's error code when known."""
@@ -56,6 +66,11 @@ class NvmlError(Exception):
         self.reason = reason
         self.code = code
         super().__init__(f"{call} failed: {reason}")
+
+    @property
+    def gpu_lost(self) -> bool:
+        """Whether NVML says the GPU itself is gone (``NVML_ERROR_GPU_IS_LOST``)."""
+        return self.code == _GPU_IS_LOST
 
 
 class NvmlUnavailable(NvmlError):
@@ -77,7 +92,7 @@ class GpuIdentity:
 
 @dataclass(frozen=True)
 class GpuReading:
-    """One GPU at one poll, in SI units; ``None`` where the GPU does not support the field."""
+    """One GPU at one poll, in SI units; ``None`` where the field is unsupported or failed."""
 
     utilization_ratio: float | None
     memory_used_bytes: int | None
@@ -90,6 +105,8 @@ class GpuReading:
     ecc_corrected: int | None
     """Lifetime (aggregate) count, so it only grows; ``None`` without ECC."""
     ecc_uncorrected: int | None
+    errors: tuple[NvmlError, ...] = ()
+    """Why fields that the GPU supports read ``None`` this time: one error per failed call."""
 
 
 @dataclass(frozen=True)
@@ -108,17 +125,21 @@ class NvmlReader(Protocol):
         ...
 
     def shutdown(self) -> None:
-        """Release NVML (and the XID event set)."""
+        """Release NVML (and the XID event set, if a wait does not hold it)."""
         ...
 
     def driver_version(self) -> str: ...
 
-    def devices(self) -> list[GpuIdentity]:
-        """Every GPU NVML sees, by index."""
+    def device_count(self) -> int:
+        """How many GPUs NVML sees; they are numbered ``0 .. count - 1``."""
+        ...
+
+    def identity(self, index: int) -> GpuIdentity:
+        """One GPU's identity; raises :class:`NvmlError` naming the call that failed."""
         ...
 
     def reading(self, index: int) -> GpuReading:
-        """Raises :class:`NvmlError` when the whole GPU fails; an unsupported field is None."""
+        """Raises :class:`NvmlError` only when the whole GPU fails; see :class:`GpuReading`."""
         ...
 
     def processes(self, index: int) -> list[GpuProcess]:
@@ -128,8 +149,13 @@ class NvmlReader(Protocol):
     def start_xid_events(self) -> None:
         """Register XID (critical error) events on every GPU that supports them.
 
-        Raises :class:`NvmlError` when no GPU does. Calling it again is a no-op.
+        Raises :class:`NvmlError` when no GPU could be registered. While an event
+        set exists, calling it again is a no-op: :meth:`reset_xid_events` first.
         """
+        ...
+
+    def reset_xid_events(self) -> None:
+        """Free the event set (after a failed wait); never raises :class:`NvmlError`."""
         ...
 
     def wait_xid(self, timeout_ms: int) -> list[tuple[int, int]]:
@@ -208,6 +234,23 @@ def _optional(function: Callable[..., Any], *args: Any) -> Any:
         raise
 
 
+class _Fields:
+    """Reads one GPU's fields independently, collecting the errors of those that fail."""
+
+    def __init__(self) -> None:
+        self.errors: list[NvmlError] = []
+
+    def read(self, function: Callable[..., Any], *args: Any) -> Any:
+        """The call's result, or None when unsupported or failed; raises when the GPU is lost."""
+        try:
+            return _optional(function, *args)
+        except NvmlError as error:
+            if error.gpu_lost:
+                raise
+            self.errors.append(error)
+            return None
+
+
 def _text(value: object) -> str:
     """Older pynvml releases return bytes where newer ones return str."""
     return value.decode() if isinstance(value, bytes) else str(value)
@@ -217,6 +260,15 @@ def _map(value: Any, convert: Callable[[Any], Any]) -> Any:
     return None if value is None else convert(value)
 
 
+def _free_event_set(event_set: Any) -> None:
+    if event_set is None:
+        return
+    try:
+        _call(pynvml.nvmlEventSetFree, event_set)
+    except NvmlError:
+        pass  # NVML cannot free it (GPU lost, NVML gone): the set is unusable either way
+
+
 class PynvmlReader:
     """:class:`NvmlReader` over the real NVML library.
 
@@ -224,12 +276,18 @@ class PynvmlReader:
 
         reader = PynvmlReader()
         reader.init()  # NvmlUnavailable on a node without an NVIDIA driver
-        for gpu in reader.devices():
-            print(gpu.uuid, reader.reading(gpu.index).power_watts)
+        for index in range(reader.device_count()):
+            print(reader.identity(index).uuid, reader.reading(index).power_watts)
         reader.shutdown()
+
+    ``limiter`` logs the reader's own problems once each (a GPU left out of XID
+    registration, an event set left unfreed); ``lock_timeout`` bounds how long
+    ``shutdown`` waits for an XID wait in flight.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, limiter: LogLimiter | None = None, lock_timeout: float = 0.5) -> None:
+        self._limiter = limiter if limiter is not None else LogLimiter()
+        self._lock_timeout = lock_timeout
         self._events_lock = threading.Lock()
         self._event_set: Any = None
 
@@ -246,41 +304,54 @@ class PynvmlReader:
             raise
 
     def shutdown(self) -> None:
-        with self._events_lock:
-            event_set, self._event_set = self._event_set, None
-            if event_set is not None:
-                _optional(pynvml.nvmlEventSetFree, event_set)
-        _call(pynvml.nvmlShutdown)
+        try:
+            if self._events_lock.acquire(timeout=self._lock_timeout):
+                try:
+                    event_set, self._event_set = self._event_set, None
+                    _free_event_set(event_set)
+                finally:
+                    self._events_lock.release()
+            else:
+                self._limiter.once(
+                    "nvml:shutdown:event-set",
+                    logging.WARNING,
+                    "stabmon daemon: NVML shut down without freeing the XID event set: an XID "
+                    "wait still held it after %.1f s",
+                    self._lock_timeout,
+                )
+        finally:
+            _call(pynvml.nvmlShutdown)
 
     def driver_version(self) -> str:
         return _text(_call(pynvml.nvmlSystemGetDriverVersion))
 
-    def devices(self) -> list[GpuIdentity]:
-        identities = []
-        for index in range(int(_call(pynvml.nvmlDeviceGetCount))):
-            handle = _call(pynvml.nvmlDeviceGetHandleByIndex, index)
-            identities.append(
-                GpuIdentity(
-                    index=index,
-                    uuid=_text(_call(pynvml.nvmlDeviceGetUUID, handle)),
-                    name=_text(_call(pynvml.nvmlDeviceGetName, handle)),
-                    pci_bus_id=_text(_call(pynvml.nvmlDeviceGetPciInfo, handle).busId),
-                )
-            )
-        return identities
+    def device_count(self) -> int:
+        return int(_call(pynvml.nvmlDeviceGetCount))
+
+    def identity(self, index: int) -> GpuIdentity:
+        handle = _call(pynvml.nvmlDeviceGetHandleByIndex, index)
+        return GpuIdentity(
+            index=index,
+            uuid=_text(_call(pynvml.nvmlDeviceGetUUID, handle)),
+            name=_text(_call(pynvml.nvmlDeviceGetName, handle)),
+            pci_bus_id=_text(_call(pynvml.nvmlDeviceGetPciInfo, handle).busId),
+        )
 
     def reading(self, index: int) -> GpuReading:
         handle = _call(pynvml.nvmlDeviceGetHandleByIndex, index)
-        utilization = _optional(pynvml.nvmlDeviceGetUtilizationRates, handle)
-        memory = _optional(pynvml.nvmlDeviceGetMemoryInfo, handle)
-        temperature = _optional(
+        fields = _Fields()
+        utilization = fields.read(pynvml.nvmlDeviceGetUtilizationRates, handle)
+        memory = fields.read(pynvml.nvmlDeviceGetMemoryInfo, handle)
+        temperature = fields.read(
             pynvml.nvmlDeviceGetTemperature, handle, pynvml.NVML_TEMPERATURE_GPU
         )
-        power = _optional(pynvml.nvmlDeviceGetPowerUsage, handle)
-        clock = _optional(pynvml.nvmlDeviceGetClockInfo, handle, pynvml.NVML_CLOCK_SM)
-        reasons = _optional(pynvml.nvmlDeviceGetCurrentClocksEventReasons, handle)
-        if reasons is None:  # drivers before 535 know only the older name
-            reasons = _optional(pynvml.nvmlDeviceGetCurrentClocksThrottleReasons, handle)
+        power = fields.read(pynvml.nvmlDeviceGetPowerUsage, handle)
+        clock = fields.read(pynvml.nvmlDeviceGetClockInfo, handle, pynvml.NVML_CLOCK_SM)
+        reasons = fields.read(self._clock_event_reasons, handle)
+        ecc = pynvml.nvmlDeviceGetTotalEccErrors
+        lifetime = pynvml.NVML_AGGREGATE_ECC  # volatile counts reset with the driver
+        corrected = fields.read(ecc, handle, pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, lifetime)
+        uncorrected = fields.read(ecc, handle, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, lifetime)
         return GpuReading(
             utilization_ratio=_map(utilization, lambda u: to_ratio(u.gpu)),
             memory_used_bytes=_map(memory, lambda m: int(m.used)),
@@ -289,8 +360,9 @@ class PynvmlReader:
             power_watts=_map(power, mw_to_watts),
             sm_clock_hertz=_map(clock, mhz_to_hertz),
             throttle_reasons=_map(reasons, throttle_reason_names),
-            ecc_corrected=self._ecc(handle, pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED),
-            ecc_uncorrected=self._ecc(handle, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED),
+            ecc_corrected=_map(corrected, int),
+            ecc_uncorrected=_map(uncorrected, int),
+            errors=tuple(fields.errors),
         )
 
     def processes(self, index: int) -> list[GpuProcess]:
@@ -313,28 +385,17 @@ class PynvmlReader:
             if self._event_set is not None:
                 return
             event_set = _call(pynvml.nvmlEventSetCreate)
-            registered = 0
             try:
-                for index in range(int(_call(pynvml.nvmlDeviceGetCount))):
-                    handle = _call(pynvml.nvmlDeviceGetHandleByIndex, index)
-                    xid = pynvml.nvmlEventTypeXidCriticalError
-                    try:
-                        _call(pynvml.nvmlDeviceRegisterEvents, handle, xid, event_set)
-                    except NvmlError as error:
-                        if error.code not in _UNSUPPORTED:
-                            raise
-                        continue  # e.g. a GPU in a VM without event support: skip it
-                    registered += 1
-                if registered == 0:
-                    raise NvmlError(
-                        "nvmlDeviceRegisterEvents",
-                        "no GPU on this node supports XID events",
-                        code=pynvml.NVML_ERROR_NOT_SUPPORTED,
-                    )
-            except NvmlError:
-                _optional(pynvml.nvmlEventSetFree, event_set)
+                self._register_xid(event_set)
+            except BaseException:
+                _free_event_set(event_set)
                 raise
             self._event_set = event_set
+
+    def reset_xid_events(self) -> None:
+        with self._events_lock:
+            event_set, self._event_set = self._event_set, None
+            _free_event_set(event_set)
 
     def wait_xid(self, timeout_ms: int) -> list[tuple[int, int]]:
         events: list[tuple[int, int]] = []
@@ -365,12 +426,41 @@ class PynvmlReader:
         except NvmlError:
             return None
 
+    def _register_xid(self, event_set: Any) -> None:
+        """Register every GPU that can be; one failing GPU does not cost the others their XIDs."""
+        registered = 0
+        first_failure: NvmlError | None = None
+        for index in range(self.device_count()):
+            try:
+                handle = _call(pynvml.nvmlDeviceGetHandleByIndex, index)
+                xid = pynvml.nvmlEventTypeXidCriticalError
+                _call(pynvml.nvmlDeviceRegisterEvents, handle, xid, event_set)
+            except NvmlError as error:
+                if error.code in _UNSUPPORTED:
+                    continue  # e.g. a GPU in a VM without event support: expected, not logged
+                first_failure = first_failure or error
+                self._limiter.once(
+                    f"nvml:xid:{index}:{error.call}",
+                    logging.WARNING,
+                    "stabmon daemon: XID errors on GPU %d are not counted: %s",
+                    index,
+                    error,
+                )
+                continue
+            registered += 1
+        if registered == 0:
+            raise first_failure or NvmlError(
+                "nvmlDeviceRegisterEvents",
+                "no GPU on this node supports XID events",
+                code=pynvml.NVML_ERROR_NOT_SUPPORTED,
+            )
+
     @staticmethod
-    def _ecc(handle: Any, error_type: int) -> int | None:
-        count = _optional(
-            pynvml.nvmlDeviceGetTotalEccErrors, handle, error_type, pynvml.NVML_AGGREGATE_ECC
-        )
-        return None if count is None else int(count)
+    def _clock_event_reasons(handle: Any) -> Any:
+        reasons = _optional(pynvml.nvmlDeviceGetCurrentClocksEventReasons, handle)
+        if reasons is None:  # drivers before 535 know only the older name
+            reasons = _optional(pynvml.nvmlDeviceGetCurrentClocksThrottleReasons, handle)
+        return reasons
 
     @staticmethod
     def _event_index(device: Any) -> int:

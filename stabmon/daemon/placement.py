@@ -1,11 +1,19 @@
 """Wrong-GPU detection: a monitored process holding memory on a GPU it did not declare.
 
 Each training process declares the physical GPUs it uses (``gpu_uuids`` in its
-registration record, from :func:`stabmon.probes.devices.torch_device_uuids`).
+registration record, from :func:`stabmon.probes.devices.torch_device_uuids`);
+a record without ``gpu_uuids`` but with ``cuda_visible_devices`` declares the
+GPUs that value makes visible (:func:`stabmon.probes.devices.resolve_visible`,
+indices taken as NVML's: they agree with CUDA's under
+``CUDA_DEVICE_ORDER=PCI_BUS_ID`` and on nodes of identical GPUs).
+
 NVML lists, per physical GPU, the processes holding memory there. A process on
 a GPU outside its declaration usually means a stray ``torch.device("cuda")``
 (``cuda:0`` of every rank) or a launcher that set ``CUDA_VISIBLE_DEVICES``
 wrong: the ranks then share a GPU, run out of memory or slow each other down.
+A DataLoader worker that touches CUDA (the classic stray context on
+``cuda:0``) is judged against its training process's declaration: the process
+table lists each process's workers (``ProcessSample.worker_pids``).
 
 Design
 ------
@@ -24,9 +32,11 @@ from dataclasses import dataclass
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from stabmon.contract import ANOMALIES, DAEMON_METRICS, MetricDef
+from stabmon.contract import ANOMALIES, ANOMALY_KINDS, PROCESS_GPU_MEMORY
 from stabmon.daemon.processes import ProcessSample
 from stabmon.log import LogLimiter
+from stabmon.probes.devices import PhysicalGpu, resolve_visible
+from stabmon.rundir import ProcessRecord
 
 __all__ = [
     "Mismatch",
@@ -36,19 +46,13 @@ __all__ = [
     "process_gpu_memory",
 ]
 
-#: The ``kind`` this module counts in ``stabmon_anomalies_total`` (one of ANOMALY_KINDS).
-_DEVICE_MISMATCH = "device_mismatch"
+#: The ``kind`` this module counts in ``stabmon_anomalies_total``; import fails if the contract
+#: drops it.
+_DEVICE_MISMATCH = ANOMALY_KINDS[ANOMALY_KINDS.index("device_mismatch")]
 
 #: NVML's view of one GPU's processes: (pid, used bytes or None where NVML cannot tell).
 GpuProcesses = Mapping[int, Sequence[tuple[int, int | None]]]
 MigParent = Callable[[str], str | None]
-
-
-def _metric(name: str) -> MetricDef:
-    return next(definition for definition in DAEMON_METRICS if definition.name == name)
-
-
-_PROCESS_GPU_MEMORY = _metric("stabmon_process_gpu_memory_bytes")
 
 
 def _no_parent(uuid: str) -> str | None:
@@ -57,16 +61,20 @@ def _no_parent(uuid: str) -> str | None:
 
 @dataclass(frozen=True)
 class Mismatch:
-    """A monitored process found on a physical GPU it did not declare."""
+    """A monitored process (or one of its workers) found on a physical GPU it did not declare."""
 
     rank: int
     run: str
+    #: The process on the GPU: the training process, or one of its workers.
     pid: int
     gpu_index: int
     #: The undeclared GPU's UUID.
     uuid: str
     used_bytes: int | None
+    #: The declared UUIDs (resolved from ``cuda_visible_devices`` where no UUIDs were declared).
     declared: tuple[str, ...]
+    #: The training process's pid when ``pid`` is one of its workers; None when it is the process.
+    worker_of: int | None = None
 
 
 def find_mismatches(
@@ -75,9 +83,12 @@ def find_mismatches(
     identities: Mapping[int, str],
     mig_parent: MigParent = _no_parent,
 ) -> list[Mismatch]:
-    """Every (alive, declaring) monitored process on a GPU outside its declaration.
+    """Every (alive, declaring) monitored process or worker on a GPU outside its declaration.
 
-    ``gpu_processes`` maps a GPU index to NVML's processes on it, ``identities``
+    A worker (a pid in ``ProcessSample.worker_pids``) is held to its training
+    process's declaration. A process that declared no ``gpu_uuids`` but set
+    ``cuda_visible_devices`` declares the GPUs that value resolves to among
+    ``identities``. ``gpu_processes`` maps a GPU index to NVML's processes on it, ``identities``
     a GPU index to its UUID, and ``mig_parent`` a MIG UUID to its parent GPU's
     UUID (None when it is not one). UUIDs compare case-insensitively, and a
     declared MIG instance counts as its parent GPU. CUDA reports a MIG
@@ -88,7 +99,8 @@ def find_mismatches(
     processes none of whose declared UUIDs names a GPU of this node (a spelling
     this check does not know is no evidence of a wrong GPU).
     """
-    declaring = {s.record.pid: s for s in samples if s.alive and s.record.gpu_uuids}
+    owners = _owners(samples)
+    physical = [PhysicalGpu(index, uuid) for index, uuid in identities.items()]
     known = {uuid.lower() for uuid in identities.values()}
     mismatches: list[Mismatch] = []
     for index in sorted(gpu_processes):
@@ -96,14 +108,16 @@ def find_mismatches(
         if uuid is None:
             continue  # a GPU NVML could not name cannot be compared
         for pid, used in gpu_processes[index]:
-            sample = declaring.get(pid)
+            sample = owners.get(pid)
             if sample is None:
                 continue
-            declared = _declared_gpus(sample.record.gpu_uuids, known, mig_parent)
+            record = sample.record
+            uuids = _declaration(record, physical)
+            declared = _declared_gpus(uuids, known, mig_parent)
             if declared and uuid.lower() not in declared:
-                record = sample.record
+                worker_of = None if pid == record.pid else record.pid
                 mismatches.append(
-                    Mismatch(record.rank, record.run, pid, index, uuid, used, record.gpu_uuids)
+                    Mismatch(record.rank, record.run, pid, index, uuid, used, uuids, worker_of)
                 )
     return mismatches
 
@@ -115,9 +129,10 @@ def process_gpu_memory(
 
     A process NVML lists twice on one GPU (in its compute and its graphics list,
     each with the process's whole usage) counts once; one whose usage NVML
-    cannot tell (None) is left out.
+    cannot tell (None) is left out. A worker's memory is exported under its own
+    pid with its training process's rank.
     """
-    ranks = {s.record.pid: s.record.rank for s in samples if s.alive}
+    ranks = {pid: sample.record.rank for pid, sample in _owners(samples).items()}
     totals: dict[tuple[int, int], float] = {}
     for index in sorted(gpu_processes):
         for pid, used in gpu_processes[index]:
@@ -177,12 +192,14 @@ class PlacementChecker:
             self._limiter.limited(
                 _DEVICE_MISMATCH,
                 logging.WARNING,
-                "stabmon daemon: rank %d of run %s (pid %d) holds %s on GPU %d (%s), "
+                "stabmon daemon: rank %d of run %s (%s) holds %s on GPU %d (%s), "
                 "which it did not declare (declared: %s); check its torch.device and "
                 "CUDA_VISIBLE_DEVICES",
                 mismatch.rank,
                 mismatch.run,
-                mismatch.pid,
+                f"pid {mismatch.pid}"
+                if mismatch.worker_of is None
+                else f"pid {mismatch.pid}, a worker of pid {mismatch.worker_of}",
                 "memory" if mismatch.used_bytes is None else f"{mismatch.used_bytes} bytes",
                 mismatch.gpu_index,
                 mismatch.uuid,
@@ -214,22 +231,44 @@ class PlacementCollector(Collector):
         identities: Mapping[int, str],
         mig_parent: MigParent = _no_parent,
     ) -> None:
-        """Join the last process poll with NVML's process lists (see :func:`find_mismatches`)."""
+        """Join the last process poll with NVML's process lists (see :func:`find_mismatches`).
+
+        ``identities`` maps each GPU index to its UUID; it also resolves the
+        records that declare only ``cuda_visible_devices``.
+        """
         mismatches = tuple(find_mismatches(samples, gpu_processes, identities, mig_parent))
-        self._checker.check(mismatches, alive_pids={s.record.pid for s in samples if s.alive})
+        # Workers too: a worker's mismatch is forgotten only once the worker is gone.
+        self._checker.check(mismatches, alive_pids=set(_owners(samples)))
         self._mismatches = mismatches
         self._memory = tuple(process_gpu_memory(samples, gpu_processes, identities))
 
     def collect(self) -> Iterator[Metric]:
         memory = GaugeMetricFamily(
-            _PROCESS_GPU_MEMORY.name, _PROCESS_GPU_MEMORY.help, labels=_PROCESS_GPU_MEMORY.labels
+            PROCESS_GPU_MEMORY.name, PROCESS_GPU_MEMORY.help, labels=PROCESS_GPU_MEMORY.labels
         )
         for labels, used in self._memory:
-            memory.add_metric([labels[name] for name in _PROCESS_GPU_MEMORY.labels], used)
+            memory.add_metric([labels[name] for name in PROCESS_GPU_MEMORY.labels], used)
         yield memory
         anomalies = CounterMetricFamily(ANOMALIES.name, ANOMALIES.help, labels=ANOMALIES.labels)
         anomalies.add_metric([_DEVICE_MISMATCH], float(self._checker.count))
         yield anomalies
+
+
+def _owners(samples: Sequence[ProcessSample]) -> dict[int, ProcessSample]:
+    """Each pid of an alive monitored process or of one of its workers, to that process."""
+    owners = {pid: s for s in samples if s.alive for pid in s.worker_pids}
+    # A monitored process that is also another's child answers for itself.
+    owners.update({s.record.pid: s for s in samples if s.alive})
+    return owners
+
+
+def _declaration(record: ProcessRecord, physical: Sequence[PhysicalGpu]) -> tuple[str, ...]:
+    """The UUIDs ``record`` declares: ``gpu_uuids``, else those ``cuda_visible_devices`` names."""
+    if record.gpu_uuids:
+        return record.gpu_uuids
+    if record.cuda_visible_devices is None:
+        return ()  # unset means every GPU: no declaration to hold it to
+    return tuple(resolve_visible(record.cuda_visible_devices, physical))
 
 
 def _declared_gpus(

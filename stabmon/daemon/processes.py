@@ -10,10 +10,18 @@ that list only, so a scrape never touches psutil or the disk, and it sees one
 whole poll or the next, never half of one (the samples are frozen).
 
 A pid alone does not name a process: the record's ``create_time`` must match
-psutil's too, or the pid now belongs to another program. A dead process stays
-exported with ``stabmon_process_up 0`` until its record is removed or it has
-been dead for ``forget_after_seconds``, so a node that runs jobs for months
-keeps a bounded set of series.
+psutil's too, or the pid now belongs to another program. Which records are
+followed is decided from each record alone, never from the daemon's memory, so
+a restarted daemon (or one on a rebooted node) reaches the same answer:
+
+- a record written on another host, or during another boot of this one (a
+  shared filesystem, or a record from before a reboot), is not this node's: skipped;
+- a record whose process exited cleanly (``exit_status == "clean"``: the run
+  ended without detach) is no failure: skipped;
+- a record whose process is gone (crashed, killed, or ended by an uncaught
+  exception) is exported with ``stabmon_process_up 0`` until its record is
+  removed, or until it was last written more than ``forget_after_seconds``
+  ago, so a node that runs jobs for months keeps a bounded set of series.
 
 Worker CPU is a counter, yet workers come and go (a DataLoader without
 persistent workers starts new ones every epoch). The table keeps the last CPU
@@ -34,9 +42,16 @@ import psutil
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from stabmon.contract import DAEMON_METRICS, MetricDef
+from stabmon import rundir
+from stabmon.contract import (
+    HEARTBEAT_AGE,
+    PROCESS_CPU_SECONDS,
+    PROCESS_MEMORY,
+    PROCESS_UP,
+    MetricDef,
+)
 from stabmon.log import LogLimiter
-from stabmon.rundir import ProcessRecord, read_records
+from stabmon.rundir import ProcessRecord, RunPaths, read_records
 
 __all__ = ["ProcessCollector", "ProcessSample", "ProcessTable"]
 
@@ -44,19 +59,11 @@ __all__ = ["ProcessCollector", "ProcessSample", "ProcessTable"]
 _CREATE_TIME_TOLERANCE_SECONDS = 0.5
 #: A child not seen for this long has exited; its CPU stays in the total, its entry goes.
 _CHILD_MEMORY_SECONDS = 300.0
+#: ``exit_status`` of a run that ended normally; any other status is a failure.
+_CLEAN_EXIT = "clean"
 
 _RecordKey = tuple[str, int, int, float]  # run, rank, pid, create_time
 _ChildKey = tuple[int, float]  # pid, create_time
-
-
-def _metric(name: str) -> MetricDef:
-    return next(definition for definition in DAEMON_METRICS if definition.name == name)
-
-
-_PROCESS_UP = _metric("stabmon_process_up")
-_HEARTBEAT_AGE = _metric("stabmon_heartbeat_age_seconds")
-_CPU_SECONDS = _metric("stabmon_process_cpu_seconds_total")
-_MEMORY_BYTES = _metric("stabmon_process_memory_bytes")
 
 
 @dataclass(frozen=True)
@@ -64,7 +71,7 @@ class ProcessSample:
     """One registered training process at one poll."""
 
     record: ProcessRecord
-    #: The pid exists and its create time matches the record's.
+    #: The pid exists, its create time matches the record's, and it has not recorded an exit.
     alive: bool
     #: The pid exists but belongs to another process (the training process is gone).
     reused: bool
@@ -76,8 +83,10 @@ class ProcessSample:
     main_memory_bytes: float | None
     #: Sum of the PSS (or RSS) of all children, recursive.
     workers_memory_bytes: float | None
-    #: Seconds since the last completed step; None before the first step.
+    #: Seconds since the last step, or since attach before the first step; None when unknown.
     heartbeat_age_seconds: float | None
+    #: Pids of the process's children (recursive) seen in this poll: its DataLoader workers.
+    worker_pids: tuple[int, ...] = ()
 
 
 class _WorkerLedger:
@@ -102,6 +111,12 @@ class _WorkerLedger:
 class ProcessTable:
     """Follows the training processes registered in the run directory (psutil).
 
+    ``boot_id`` says which node (and which boot of it) this is: records written
+    on another host, or before a reboot, are skipped (an empty answer, or an
+    empty field in a record, is not compared). The boot id, not the hostname:
+    containers on one node (a DaemonSet beside training pods) share the kernel's
+    boot id but each has a hostname of its own.
+
     >>> table = ProcessTable(Path("/var/tmp/stabmon"), limiter=LogLimiter())
     >>> samples = table.poll()  # on the daemon's poll thread
     >>> table.samples() == samples  # what the collector reads at scrape time
@@ -115,13 +130,14 @@ class ProcessTable:
         limiter: LogLimiter,
         clock: Callable[[], float] = time.time,
         forget_after_seconds: float = 3600.0,
+        boot_id: Callable[[], str] = rundir.boot_id,
     ) -> None:
         self._run_dir = run_dir
         self._limiter = limiter
         self._clock = clock
         self._forget_after = forget_after_seconds
+        self._boot_id = boot_id
         self._samples: tuple[ProcessSample, ...] = ()
-        self._dead_since: dict[_RecordKey, float] = {}
         self._ledgers: dict[_RecordKey, _WorkerLedger] = {}
         self._run_dir_present: bool | None = None
 
@@ -129,7 +145,6 @@ class ProcessTable:
         """Read the records and sample every process; never raises for OS or psutil errors."""
         now = self._clock()
         if not self._run_dir_exists():
-            self._dead_since.clear()
             self._ledgers.clear()
             self._samples = ()
             return []
@@ -142,18 +157,20 @@ class ProcessTable:
                 problem.path,
                 problem.reason,
             )
+        boot = self._boot_id()
         chosen: dict[tuple[str, int], ProcessSample] = {}
+        followed: set[_RecordKey] = set()
         for record in records:
+            if not self._is_this_nodes(record, boot):
+                continue
+            if record.exit_status == _CLEAN_EXIT:
+                continue  # finished normally without detach: nothing is down
             key = _record_key(record)
-            died = self._dead_since.get(key)
-            if died is not None and now - died > self._forget_after:
-                continue  # long dead: dropped, so series do not pile up
             sample = self._sample(record, key, now)
             if sample.alive:
-                self._dead_since.pop(key, None)
-            else:
-                self._dead_since.setdefault(key, now)
-                self._ledgers.pop(key, None)
+                followed.add(key)
+            elif now - _last_written(record) > self._forget_after:
+                continue  # long dead: dropped, so series do not pile up
             identity = (record.run, record.rank)
             if identity in chosen:
                 self._limiter.once(
@@ -166,10 +183,8 @@ class ProcessTable:
                 )
                 sample = _preferred(chosen[identity], sample)
             chosen[identity] = sample
-        current = {_record_key(record) for record in records}
-        for table in (self._dead_since, self._ledgers):
-            for key in [key for key in table if key not in current]:
-                del table[key]  # record removed: the process is no longer monitored
+        for key in [key for key in self._ledgers if key not in followed]:
+            del self._ledgers[key]  # dead or deregistered: its workers are no longer counted
         self._samples = tuple(chosen.values())
         return list(self._samples)
 
@@ -190,8 +205,30 @@ class ProcessTable:
         self._run_dir_present = present
         return present
 
+    def _is_this_nodes(self, record: ProcessRecord, boot: str) -> bool:
+        if not (record.boot_id and boot and record.boot_id != boot):
+            return True
+        reason = (
+            f"it was written on another host or before a reboot (boot id {record.boot_id}, "
+            f"here {boot}; host {record.hostname or 'unknown'})"
+        )
+        path = RunPaths(self._run_dir, record.run, record.rank).record
+        self._limiter.once(
+            f"foreign:{path}",
+            logging.INFO,
+            "stabmon daemon: ignoring the record of rank %d of run %s (%s): %s, "
+            "so its pid names no process of this node",
+            record.rank,
+            record.run,
+            path,
+            reason,
+        )
+        return False
+
     def _sample(self, record: ProcessRecord, key: _RecordKey, now: float) -> ProcessSample:
-        age = None if record.last_step_unix is None else max(0.0, now - record.last_step_unix)
+        age = _heartbeat_age(record, now)
+        if record.exit_status is not None:
+            return _not_alive(record, age, reused=False)  # it said it is exiting: down now
         try:
             process = psutil.Process(record.pid)
             with process.oneshot():
@@ -200,9 +237,9 @@ class ProcessTable:
                 if process.status() == psutil.STATUS_ZOMBIE:
                     return _not_alive(record, age, reused=False)
                 times = process.cpu_times()
-                main_memory = _memory_bytes(process)
+                main_memory = self._memory_bytes(process, record, worker=False)
             ledger = self._ledgers.setdefault(key, _WorkerLedger())
-            workers_memory = self._sample_children(process, ledger, now)
+            workers_memory, workers = self._sample_children(process, record, ledger, now)
         except psutil.NoSuchProcess:  # includes ZombieProcess
             return _not_alive(record, age, reused=False)
         except (psutil.Error, OSError) as error:
@@ -228,21 +265,55 @@ class ProcessTable:
             main_memory_bytes=main_memory,
             workers_memory_bytes=workers_memory,
             heartbeat_age_seconds=age,
+            worker_pids=workers,
         )
 
-    def _sample_children(self, process: psutil.Process, ledger: _WorkerLedger, now: float) -> float:
-        """Add the children's CPU growth to ``ledger``; return their summed memory."""
+    def _sample_children(
+        self, process: psutil.Process, record: ProcessRecord, ledger: _WorkerLedger, now: float
+    ) -> tuple[float, tuple[int, ...]]:
+        """Add the children's CPU growth to ``ledger``; return their summed memory and pids."""
         memory = 0.0
+        pids: list[int] = []
         for child in process.children(recursive=True):
             try:
                 with child.oneshot():
                     times = child.cpu_times()
                     ledger.observe((child.pid, child.create_time()), times.user + times.system, now)
-                memory += _memory_bytes(child)
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                memory += self._memory_bytes(child, record, worker=True)
+            except psutil.NoSuchProcess:
                 continue  # exited (or was reaped) between listing and reading
+            except psutil.AccessDenied:
+                pids.append(child.pid)  # still a worker whose GPU use placement must see
+                continue
+            pids.append(child.pid)
         ledger.forget_before(now - _CHILD_MEMORY_SECONDS)
-        return memory
+        return memory, tuple(pids)
+
+    def _memory_bytes(
+        self, process: psutil.Process, record: ProcessRecord, *, worker: bool
+    ) -> float:
+        """PSS, which shares copy-on-write pages fairly among workers; RSS where PSS is unknown."""
+        try:
+            # getattr: macOS and Windows have no pss field.
+            pss = getattr(process.memory_full_info(), "pss", None)
+        except psutil.AccessDenied:  # smaps is readable only by the owner (or root)
+            pss = None
+            self._limiter.once(
+                f"pss-denied:{process.pid}",
+                logging.WARNING,
+                "stabmon daemon: may not read the PSS of process %d (%s rank %d of run %s); "
+                "reporting its RSS, which counts shared copy-on-write pages in full, so the "
+                "%s memory scope may be inflated. Reading PSS needs the daemon to run as the "
+                "same user or with CAP_SYS_PTRACE",
+                process.pid,
+                "a worker of" if worker else "main process of",
+                record.rank,
+                record.run,
+                "workers" if worker else "main",
+            )
+        if isinstance(pss, int):
+            return float(pss)
+        return float(process.memory_info().rss)
 
 
 class ProcessCollector(Collector):
@@ -253,10 +324,12 @@ class ProcessCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         samples = self._table.samples()
-        up = _gauge(_PROCESS_UP)
-        age = _gauge(_HEARTBEAT_AGE)
-        cpu = CounterMetricFamily(_CPU_SECONDS.name, _CPU_SECONDS.help, labels=_CPU_SECONDS.labels)
-        memory = _gauge(_MEMORY_BYTES)
+        up = _gauge(PROCESS_UP)
+        age = _gauge(HEARTBEAT_AGE)
+        cpu = CounterMetricFamily(
+            PROCESS_CPU_SECONDS.name, PROCESS_CPU_SECONDS.help, labels=PROCESS_CPU_SECONDS.labels
+        )
+        memory = _gauge(PROCESS_MEMORY)
         for sample in samples:
             rank, run = str(sample.record.rank), sample.record.run
             up.add_metric([rank, run, str(sample.record.pid)], 1.0 if sample.alive else 0.0)
@@ -287,6 +360,22 @@ def _record_key(record: ProcessRecord) -> _RecordKey:
     return (record.run, record.rank, record.pid, record.create_time)
 
 
+def _last_written(record: ProcessRecord) -> float:
+    """When the process last wrote its record: its last heartbeat, or its exit."""
+    return max(record.updated_unix, record.exited_unix or 0.0)
+
+
+def _heartbeat_age(record: ProcessRecord, now: float) -> float | None:
+    """Seconds since the last step, or since attach before the first step (a hang in init ages)."""
+    if record.last_step_unix is not None:
+        since = record.last_step_unix
+    elif record.attached_unix > 0.0:
+        since = record.attached_unix
+    else:
+        return None  # a record that says neither: no age to report
+    return max(0.0, now - since)
+
+
 def _not_alive(record: ProcessRecord, age: float | None, *, reused: bool) -> ProcessSample:
     return ProcessSample(record, False, reused, None, None, None, None, age)
 
@@ -295,15 +384,3 @@ def _preferred(first: ProcessSample, second: ProcessSample) -> ProcessSample:
     if first.alive != second.alive:
         return first if first.alive else second
     return first if first.record.updated_unix >= second.record.updated_unix else second
-
-
-def _memory_bytes(process: psutil.Process) -> float:
-    """PSS, which shares copy-on-write pages fairly between workers; RSS where PSS is unknown."""
-    try:
-        # getattr: macOS and Windows have no pss field.
-        pss = getattr(process.memory_full_info(), "pss", None)
-    except psutil.AccessDenied:  # smaps is readable only by the owner (or root)
-        pss = None
-    if isinstance(pss, int):
-        return float(pss)
-    return float(process.memory_info().rss)

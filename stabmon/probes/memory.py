@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
+from stabmon.log import LOGGER
 from stabmon.readings import DeviceMemory, Readings
 
 __all__ = [
@@ -107,8 +108,9 @@ class MemorySampler:
                 try:
                     # NVML through torch, which maps CUDA_VISIBLE_DEVICES; a few ms, so here only.
                     readings.device_utilization[label] = torch.cuda.utilization(device) / 100.0
-                except (RuntimeError, ModuleNotFoundError, OSError):
-                    self._utilization = False  # no NVML in this process: leave it to the daemon
+                except Exception as error:  # pynvml.NVMLError is not imported outside the daemon
+                    self._utilization = False  # no NVML here (no library, MIG): the daemon's job
+                    LOGGER.info("stabmon: no GPU utilization from this process: %s", error)
 
     def epoch_samples(self) -> tuple[dict[str, float], dict[str, float]]:
         """Epoch-end bytes by label (allocated per device, RSS for host) and the epoch peaks;

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from stabmon.contract import THROTTLE_REASONS
 from stabmon.daemon.gpu import GpuCollector, GpuPoller
-from stabmon.daemon.nvml import GpuProcess, GpuReading, NvmlReader
+from stabmon.daemon.nvml import GpuProcess, GpuReading, NvmlError, NvmlReader
 from stabmon.log import LogLimiter
 
 UUID_0 = "GPU-5f2c0a4e-1b2c-3d4e-5f60-718293a4b5c6"
@@ -265,3 +265,158 @@ def test_gpu_poller_lets_unexpected_errors_reach_the_callers_guard() -> None:
     poller = _poller(BrokenReading([FakeGpu(UUID_0)]))
     with pytest.raises(ZeroDivisionError, match="a bug"):
         poller.poll()
+
+
+def _warnings(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if text in r.getMessage()]
+
+
+def test_gpu_poller_keeps_the_other_gpus_when_one_identity_cannot_be_read(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    fake = FakeNvml([FakeGpu(UUID_0), FakeGpu(UUID_1)], fail_calls={0: {"identity"}})
+    poller = _poller(fake)
+    with caplog.at_level(logging.WARNING, logger="stabmon"):
+        for _ in range(3):
+            poller.poll()
+    samples = _scrape(poller)
+    assert value(samples, "stabmon_daemon_nvml_up") == 1
+    assert value(samples, "stabmon_gpu_utilization_ratio", gpu="0") is None
+    assert value(samples, "stabmon_gpu_utilization_ratio", gpu="1", uuid=UUID_1) == 0.0
+    assert _warnings(caplog, "GPU 0") == [
+        "stabmon daemon: GPU 0 left out of the metrics: nvmlDeviceGetUUID failed: "
+        "Insufficient Permissions; retrying every 60 s"
+    ]
+
+
+def test_gpu_poller_names_a_skipped_gpu_again_at_most_every_60_seconds() -> None:
+    fake, clock = _two_gpus(), Clock()
+    fake.fail_calls[0] = {"identity"}
+    poller = _poller(fake, clock)
+    poller.poll()
+    fake.fail_calls.clear()
+    clock.now += 59.0
+    poller.poll()
+    assert [gpu.index for gpu in poller.snapshot().identities] == [1]
+    clock.now += 1.0
+    poller.poll()
+    assert [gpu.uuid for gpu in poller.snapshot().identities] == [UUID_0, UUID_1]
+    assert value(_scrape(poller), "stabmon_gpu_utilization_ratio", gpu="0", uuid=UUID_0) == 0.0
+
+
+def test_gpu_collector_leaves_out_only_the_field_whose_call_fails_and_logs_it_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    fake = FakeNvml([FakeGpu(UUID_0)], fail_calls={0: {"power", "ecc"}})
+    poller = _poller(fake)
+    with caplog.at_level(logging.WARNING, logger="stabmon"):
+        for _ in range(3):
+            poller.poll()
+    samples = _scrape(poller)
+    assert value(samples, "stabmon_gpu_power_watts") is None
+    assert value(samples, "stabmon_gpu_ecc_errors_total", type="corrected") is None
+    assert value(samples, "stabmon_gpu_temperature_celsius", gpu="0", uuid=UUID_0) == 35.0
+    assert value(samples, "stabmon_gpu_utilization_ratio", gpu="0", uuid=UUID_0) == 0.0
+    assert sorted(_warnings(caplog, UUID_0)) == [
+        f"stabmon daemon: GPU 0 ({UUID_0}): nvmlDeviceGetPowerUsage failed: "
+        "Insufficient Permissions; that reading is left out while it fails",
+        f"stabmon daemon: GPU 0 ({UUID_0}): nvmlDeviceGetTotalEccErrors failed: "
+        "Insufficient Permissions; that reading is left out while it fails",
+    ]
+
+
+def test_gpu_poller_keeps_a_gpus_readings_when_its_process_query_fails(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    fake = _two_gpus()
+    fake.gpus[0].processes = [GpuProcess(4242, 2**30)]
+    fake.gpus[1].processes = [GpuProcess(4243, 2**30)]
+    fake.fail_calls[1] = {"processes"}
+    poller = _poller(fake)
+    with caplog.at_level(logging.WARNING, logger="stabmon"):
+        poller.poll()
+        poller.poll()
+    snapshot = poller.snapshot()
+    assert snapshot.processes == {0: (GpuProcess(4242, 2**30),), 1: ()}
+    assert set(snapshot.readings) == {0, 1}
+    assert value(_scrape(poller), "stabmon_gpu_utilization_ratio", gpu="1", uuid=UUID_1) == 0.0
+    assert _warnings(caplog, UUID_1) == [
+        f"stabmon daemon: GPU 1 ({UUID_1}): nvmlDeviceGetComputeRunningProcesses failed: "
+        "Insufficient Permissions; its process list is empty while it fails"
+    ]
+
+
+def test_gpu_poller_leaves_out_a_gpu_whose_process_query_finds_it_lost() -> None:
+    class LostInProcesses(FakeNvml):
+        def processes(self, index: int) -> list[GpuProcess]:
+            if index == 1:
+                raise NvmlError("nvmlDeviceGetComputeRunningProcesses", "GPU is lost", code=15)
+            return super().processes(index)
+
+    poller = _poller(LostInProcesses([FakeGpu(UUID_0), FakeGpu(UUID_1)]))
+    poller.poll()
+    snapshot = poller.snapshot()
+    assert set(snapshot.readings) == set(snapshot.processes) == {0}
+
+
+def test_gpu_poller_logs_nvml_stopping_again_after_it_recovered(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    fake, clock = _two_gpus(), Clock()
+    poller = _poller(fake, clock)
+    with caplog.at_level(logging.WARNING, logger="stabmon"):
+        poller.poll()
+        for _ in range(2):  # the same outage, with the same error text, twice
+            fake.failing = True
+            poller.poll()
+            fake.failing = False
+            clock.now += 60.0
+            poller.poll()
+            assert poller.nvml_up
+    assert len(_warnings(caplog, "NVML stopped answering")) == 2
+
+
+def test_gpu_poller_logs_a_failed_reinit_again_in_the_next_outage(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    fake, clock = _two_gpus(), Clock()
+    poller = _poller(fake, clock)
+    with caplog.at_level(logging.WARNING, logger="stabmon"):
+        poller.poll()
+        for _ in range(2):
+            fake.failing = True
+            poller.poll()
+            clock.now += 60.0
+            poller.poll()  # the re-init fails too
+            fake.failing = False
+            clock.now += 60.0
+            poller.poll()
+            assert poller.nvml_up
+    assert len(_warnings(caplog, "no GPU telemetry: nvmlInit failed")) == 2
+
+
+def test_gpu_poller_snapshot_carries_the_poll_duration_and_time() -> None:
+    # The daemon's health collector exports them (tests/daemon/test_app.py).
+    class Ticking:
+        """A monotonic clock that moves 0.25 s each time it is read."""
+
+        def __init__(self) -> None:
+            self.now = 0.0
+
+        def __call__(self) -> float:
+            self.now += 0.25
+            return self.now
+
+    poller = GpuPoller(_two_gpus(), limiter=LogLimiter(), clock=Ticking(), wall_clock=lambda: 1.7e9)
+    assert poller.snapshot().last_poll_unix is None
+    poller.poll()
+    assert poller.snapshot().last_poll_unix == 1.7e9
+    assert poller.snapshot().poll_seconds > 0
+
+
+def test_gpu_poller_records_the_poll_time_while_nvml_is_down() -> None:
+    fake = FakeNvml(available=False)
+    poller = GpuPoller(fake, limiter=LogLimiter(), clock=Clock(), wall_clock=lambda: 1.7e9)
+    poller.poll()
+    assert value(_scrape(poller), "stabmon_daemon_nvml_up") == 0
+    assert poller.snapshot().last_poll_unix == 1.7e9

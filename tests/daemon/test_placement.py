@@ -30,9 +30,24 @@ GiB = 2**30
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
-def _sample(pid: int, rank: int, declared: tuple[str, ...], *, alive: bool = True) -> ProcessSample:
-    record = ProcessRecord(pid=pid, create_time=1.0, run="job", rank=rank, gpu_uuids=declared)
-    return ProcessSample(record, alive, False, 1.0, 0.0, 1.0, 0.0, None)
+def _sample(
+    pid: int,
+    rank: int,
+    declared: tuple[str, ...],
+    *,
+    alive: bool = True,
+    workers: tuple[int, ...] = (),
+    visible: str | None = None,
+) -> ProcessSample:
+    record = ProcessRecord(
+        pid=pid,
+        create_time=1.0,
+        run="job",
+        rank=rank,
+        gpu_uuids=declared,
+        cuda_visible_devices=visible,
+    )
+    return ProcessSample(record, alive, False, 1.0, 0.0, 1.0, 0.0, None, worker_pids=workers)
 
 
 def _mig_parent(uuid: str) -> str | None:
@@ -159,4 +174,95 @@ def test_placement_collector_exports_the_last_update() -> None:
     assert [m.gpu_index for m in collector.mismatches] == [1]
     collector.update(samples, {0: [(100, 2 * GiB)]}, IDENTITIES)
     assert collector.mismatches == []
+    assert value(_scrape(collector), "stabmon_anomalies_total", kind="device_mismatch") == 1
+
+
+def test_find_mismatches_flags_a_worker_on_a_gpu_its_process_did_not_declare() -> None:
+    samples = [_sample(100, 0, (GPU1,), workers=(200, 201))]
+    gpus = {0: [(201, 500)], 1: [(100, GiB), (200, GiB)]}
+    assert find_mismatches(samples, gpus, IDENTITIES) == [
+        Mismatch(rank=0, run="job", pid=201, gpu_index=0, uuid=GPU0, used_bytes=500,
+                 declared=(GPU1,), worker_of=100)
+    ]  # fmt: skip
+
+
+def test_find_mismatches_ignores_the_workers_of_a_dead_process() -> None:
+    samples = [_sample(100, 0, (GPU1,), alive=False, workers=(200,))]
+    assert find_mismatches(samples, {0: [(200, GiB)]}, IDENTITIES) == []
+
+
+def test_find_mismatches_holds_a_monitored_child_to_its_own_declaration() -> None:
+    samples = [_sample(100, 0, (GPU1,), workers=(101,)), _sample(101, 1, (GPU0,))]
+    assert find_mismatches(samples, {0: [(101, GiB)], 1: [(100, GiB)]}, IDENTITIES) == []
+
+
+def test_process_gpu_memory_lists_a_workers_memory_under_its_pid_and_its_process_rank() -> None:
+    samples = [_sample(100, 2, (GPU0,), workers=(200,))]
+    assert process_gpu_memory(samples, {0: [(100, GiB), (200, 300)]}, IDENTITIES) == [
+        ({"gpu": "0", "uuid": GPU0, "rank": "2", "pid": "100"}, float(GiB)),
+        ({"gpu": "0", "uuid": GPU0, "rank": "2", "pid": "200"}, 300.0),
+    ]
+
+
+def test_placement_collector_counts_a_workers_mismatch_once_while_the_worker_lives() -> None:
+    collector = PlacementCollector(limiter=LogLimiter())
+    with_worker = [_sample(100, 0, (GPU1,), workers=(200,))]
+    for _ in range(3):
+        collector.update(with_worker, {0: [(200, GiB)]}, IDENTITIES)
+    assert value(_scrape(collector), "stabmon_anomalies_total", kind="device_mismatch") == 1
+    collector.update([_sample(100, 0, (GPU1,))], {}, IDENTITIES)  # the worker exited
+    collector.update(with_worker, {0: [(200, GiB)]}, IDENTITIES)  # its pid, reused
+    assert value(_scrape(collector), "stabmon_anomalies_total", kind="device_mismatch") == 2
+
+
+def test_placement_checker_logs_a_workers_mismatch_naming_its_process(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="stabmon")
+    samples = [_sample(100, 0, (GPU1,), workers=(200,))]
+    PlacementChecker(limiter=LogLimiter()).check(
+        find_mismatches(samples, {0: [(200, GiB)]}, IDENTITIES)
+    )
+    [message] = [r.getMessage() for r in caplog.records if "did not declare" in r.getMessage()]
+    assert "pid 200, a worker of pid 100" in message
+
+
+def test_find_mismatches_resolves_cuda_visible_devices_when_no_uuids_were_declared() -> None:
+    samples = [_sample(100, 0, (), visible="1")]
+    assert find_mismatches(samples, {1: [(100, GiB)]}, IDENTITIES) == []
+    assert find_mismatches(samples, {0: [(100, GiB)]}, IDENTITIES) == [
+        Mismatch(rank=0, run="job", pid=100, gpu_index=0, uuid=GPU0, used_bytes=GiB,
+                 declared=(GPU1,))
+    ]  # fmt: skip
+
+
+def test_find_mismatches_resolves_a_uuid_prefix_in_cuda_visible_devices() -> None:
+    samples = [_sample(100, 0, (), visible=GPU0[:12])]
+    gpus = {0: [(100, GiB)], 1: [(100, GiB)]}
+    assert [m.gpu_index for m in find_mismatches(samples, gpus, IDENTITIES)] == [1]
+
+
+def test_find_mismatches_resolves_a_mig_instance_in_cuda_visible_devices_to_its_parent() -> None:
+    samples = [_sample(100, 0, (), visible=MIG_ON_GPU1)]
+    gpus = {0: [(100, GiB)], 1: [(100, GiB)]}
+    assert [m.gpu_index for m in find_mismatches(samples, gpus, IDENTITIES, _mig_parent)] == [0]
+
+
+def test_find_mismatches_prefers_declared_uuids_over_cuda_visible_devices() -> None:
+    samples = [_sample(100, 0, (GPU0,), visible="1")]
+    assert [m.gpu_index for m in find_mismatches(samples, {1: [(100, GiB)]}, IDENTITIES)] == [1]
+
+
+@pytest.mark.parametrize("visible", [None, "", "7"])
+def test_find_mismatches_never_flags_a_cuda_visible_devices_that_names_no_gpu(
+    visible: str | None,
+) -> None:
+    samples = [_sample(100, 0, (), visible=visible)]
+    assert find_mismatches(samples, {0: [(100, GiB)], 1: [(100, GiB)]}, IDENTITIES) == []
+
+
+def test_placement_collector_resolves_cuda_visible_devices_against_its_identities() -> None:
+    collector = PlacementCollector(limiter=LogLimiter())
+    collector.update([_sample(100, 0, (), visible="0")], {1: [(100, GiB)]}, IDENTITIES)
+    assert [(m.gpu_index, m.declared) for m in collector.mismatches] == [(1, (GPU0,))]
     assert value(_scrape(collector), "stabmon_anomalies_total", kind="device_mismatch") == 1

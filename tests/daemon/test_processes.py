@@ -7,11 +7,13 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -21,10 +23,22 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from stabmon.daemon.processes import ProcessCollector, ProcessSample, ProcessTable
 from stabmon.log import LogLimiter
-from stabmon.rundir import MAX_RECORD_BYTES, ProcessRecord, RunPaths, write_atomic
+from stabmon.rundir import MAX_RECORD_BYTES, ProcessRecord, RunPaths, boot_id, write_atomic
 
-SLEEPER = "import time; print('ready', flush=True); time.sleep(60)"
-BURNER = """
+# Prepended to every child: it exits once its parent is gone, so a killed test run (or a worker
+# whose parent the test killed) never leaves an orphan behind, however long it would sleep.
+ORPHAN_GUARD = """
+import os as _os, threading as _threading, time as _time
+def _exit_when_orphaned(parent=_os.getppid()):
+    while _os.getppid() == parent:
+        _time.sleep(0.05)
+    _os._exit(1)
+_threading.Thread(target=_exit_when_orphaned, daemon=True).start()
+"""
+SLEEPER = ORPHAN_GUARD + "import time; print('ready', flush=True); time.sleep(60)"
+BURNER = (
+    ORPHAN_GUARD
+    + """
 import sys, time
 print('ready', flush=True)
 sys.stdin.readline()
@@ -34,8 +48,11 @@ while time.process_time() - start < 0.4:
 print('burnt', flush=True)
 time.sleep(60)
 """
+)
 # A training process with one data loader worker running argv[1]; "stop" on stdin ends the worker.
-PARENT = """
+PARENT = (
+    ORPHAN_GUARD
+    + """
 import subprocess, sys, time
 worker = subprocess.Popen([sys.executable, '-c', sys.argv[1]], stdin=subprocess.DEVNULL,
                           stdout=subprocess.PIPE, text=True)
@@ -46,10 +63,14 @@ worker.wait()
 print('reaped', flush=True)
 time.sleep(60)
 """
-HOARDING_WORKER = (
+)
+HOARDING_WORKER = ORPHAN_GUARD + (
     "import time; hoard = b'x' * (50 << 20); print('ready', flush=True); time.sleep(60)"
 )
-BURNING_WORKER = """
+SLEEPING_WORKER = SLEEPER
+BURNING_WORKER = (
+    ORPHAN_GUARD
+    + """
 import time
 start = time.process_time()
 while time.process_time() - start < 0.3:
@@ -57,6 +78,7 @@ while time.process_time() - start < 0.3:
 print('burnt', flush=True)
 time.sleep(60)
 """
+)
 
 Spawn = Callable[..., "subprocess.Popen[str]"]
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -80,10 +102,9 @@ def spawn() -> Iterator[Spawn]:
 
     yield start
     for process in started:
-        try:
+        # Only an unreaped child still owns its group id; a reaped one's pid may be reused.
+        if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)  # the group: workers die with their parent
-        except ProcessLookupError:
-            pass
         process.communicate(timeout=10)
 
 
@@ -111,13 +132,14 @@ def _register(
     *,
     rank: int = 0,
     create_time: float | None = None,
-    last_step_unix: float | None = None,
+    path: Path | None = None,
+    **fields: Any,
 ) -> Path:
+    """Write a record for ``pid`` (rank ``rank`` of run "job"), last written now unless told."""
     created = psutil.Process(pid).create_time() if create_time is None else create_time
-    record = ProcessRecord(
-        pid=pid, create_time=created, run="job", rank=rank, last_step_unix=last_step_unix
-    )
-    path = RunPaths(run_dir, "job", rank).record
+    fields.setdefault("updated_unix", time.time())
+    record = ProcessRecord(pid=pid, create_time=created, run="job", rank=rank, **fields)
+    path = RunPaths(run_dir, "job", rank).record if path is None else path
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, record.to_json())
     return path
@@ -128,10 +150,21 @@ def _table(
     *,
     clock: Callable[[], float] = time.time,
     forget_after_seconds: float = 3600.0,
+    boot_id: str = "this-boot",
 ) -> ProcessTable:
     return ProcessTable(
-        run_dir, limiter=LogLimiter(), clock=clock, forget_after_seconds=forget_after_seconds
+        run_dir,
+        limiter=LogLimiter(),
+        clock=clock,
+        forget_after_seconds=forget_after_seconds,
+        boot_id=lambda: boot_id,
     )
+
+
+def _dead_pid(spawn: Spawn) -> int:
+    child = spawn("pass")
+    child.wait(10)
+    return child.pid
 
 
 def _only(samples: list[ProcessSample]) -> ProcessSample:
@@ -274,7 +307,7 @@ def test_process_collector_keeps_exporting_the_heartbeat_age_of_a_dead_process(
 ) -> None:
     child = spawn(SLEEPER)
     _line(child)
-    _register(run_dir, child.pid, last_step_unix=1000.0)
+    _register(run_dir, child.pid, last_step_unix=1000.0, updated_unix=1000.0)
     _kill(child)
     table = _table(run_dir, clock=lambda: 1090.0)
     table.poll()
@@ -303,9 +336,7 @@ def test_process_collector_exports_cpu_and_memory_of_both_scopes(
 def test_process_table_forgets_a_record_dead_longer_than_forget_after_seconds(
     run_dir: Path, spawn: Spawn
 ) -> None:
-    child = spawn("pass")
-    child.wait(10)
-    _register(run_dir, child.pid, create_time=1.0)
+    _register(run_dir, _dead_pid(spawn), create_time=1.0, updated_unix=5000.0)
     now = [5000.0]
     table = _table(run_dir, clock=lambda: now[0], forget_after_seconds=3600.0)
     assert not _only(table.poll()).alive
@@ -372,3 +403,204 @@ def test_process_table_follows_nothing_before_the_run_dir_exists(run_dir: Path) 
     assert table.poll() == []
     _register(run_dir, os.getpid())
     assert len(table.poll()) == 1
+
+
+def test_process_table_skips_an_old_dead_record_even_when_it_starts_fresh(
+    run_dir: Path, spawn: Spawn
+) -> None:
+    _register(run_dir, _dead_pid(spawn), create_time=1.0, updated_unix=1000.0)
+    fresh = _table(run_dir, clock=lambda: 1000.0 + 3601.0, forget_after_seconds=3600.0)
+    assert fresh.poll() == []
+    assert value(_scrape(fresh), "stabmon_process_up") is None
+
+
+def test_process_table_reports_a_recently_dead_record_down_when_it_starts_fresh(
+    run_dir: Path, spawn: Spawn
+) -> None:
+    pid = _dead_pid(spawn)
+    _register(run_dir, pid, create_time=1.0, updated_unix=1000.0)
+    fresh = _table(run_dir, clock=lambda: 1000.0 + 3599.0, forget_after_seconds=3600.0)
+    assert not _only(fresh.poll()).alive
+    assert value(_scrape(fresh), "stabmon_process_up", pid=str(pid)) == 0
+
+
+def test_process_table_keeps_following_a_live_process_whose_record_is_old(run_dir: Path) -> None:
+    _register(run_dir, os.getpid(), updated_unix=1.0)
+    assert _only(_table(run_dir, forget_after_seconds=60.0).poll()).alive
+
+
+def test_process_table_counts_an_exit_record_as_written_when_forgetting(
+    run_dir: Path, spawn: Spawn
+) -> None:
+    _register(run_dir, _dead_pid(spawn), create_time=1.0, updated_unix=1000.0,
+              exited_unix=4000.0, exit_status="exception")  # fmt: skip
+    assert len(_table(run_dir, clock=lambda: 5000.0, forget_after_seconds=3600.0).poll()) == 1
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason"),
+    [
+        ({"hostname": "other-node", "boot_id": "other-nodes-boot"}, "other-node"),
+        ({"hostname": "this-node", "boot_id": "an-earlier-boot"}, "an-earlier-boot"),
+    ],
+)
+def test_process_table_skips_and_logs_once_a_record_that_is_not_this_nodes(
+    run_dir: Path, caplog: pytest.LogCaptureFixture, fields: dict[str, str], reason: str
+) -> None:
+    caplog.set_level(logging.INFO, logger="stabmon")
+    path = _register(run_dir, os.getpid(), **fields)
+    table = _table(run_dir, boot_id="this-boot")
+    for _ in range(3):
+        assert table.poll() == []
+    assert value(_scrape(table), "stabmon_process_up") is None
+    logged = [r for r in caplog.records if str(path) in r.getMessage()]
+    assert len(logged) == 1
+    assert logged[0].levelno == logging.INFO and reason in logged[0].getMessage()
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {"hostname": "this-node", "boot_id": "this-boot"},
+        {"hostname": "a-training-pod", "boot_id": "this-boot"},  # containers: own hostnames
+        {"boot_id": "this-boot"},
+    ],
+)
+def test_process_table_follows_a_record_of_this_node_or_one_that_does_not_say(
+    run_dir: Path, fields: dict[str, str]
+) -> None:
+    _register(run_dir, os.getpid(), **fields)
+    assert _only(_table(run_dir, boot_id="this-boot").poll()).alive
+
+
+def test_process_table_compares_nothing_when_the_node_cannot_say_who_it_is(run_dir: Path) -> None:
+    _register(run_dir, os.getpid(), hostname="node-a", boot_id="boot-a")
+    assert _only(_table(run_dir, boot_id="").poll()).alive
+
+
+def test_process_table_defaults_to_this_boots_id(run_dir: Path) -> None:
+    _register(run_dir, os.getpid(), hostname=socket.gethostname(), boot_id=boot_id())
+    assert _only(ProcessTable(run_dir, limiter=LogLimiter()).poll()).alive
+    _register(run_dir, os.getpid(), boot_id=boot_id() + "-before-a-reboot")
+    assert ProcessTable(run_dir, limiter=LogLimiter()).poll() == []
+
+
+def test_process_table_does_not_export_a_run_that_exited_cleanly(
+    run_dir: Path, spawn: Spawn
+) -> None:
+    _register(run_dir, _dead_pid(spawn), create_time=1.0, exited_unix=time.time(),
+              exit_status="clean")  # fmt: skip
+    table = _table(run_dir)
+    assert table.poll() == []
+    assert value(_scrape(table), "stabmon_process_up") is None
+
+
+def test_process_table_reports_a_run_that_ended_by_an_exception_down_with_its_age(
+    run_dir: Path,
+) -> None:
+    # Its own pid: a process that recorded an exception is down even while atexit still runs.
+    _register(run_dir, os.getpid(), last_step_unix=1000.0, updated_unix=1000.0,
+              exited_unix=1001.0, exit_status="exception")  # fmt: skip
+    table = _table(run_dir, clock=lambda: 1030.0)
+    sample = _only(table.poll())
+    assert not sample.alive and not sample.reused
+    samples = _scrape(table)
+    assert value(samples, "stabmon_process_up", pid=str(os.getpid())) == 0
+    assert value(samples, "stabmon_heartbeat_age_seconds", rank="0", run="job") == 30.0
+
+
+def test_process_table_reports_a_vanished_process_without_exit_status_down(
+    run_dir: Path, spawn: Spawn
+) -> None:
+    pid = _dead_pid(spawn)
+    _register(run_dir, pid, create_time=1.0)
+    table = _table(run_dir)
+    assert not _only(table.poll()).alive
+    assert value(_scrape(table), "stabmon_process_up", pid=str(pid)) == 0
+
+
+def test_process_table_ages_the_heartbeat_from_attach_before_the_first_step(
+    run_dir: Path,
+) -> None:
+    _register(run_dir, os.getpid(), attached_unix=1000.0)
+    table = _table(run_dir, clock=lambda: 1030.0)
+    assert _only(table.poll()).heartbeat_age_seconds == 30.0
+    assert value(_scrape(table), "stabmon_heartbeat_age_seconds", rank="0", run="job") == 30.0
+
+
+def test_process_table_ages_the_heartbeat_from_the_last_step_once_there_is_one(
+    run_dir: Path,
+) -> None:
+    _register(run_dir, os.getpid(), attached_unix=900.0, last_step_unix=1000.0)
+    assert _only(_table(run_dir, clock=lambda: 1030.0).poll()).heartbeat_age_seconds == 30.0
+
+
+def test_process_table_warns_once_per_process_when_pss_falls_back_to_rss(
+    run_dir: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    caplog.set_level(logging.INFO, logger="stabmon")
+
+    def denied(self: psutil.Process) -> Any:
+        raise psutil.AccessDenied(self.pid)
+
+    monkeypatch.setattr(psutil.Process, "memory_full_info", denied)
+    _register(run_dir, os.getpid())
+    table = _table(run_dir)
+    for _ in range(3):
+        memory = _only(table.poll()).main_memory_bytes
+        assert memory is not None and memory > 0  # the RSS
+    logged = [r for r in caplog.records if "PSS" in r.getMessage()]
+    assert len(logged) == 1
+    assert logged[0].levelno == logging.WARNING
+    message = logged[0].getMessage()
+    assert str(os.getpid()) in message and "CAP_SYS_PTRACE" in message
+
+
+def test_process_table_lists_the_worker_pids_of_a_process(run_dir: Path, spawn: Spawn) -> None:
+    parent = spawn(PARENT, SLEEPING_WORKER)
+    assert _line(parent) == "ready"
+    _register(run_dir, parent.pid)
+    [worker] = psutil.Process(parent.pid).children()
+    table = _table(run_dir)
+    assert _only(table.poll()).worker_pids == (worker.pid,)
+    _send(parent, "stop")
+    assert _line(parent) == "reaped"
+    assert _only(table.poll()).worker_pids == ()
+
+
+def test_process_table_follows_the_live_one_of_two_records_for_one_rank_and_warns_once(
+    run_dir: Path, spawn: Spawn, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="stabmon")
+    dead = _dead_pid(spawn)
+    _register(run_dir, dead, create_time=1.0, path=run_dir / "job-old" / "rank-0.json")
+    _register(run_dir, os.getpid())
+    table = _table(run_dir)
+    for _ in range(3):
+        sample = _only(table.poll())
+        assert sample.alive and sample.record.pid == os.getpid()
+    assert value(_scrape(table), "stabmon_process_up", pid=str(dead)) is None
+    logged = [r for r in caplog.records if "more than one record" in r.getMessage()]
+    assert len(logged) == 1 and logged[0].levelno == logging.WARNING
+
+
+def test_process_table_follows_the_most_recently_updated_of_two_dead_records_for_one_rank(
+    run_dir: Path, spawn: Spawn
+) -> None:
+    older, newer = _dead_pid(spawn), _dead_pid(spawn)
+    _register(run_dir, newer, create_time=1.0, updated_unix=2000.0)
+    _register(run_dir, older, create_time=1.0, updated_unix=1000.0,
+              path=run_dir / "job-old" / "rank-0.json")  # fmt: skip
+    sample = _only(_table(run_dir, clock=lambda: 2100.0).poll())
+    assert sample.record.pid == newer and not sample.alive
+
+
+def test_spawned_workers_exit_when_their_parent_is_killed(spawn: Spawn) -> None:
+    parent = spawn(PARENT, SLEEPING_WORKER)
+    assert _line(parent) == "ready"
+    [worker] = psutil.Process(parent.pid).children()
+    os.kill(parent.pid, signal.SIGKILL)  # the parent only: the worker must notice by itself
+    parent.wait(10)
+    worker.wait(timeout=10)  # raises TimeoutExpired while the worker lives on
+    assert not worker.is_running()

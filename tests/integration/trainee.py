@@ -20,9 +20,10 @@ import torch
 import stabmon
 
 WORKER = """
-import sys, time
+import os, sys, time
+parent = os.getppid()
 hoard = []
-while True:
+while os.getppid() == parent:  # never outlive the trainee: a killed test must not leave a hog
     hoard.append(bytearray(int(float(sys.argv[1]) * 2**20)))  # bytearray pages are touched
     time.sleep(1.0)
 """
