@@ -7,6 +7,8 @@ a mistake the user can fix.
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -56,10 +58,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run_daemon(args: argparse.Namespace) -> int:
-    import logging
-    import os
-
-    from stabmon.daemon.app import DaemonApp
+    from stabmon.daemon.app import DaemonApp  # lazily: the library never loads the daemon
 
     overrides = {
         key: value
