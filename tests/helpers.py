@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import urllib.request
 from pathlib import Path
@@ -80,3 +81,12 @@ def events(path: Path | None) -> list[dict[str, Any]]:
 
 def _reject(constant: str) -> Any:
     raise AssertionError(f"event log holds a non-JSON constant {constant}")
+
+
+def has_nvidia_driver() -> bool:
+    """Whether NVML's library loads here (a GPU machine); tests of the driverless path skip then."""
+    try:
+        ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return False
+    return True

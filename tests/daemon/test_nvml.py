@@ -6,7 +6,6 @@ the pynvml functions it calls and answers in NVML's raw units.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import threading
 import time
@@ -15,6 +14,7 @@ from types import SimpleNamespace
 
 import pynvml
 import pytest
+from helpers import has_nvidia_driver
 
 from stabmon.contract import THROTTLE_REASONS
 from stabmon.daemon.nvml import (
@@ -30,16 +30,7 @@ from stabmon.daemon.nvml import (
     to_ratio,
 )
 
-
-def _has_nvidia_driver() -> bool:
-    try:
-        ctypes.CDLL("libnvidia-ml.so.1")
-    except OSError:
-        return False
-    return True
-
-
-needs_no_driver = pytest.mark.skipif(_has_nvidia_driver(), reason="Requires: no NVIDIA driver")
+needs_no_driver = pytest.mark.skipif(has_nvidia_driver(), reason="Requires: no NVIDIA driver")
 
 
 def test_to_ratio_turns_nvml_percent_into_a_ratio() -> None:

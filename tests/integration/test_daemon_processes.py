@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from helpers import scrape
+from helpers import has_nvidia_driver, scrape
 
 pytestmark = pytest.mark.slow
 
@@ -44,16 +44,6 @@ def _until(url: str, predicate: Callable[[Samples], bool], timeout: float = 15.0
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout} s; last scrape: {samples}")
         time.sleep(0.2)
-
-
-def _has_nvidia_driver() -> bool:
-    import ctypes
-
-    try:
-        ctypes.CDLL("libnvidia-ml.so.1")
-    except OSError:
-        return False
-    return True
 
 
 @pytest.fixture
@@ -88,7 +78,7 @@ def test_daemon_reports_liveness_heartbeats_and_worker_memory_of_real_processes(
     samples = _until(url, lambda s: _get(s, "stabmon_process_up", rank="0", run="job") == 1
                      and _get(s, "stabmon_process_up", rank="1", run="job") == 1)  # fmt: skip
     assert _get(samples, "stabmon_process_up", rank="0", pid=str(leaky.pid)) == 1
-    if not _has_nvidia_driver():
+    if not has_nvidia_driver():
         assert _get(samples, "stabmon_daemon_nvml_up") == 0
 
     # The worker's steady allocation shows up in the workers' scope, not the main process's.
