@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 __all__ = [
+    "ALERT_NAMES",
     "ANOMALY_KINDS",
     "DAEMON_METRICS",
     "EXTENSION_METRICS",
@@ -360,3 +361,22 @@ DAEMON_LAST_POLL = MetricDef(
     "Unix time at which each of the daemon's pollers last completed.",
     ("poller",),
 )
+
+# --- alerts (deploy/prometheus/rules) ---------------------------------------------------------
+
+#: Every alert the shipped rules define; each carries `severity`, `summary`, `description`
+#: and `runbook_url` (docs/runbooks.md#<alert name in lower case>).
+ALERT_NAMES: tuple[str, ...] = (
+    "StabmonTrainingStalled",
+    "StabmonTrainingProcessDown",
+    "StabmonTrainingMetricsAbsent",
+    "StabmonNonFiniteGradients",
+    "StabmonLossSpike",
+    "StabmonDeviceMemoryLeak",
+    "StabmonHostMemoryLeak",
+    "StabmonGPUUnderutilized",
+    "StabmonGPUThermalThrottling",
+    "StabmonGPUXidErrors",
+    "StabmonStragglerRank",
+)
+SEVERITIES: tuple[str, ...] = ("critical", "warning", "info")

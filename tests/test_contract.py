@@ -88,3 +88,9 @@ def test_every_training_metric_is_exported_with_rank_and_run_labels(attach: Moni
     for (name, labels), _ in samples.items():
         if name.startswith("stabmon_"):
             assert {"rank", "run"} <= {key for key, _ in labels}, name
+
+
+def test_contract_alert_names_match_the_published_contract() -> None:
+    text = CONTRACT.read_text() if CONTRACT.exists() else pytest.skip("no shared contract")
+    section = text.split("## Alert names", 1)[1].split("##", 1)[0]
+    assert set(re.findall(r"`(Stabmon[A-Za-z]+)`", section)) == set(contract.ALERT_NAMES)
