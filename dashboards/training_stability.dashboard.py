@@ -1,0 +1,384 @@
+"""Training stability: one run's (or many runs') steps, gradients, losses, memory and heartbeat.
+
+Every series here comes from the training processes' own exporters (``stabmon.attach``);
+the node's view (GPUs, liveness from outside) is in ``gpu_nodes.dashboard.py``.
+"""
+
+from grafanalib.core import (
+    GRAPH_TOOLTIP_MODE_SHARED_CROSSHAIR,
+    Annotations,
+    Dashboard,
+    Templating,
+    Time,
+)
+from panels import (
+    RUN_RANK,
+    Query,
+    anomaly_annotation,
+    datasource_variable,
+    equals,
+    increase,
+    layout,
+    matches,
+    quantile,
+    rank_variable,
+    rate,
+    run_variable,
+    selector,
+    stat,
+    steps,
+    sum_by,
+    timeseries,
+)
+
+from stabmon import contract as c
+from stabmon.config import Config
+from stabmon.detectors.stall import MIN_AUTO_STALL_SECONDS
+
+RANK = ("run", "rank")
+WHO = "{{run}}/{{rank}}"
+QUANTILES = (0.5, 0.9, 0.99)
+SPIKES = matches("kind", "loss_spike|grad_spike")
+LEAK_THRESHOLD = Config().leak_threshold  # the default leak rule: +3% per window
+
+# --- overview ---------------------------------------------------------------------------------
+
+stalled = stat(
+    "Stalled ranks",
+    [Query(f"sum({selector(c.STALLED, *RUN_RANK)})")],
+    unit="none",
+    description="Ranks with no completed step for longer than their stall limit, now.",
+    thresholds=steps("green", (1, "red")),
+    no_value="0",
+)
+leaking = stat(
+    "Leak suspected (rank × device)",
+    [Query(f"sum({selector(c.MEMORY_LEAK_SUSPECTED, *RUN_RANK)})")],
+    unit="none",
+    description="Devices (and host memory) of any rank where the in-process leak rule holds.",
+    thresholds=steps("green", (1, "red")),
+    no_value="0",
+)
+oldest_heartbeat = stat(
+    "Oldest heartbeat",
+    [Query(f"max(time() - {selector(c.LAST_STEP_TIMESTAMP, *RUN_RANK)})")],
+    unit="s",
+    description="Seconds since the slowest rank completed a step. Amber at the smallest "
+    "automatic stall limit.",
+    thresholds=steps("green", (MIN_AUTO_STALL_SECONDS, "orange")),
+)
+epoch = stat(
+    "Epoch",
+    [Query(f"max({selector(c.EPOCH, *RUN_RANK)})")],
+    unit="none",
+    description="Highest current epoch index among the selected ranks.",
+    thresholds=steps("blue"),
+)
+anomalies_in_range = stat(
+    "Anomalies in range",
+    [
+        Query(
+            sum_by(("kind",), increase(c.ANOMALIES, *RUN_RANK, window="$__range")),
+            "{{kind}}",
+            instant=True,
+        )
+    ],
+    unit="none",
+    description="Anomalies of each kind detected in-process over the dashboard's time range.",
+    thresholds=steps("green", (0.5, "red")),
+    width=8,
+    text_mode="value_and_name",
+)
+environment = stat(
+    "Environment (ranks per build)",
+    [
+        Query(
+            sum_by(
+                ("stabmon_version", "torch_version", "cuda_version", "python_version"),
+                selector(c.BUILD_INFO, *RUN_RANK),
+                aggregation="count",
+            ),
+            "stabmon {{stabmon_version}} · torch {{torch_version}} · CUDA {{cuda_version}} "
+            "· Python {{python_version}}",
+        )
+    ],
+    unit="none",
+    description="How many ranks run each build; more than one line means ranks differ.",
+    thresholds=steps("blue"),
+    text_mode="value_and_name",
+    width=24,
+    height=3,
+)
+
+# --- throughput -------------------------------------------------------------------------------
+
+step_rate = timeseries(
+    "Step rate",
+    [Query(sum_by(RANK, rate(c.STEPS, *RUN_RANK)), WHO)],
+    unit="suffix: steps/s",
+    description="Optimizer steps completed per second, per rank. A rank below the others is a "
+    "straggler; a drop to 0 is a stall.",
+    legend_calcs=("lastNotNull", "min"),
+)
+step_time = timeseries(
+    "Step time p50 / p90 / p99",
+    [Query(quantile(q, c.STEP_DURATION, *RUN_RANK), f"p{round(q * 100)} {WHO}") for q in QUANTILES],
+    unit="s",
+    description="Host wall time from one optimizer step's end to the next. A p99 far above "
+    "p50 means periodic pauses (checkpoints, evaluation, input hiccups).",
+)
+data_wait_share = timeseries(
+    "Input wait share",
+    [
+        Query(
+            f"{sum_by(RANK, rate(c.PHASE_SECONDS, *RUN_RANK, equals('phase', 'data_wait')))}"
+            f" / {sum_by(RANK, rate(c.PHASE_SECONDS, *RUN_RANK))}",
+            WHO,
+        )
+    ],
+    unit="percentunit",
+    description="Share of the host's loop time spent waiting for the next batch. Above 20% the "
+    "input pipeline is a bottleneck (on CUDA, read with 'Which figure is which' in the README).",
+    min_value=0,
+    max_value=1,
+    thresholds=steps("green", (0.2, "orange")),
+)
+data_wait = timeseries(
+    "Input wait p50 / p99",
+    [Query(quantile(q, c.DATA_WAIT, *RUN_RANK), f"p{round(q * 100)} {WHO}") for q in (0.5, 0.99)],
+    unit="s",
+    description="Time from a step's end to the next forward's start (inside the loader's next() "
+    "with track()).",
+)
+host_phases = timeseries(
+    "Host time per phase (mean over ranks)",
+    [
+        Query(
+            sum_by(("run", "phase"), rate(c.PHASE_SECONDS, *RUN_RANK), aggregation="avg"),
+            "{{phase}} {{run}}",
+        )
+    ],
+    unit="percentunit",
+    description="Share of wall time the host spends in each phase (seconds per second). On "
+    "CUDA a device-bound loop shows its device time where the host waits.",
+    stacked=True,
+)
+device_phases = timeseries(
+    "Device time per phase (CUDA)",
+    [
+        Query(
+            sum_by(("run", "phase"), rate(c.DEVICE_PHASE_SECONDS, *RUN_RANK), aggregation="avg"),
+            "{{phase}} {{run}}",
+        )
+    ],
+    unit="percentunit",
+    description="CUDA only, beyond contract v1: device time between CUDA events per phase; "
+    "data_wait here is the GPU idle for input.",
+    stacked=True,
+)
+device_step_time = timeseries(
+    "Device step time p50 / p99 (CUDA)",
+    [
+        Query(quantile(q, c.DEVICE_STEP_DURATION, *RUN_RANK), f"p{round(q * 100)} {WHO}")
+        for q in (0.5, 0.99)
+    ],
+    unit="s",
+    description="CUDA only, beyond contract v1: device time from one step's end to the next.",
+    width=12,
+)
+device_utilization = timeseries(
+    "GPU utilization (process view, CUDA)",
+    [Query(selector(c.DEVICE_UTILIZATION, *RUN_RANK), "{{device}} " + WHO)],
+    unit="percentunit",
+    description="Utilization of each device a rank uses, sampled by the rank. Below 50% the "
+    "GPU waits on something else.",
+    min_value=0,
+    max_value=1,
+    thresholds=steps("red", (0.5, "green")),
+    width=12,
+)
+
+# --- optimisation health ----------------------------------------------------------------------
+
+loss = timeseries(
+    "Loss",
+    [Query(selector(c.LOSS, *RUN_RANK), WHO)],
+    unit="none",
+    description="Last observed training loss per rank (not losses inside named phases).",
+    legend_calcs=("lastNotNull", "min"),
+)
+grad_norm = timeseries(
+    "Global gradient norm",
+    [Query(selector(c.GRAD_NORM, *RUN_RANK), WHO)],
+    unit="none",
+    description="L2 norm of all gradients at the last measured step, log scale: a jump of a "
+    "decade is a spike; a slow climb precedes divergence.",
+    log_base=10,
+    legend_calcs=("lastNotNull", "max"),
+)
+module_grad_norm = timeseries(
+    "Gradient norm per module",
+    [Query(selector(c.MODULE_GRAD_NORM, *RUN_RANK), "{{module}} " + WHO)],
+    unit="none",
+    description="L2 gradient norm per module group, log scale: which part of the model blew up "
+    "or stopped learning.",
+    log_base=10,
+)
+zero_grads = timeseries(
+    "Parameters without gradient",
+    [Query(selector(c.ZERO_GRAD_PARAMS, *RUN_RANK), WHO)],
+    unit="none",
+    description="Trainable parameter tensors whose gradient was None or all zero at the last "
+    "measured step: frozen by mistake, or unused in forward.",
+    steps_after=True,
+)
+nonfinite = timeseries(
+    "Non-finite gradients and losses",
+    [
+        Query(sum_by(RANK, increase(c.NONFINITE_GRAD_STEPS, *RUN_RANK)), f"grad steps {WHO}"),
+        Query(sum_by(RANK, increase(c.NONFINITE_LOSS, *RUN_RANK)), f"losses {WHO}"),
+    ],
+    unit="none",
+    description="Steps whose gradients held NaN/Inf and losses that were NaN/Inf, per interval. "
+    "Anything above 0 without a GradScaler is a bug or a divergence.",
+    bars=True,
+    thresholds=steps("green", (1, "red")),
+)
+spikes = timeseries(
+    "Loss and gradient spikes",
+    [
+        Query(
+            sum_by(("run", "rank", "kind"), increase(c.ANOMALIES, *RUN_RANK, SPIKES)),
+            "{{kind}} " + WHO,
+        )
+    ],
+    unit="none",
+    description="Spikes flagged by the robust z-score detectors, per interval.",
+    bars=True,
+)
+loss_scale = timeseries(
+    "AMP loss scale",
+    [Query(selector(c.AMP_LOSS_SCALE, *RUN_RANK), WHO)],
+    unit="none",
+    description="GradScaler scale (log 2). Halvings are overflows; a scale stuck low means "
+    "gradients overflow every few steps.",
+    log_base=2,
+    steps_after=True,
+    width=12,
+)
+skipped = timeseries(
+    "AMP skipped steps",
+    [Query(sum_by(RANK, increase(c.AMP_SKIPPED_STEPS, *RUN_RANK)), WHO)],
+    unit="none",
+    description="Optimizer steps GradScaler skipped for Inf/NaN gradients, per interval. A few "
+    "early on are normal; a steady stream is not.",
+    bars=True,
+    width=12,
+)
+
+# --- memory -----------------------------------------------------------------------------------
+
+epoch_memory = timeseries(
+    "Memory at epoch end",
+    [Query(selector(c.EPOCH_MEMORY, *RUN_RANK), "{{device}} " + WHO)],
+    unit="bytes",
+    description="Memory sampled at each epoch end per device (host: process RSS). A staircase "
+    "that keeps climbing is a leak.",
+    steps_after=True,
+    width=12,
+)
+drift = timeseries(
+    "Memory drift vs baseline epoch",
+    [Query(selector(c.MEMORY_DRIFT, *RUN_RANK), "{{device}} " + WHO)],
+    unit="percentunit",
+    description="Growth of the epoch-end sample against the baseline epoch. The dashed line is "
+    "the default leak threshold (leak_threshold).",
+    thresholds=steps("green", (LEAK_THRESHOLD, "red")),
+    steps_after=True,
+    legend_calcs=("lastNotNull", "max"),
+    width=12,
+)
+device_memory = timeseries(
+    "Device memory now",
+    [
+        Query(selector(c.DEVICE_MEMORY_ALLOCATED, *RUN_RANK), "allocated {{device}} " + WHO),
+        Query(selector(c.DEVICE_MEMORY_RESERVED, *RUN_RANK), "reserved {{device}} " + WHO),
+        Query(selector(c.DEVICE_MEMORY_PEAK, *RUN_RANK), "epoch peak {{device}} " + WHO),
+    ],
+    unit="bytes",
+    description="CUDA allocator: allocated now, reserved now, and the peak since the last "
+    "epoch end.",
+    width=12,
+)
+host_rss = timeseries(
+    "Host RSS",
+    [Query(selector(c.HOST_MEMORY_RSS, *RUN_RANK), WHO)],
+    unit="bytes",
+    description="Resident set size of each training process (its data loader workers are on "
+    "the GPU nodes dashboard).",
+    width=12,
+)
+
+# --- liveness and stabmon itself --------------------------------------------------------------
+
+heartbeat = timeseries(
+    "Heartbeat age",
+    [Query(f"time() - {selector(c.LAST_STEP_TIMESTAMP, *RUN_RANK)}", WHO)],
+    unit="s",
+    description="Seconds since each rank completed its last step, as the rank reports it. A "
+    "frozen process stops reporting; the daemon's heartbeat age (GPU nodes) keeps counting.",
+    thresholds=steps("green", (MIN_AUTO_STALL_SECONDS, "orange")),
+    width=12,
+)
+internal_errors = timeseries(
+    "stabmon internal errors",
+    [
+        Query(
+            sum_by(("run", "rank", "component"), increase(c.INTERNAL_ERRORS, *RUN_RANK)),
+            "{{component}} " + WHO,
+        )
+    ],
+    unit="none",
+    description="Failures inside stabmon that were contained, per interval: training went on, "
+    "but the figures of that component may be missing.",
+    bars=True,
+    width=12,
+)
+
+dashboard = Dashboard(
+    title="stabmon · Training stability",
+    uid="stabmon-training",
+    description="Steps, gradients, losses, memory and heartbeat of stabmon-monitored training.",
+    tags=["stabmon"],
+    timezone="browser",
+    refresh="30s",
+    time=Time("now-6h", "now"),
+    graphTooltip=GRAPH_TOOLTIP_MODE_SHARED_CROSSHAIR,
+    schemaVersion=39,
+    templating=Templating([datasource_variable(), run_variable(), rank_variable()]),
+    annotations=Annotations(
+        [anomaly_annotation(f"{increase(c.ANOMALIES, *RUN_RANK, window='1m')} > 0")]
+    ),
+    panels=layout(
+        ("Overview", [stalled, leaking, oldest_heartbeat, epoch, anomalies_in_range, environment]),
+        (
+            "Throughput",
+            [
+                step_rate,
+                step_time,
+                data_wait_share,
+                data_wait,
+                host_phases,
+                device_phases,
+                device_step_time,
+                device_utilization,
+            ],
+        ),
+        (
+            "Optimisation health",
+            [loss, grad_norm, module_grad_norm, nonfinite, spikes, zero_grads, loss_scale, skipped],
+        ),
+        ("Memory", [epoch_memory, drift, device_memory, host_rss]),
+        ("Liveness and stabmon itself", [heartbeat, internal_errors]),
+    ),
+)

@@ -1,0 +1,152 @@
+"""The shipped alert rules: complete against the contract, documented, and proven by promtool.
+
+The structural checks run everywhere; `promtool check rules` and `promtool test rules` need
+Debian's prometheus package (`make tools`). They skip without it on a developer machine and
+fail in CI, where a silently skipped rule test would hide a broken rule.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from stabmon import contract
+
+ROOT = Path(__file__).resolve().parents[2]
+RULES = ROOT / "deploy" / "prometheus" / "rules" / "stabmon.rules.yml"
+RULE_TESTS = ROOT / "deploy" / "prometheus" / "tests" / "stabmon.rules.test.yml"
+RUNBOOKS = ROOT / "docs" / "runbooks.md"
+RUNBOOK_BASE = "https://github.com/stabmon/stabmon/blob/main/docs/runbooks.md#"
+
+METRIC_NAMES = {
+    m.name
+    for m in (
+        *contract.TRAINING_METRICS,
+        *contract.DAEMON_METRICS,
+        *contract.EXTENSION_METRICS,
+        contract.DAEMON_POLL_DURATION,
+        contract.DAEMON_LAST_POLL,
+    )
+}
+# Histograms are read through their sample series.
+SERIES_NAMES = METRIC_NAMES | {
+    f"{name}{suffix}" for name in METRIC_NAMES for suffix in ("_bucket", "_sum", "_count")
+}
+# Alerts whose value is a state (process up == 0, metrics absent), not a figure to quote.
+STATE_ALERTS = {"StabmonTrainingProcessDown", "StabmonTrainingMetricsAbsent"}
+# Prometheus' own series that a rule may join with (target health).
+PROMETHEUS_SERIES = {"up"}
+
+
+def _alerts() -> list[dict[str, Any]]:
+    document = yaml.safe_load(RULES.read_text())
+    return [rule for group in document["groups"] for rule in group["rules"] if "alert" in rule]
+
+
+def _promtool() -> str:
+    found = shutil.which("promtool")
+    if found is None:
+        if os.environ.get("CI"):
+            pytest.fail("promtool is not installed; CI must run the rule tests (make tools)")
+        pytest.skip("Requires: promtool (apt-get install prometheus)")
+    return found
+
+
+def _strip_comments(expr: str) -> str:
+    return "\n".join(line.split("#", 1)[0] for line in expr.splitlines())
+
+
+def _series_names(expr: str) -> set[str]:
+    """Identifiers in a PromQL expression that name series (not functions or keywords)."""
+    code = _strip_comments(expr)
+    code = re.sub(r'"[^"]*"', '""', code)  # label values
+    code = re.sub(r"\{[^}]*\}", "{}", code)  # matchers
+    code = re.sub(r"\b(?:by|on|ignoring|without|group_left|group_right)\s*\([^)]*\)", "", code)
+    names = set(re.findall(r"\b[a-zA-Z_:][a-zA-Z0-9_:]*\b(?!\s*\()", code))
+    keywords = {"and", "or", "unless", "offset", "bool", "group_left", "group_right"}
+    durations = {n for n in names if re.fullmatch(r"\d*[smhdwy]", n)}
+    return names - keywords - durations
+
+
+def test_every_contract_alert_is_defined_once() -> None:
+    names = [rule["alert"] for rule in _alerts()]
+    assert sorted(names) == sorted(contract.ALERT_NAMES)
+    assert len(names) == len(set(names))
+
+
+@pytest.mark.parametrize("alert", contract.ALERT_NAMES)
+def test_alert_has_severity_and_annotations(alert: str) -> None:
+    rule = next(rule for rule in _alerts() if rule["alert"] == alert)
+    assert rule["labels"]["severity"] in contract.SEVERITIES
+    annotations = rule["annotations"]
+    assert set(annotations) >= {"summary", "description", "runbook_url"}
+    assert annotations["summary"].strip()
+    # The description names the run and the rank (or the GPU for node alerts), and the value
+    # where the value is a measurement rather than a state.
+    description = annotations["description"]
+    assert ("$value" in description) != (alert in STATE_ALERTS)
+    assert "$labels.rank" in description or "$labels.uuid" in description
+    assert annotations["runbook_url"] == RUNBOOK_BASE + alert.lower()
+
+
+@pytest.mark.parametrize("alert", contract.ALERT_NAMES)
+def test_runbook_has_a_section_for_each_alert(alert: str) -> None:
+    sections = re.findall(r"^## (\S+)$", RUNBOOKS.read_text(), flags=re.MULTILINE)
+    assert alert in sections
+    body = RUNBOOKS.read_text().split(f"## {alert}\n", 1)[1].split("\n## ", 1)[0]
+    assert "**Confirm.**" in body and "**What to do.**" in body
+
+
+@pytest.mark.parametrize("alert", contract.ALERT_NAMES)
+def test_rules_read_only_contract_series_and_never_select_by_job_or_instance(
+    alert: str,
+) -> None:
+    rule = next(rule for rule in _alerts() if rule["alert"] == alert)
+    expr = _strip_comments(rule["expr"])
+    assert _series_names(expr) <= SERIES_NAMES | PROMETHEUS_SERIES, _series_names(expr)
+    assert not re.search(r"\b(job|instance)\s*(=|!=|=~|!~)", expr), "selects by job/instance"
+
+
+def test_every_rule_has_a_comment_explaining_its_threshold() -> None:
+    text = RULES.read_text()
+    for alert in contract.ALERT_NAMES:
+        before = text.split(f"- alert: {alert}\n", 1)[0].rstrip().splitlines()
+        assert before[-1].strip().startswith("#"), f"{alert} has no comment above it"
+
+
+def test_each_alert_has_a_firing_and_a_quiet_promtool_case() -> None:
+    document = yaml.safe_load(RULE_TESTS.read_text())
+    fired: set[str] = set()
+    quiet: set[str] = set()
+    for case in document["tests"]:
+        for check in case.get("alert_rule_test", []):
+            (fired if check["exp_alerts"] else quiet).add(check["alertname"])
+    assert fired == set(contract.ALERT_NAMES)
+    assert quiet == set(contract.ALERT_NAMES)
+
+
+def test_promtool_check_rules() -> None:
+    result = subprocess.run(
+        [_promtool(), "check", "rules", str(RULES)], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"SUCCESS: {len(contract.ALERT_NAMES)} rules found" in result.stdout
+
+
+def test_promtool_test_rules() -> None:
+    result = subprocess.run(
+        [_promtool(), "test", "rules", RULE_TESTS.name],
+        cwd=RULE_TESTS.parent,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS" in result.stdout
