@@ -10,9 +10,27 @@ heartbeat, and serves them at ``mon.metrics_url``.
 
 __version__ = "0.1.0"
 
+from typing import TYPE_CHECKING, Any
+
 from stabmon.config import Config, load_config  # noqa: E402 - __version__ first: monitor imports it
 from stabmon.errors import AlreadyAttachedError, ConfigError, StabmonError  # noqa: E402
-from stabmon.monitor import Monitor, attach  # noqa: E402
+
+if TYPE_CHECKING:
+    from stabmon.monitor import Monitor, attach
+
+
+def __getattr__(name: str) -> Any:
+    """Import the monitor (and with it torch) on first use, not at ``import stabmon``.
+
+    The node daemon and the CLI's other commands run where torch is not installed (the
+    daemon's container image), and ``import stabmon`` must not cost torch's import time.
+    """
+    if name in ("Monitor", "attach"):
+        from stabmon import monitor
+
+        return getattr(monitor, name)
+    raise AttributeError(f"module 'stabmon' has no attribute {name!r}")
+
 
 __all__ = [
     "AlreadyAttachedError",

@@ -50,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
         "daemon", help="serve GPU, process and liveness telemetry of this node (one per node)"
     )
     daemon.add_argument("--config", help="YAML config file (the same schema as the library)")
-    daemon.add_argument("--port", type=int, help="HTTP port (default 9401; 0: any free port)")
+    daemon.add_argument("--port", type=int, help="HTTP port (default 9399; 0: any free port)")
     daemon.add_argument("--address", help="bind address (default 0.0.0.0)")
     daemon.add_argument("--run-dir", help="run directory to watch (default /var/tmp/stabmon)")
     daemon.add_argument("--interval", type=float, help="poll interval in seconds (default 5)")

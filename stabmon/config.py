@@ -119,8 +119,13 @@ class DaemonConfig(_Section):
     """The node daemon (``stabmon daemon``): one per machine, polling NVML and psutil."""
 
     port: int = field(
-        default=9401,
-        metadata=_meta("HTTP port of the daemon's exporter; 0 picks a free port.", ge=0, le=65535),
+        default=9399,
+        metadata=_meta(
+            "HTTP port of the daemon's exporter (below the ranks' 9400 + local rank); "
+            "0 picks a free port.",
+            ge=0,
+            le=65535,
+        ),
     )
     address: str = field(
         default="0.0.0.0",

@@ -45,7 +45,7 @@ def test_load_config_returns_defaults_when_given_nothing() -> None:
     assert config.port == 9400
     assert config.run_id is None
     assert config.stall_seconds is None
-    assert config.daemon == DaemonConfig(port=9401, address="0.0.0.0", interval=5.0)
+    assert config.daemon == DaemonConfig(port=9399, address="0.0.0.0", interval=5.0)
 
 
 def test_load_config_reads_values_from_a_yaml_file(tmp_path: Path) -> None:
@@ -56,7 +56,7 @@ def test_load_config_reads_values_from_a_yaml_file(tmp_path: Path) -> None:
     assert config.port == 9500
     assert config.spike_threshold == 4.5
     assert config.daemon.interval == 2.0
-    assert config.daemon.port == 9401
+    assert config.daemon.port == 9399
 
 
 def test_load_config_accepts_a_path_given_as_str(tmp_path: Path) -> None:

@@ -19,9 +19,10 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client import ProcessCollector as OwnProcessCollector
@@ -31,6 +32,7 @@ from prometheus_client.registry import Collector
 from stabmon import contract
 from stabmon.background import PeriodicThread
 from stabmon.config import Config
+from stabmon.daemon import discovery
 from stabmon.daemon.gpu import GpuCollector, GpuPoller
 from stabmon.daemon.nvml import NvmlReader, PynvmlReader
 from stabmon.daemon.placement import PlacementCollector
@@ -99,6 +101,10 @@ class DaemonApp:
     def url(self) -> str | None:
         return self._exporter.url if self._exporter else None
 
+    def _targets(self, environ: Mapping[str, Any]) -> tuple[str, bytes]:
+        """``GET /targets``: Prometheus HTTP service discovery of this node's ranks."""
+        return discovery.targets_response(self._processes.samples(), environ)
+
     def poll_gpus(self) -> None:
         """One NVML poll (the NVML thread)."""
         with self._guard.contain("nvml"):
@@ -132,7 +138,11 @@ class DaemonApp:
         self.poll_once()
         daemon = self.config.daemon
         self._exporter = Exporter(
-            self.registry, address=daemon.address, ports=[daemon.port], limiter=self._limiter
+            self.registry,
+            address=daemon.address,
+            ports=[daemon.port],
+            limiter=self._limiter,
+            routes={discovery.PATH: self._targets},
         )
         if not self._exporter.start():
             self._gpus.close()

@@ -9,15 +9,22 @@ down and frees the port, so ``detach`` leaves nothing listening.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
-from collections.abc import Sequence
-from wsgiref.simple_server import WSGIServer
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
 
 from stabmon.log import LogLimiter
 
-__all__ = ["Exporter", "candidate_ports"]
+__all__ = ["Exporter", "Route", "candidate_ports"]
+
+#: An extra path's handler: the WSGI environ in, (content type, body) out.
+Route = Callable[[Mapping[str, Any]], tuple[str, bytes]]
+_StartResponse = Callable[..., Any]
 
 
 def candidate_ports(base: int, local_rank: int, local_world_size: int, attempts: int) -> list[int]:
@@ -34,8 +41,29 @@ def candidate_ports(base: int, local_rank: int, local_world_size: int, attempts:
     ]
 
 
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    """One thread per request, so a slow scraper never holds up the next one."""
+
+    daemon_threads = True
+
+
+class _ThreadingServerV6(_ThreadingServer):
+    address_family = socket.AF_INET6
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """No access log on stderr: Prometheus scrapes every few seconds for days."""
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
+        pass
+
+
 class Exporter:
-    """Serves one registry over HTTP on the first free port of ``ports``."""
+    """Serves one registry at ``/metrics`` on the first free port of ``ports``.
+
+    Only ``/metrics`` and the paths in ``routes`` answer (``GET`` and ``HEAD``);
+    every other path is a 404, and no request body is ever read.
+    """
 
     def __init__(
         self,
@@ -44,8 +72,11 @@ class Exporter:
         address: str,
         ports: Sequence[int],
         limiter: LogLimiter,
+        routes: Mapping[str, Route] | None = None,
     ) -> None:
         self._registry = registry
+        self._metrics_app = make_wsgi_app(registry)
+        self._routes = dict(routes or {})
         self._address = address
         self._ports = list(ports)
         self._limiter = limiter
@@ -58,12 +89,14 @@ class Exporter:
         failures: list[str] = []
         for port in self._ports:
             try:
-                server, thread = start_http_server(
-                    port, addr=self._address, registry=self._registry
-                )
+                server = self._bind(port)
             except OSError as error:
                 failures.append(f"{port}: {error.strerror or error}")
                 continue
+            thread = threading.Thread(
+                target=server.serve_forever, name="stabmon-exporter", daemon=True
+            )
+            thread.start()
             self._server, self._thread = server, thread
             self.port = int(server.server_address[1])
             if failures:
@@ -85,6 +118,29 @@ class Exporter:
             "; ".join(failures) or "no candidate ports",
         )
         return False
+
+    def _bind(self, port: int) -> WSGIServer:
+        server_class = _ThreadingServerV6 if ":" in self._address else _ThreadingServer
+        return make_server(
+            self._address, port, self._serve, server_class=server_class, handler_class=_QuietHandler
+        )
+
+    def _serve(self, environ: dict[str, Any], start_response: _StartResponse) -> Iterable[bytes]:
+        """The WSGI application: ``/metrics``, the extra routes, and 404 for the rest."""
+        method = environ.get("REQUEST_METHOD", "GET")
+        path = environ.get("PATH_INFO", "")
+        if method not in ("GET", "HEAD"):
+            return _plain(start_response, "405 Method Not Allowed", b"GET or HEAD only\n")
+        if path == "/metrics":
+            return self._metrics_app(environ, start_response)  # type: ignore[no-any-return]
+        route = self._routes.get(path)
+        if route is None:
+            known = ", ".join(["/metrics", *self._routes])
+            return _plain(start_response, "404 Not Found", f"not found; try {known}\n".encode())
+        content_type, body = route(environ)
+        headers = [("Content-Type", content_type), ("Content-Length", str(len(body)))]
+        start_response("200 OK", headers)
+        return [b"" if method == "HEAD" else body]
 
     @property
     def url(self) -> str | None:
@@ -110,3 +166,8 @@ class Exporter:
             self._thread.join(1.0)
             self._thread = None
         self.port = None
+
+
+def _plain(start_response: _StartResponse, status: str, body: bytes) -> list[bytes]:
+    start_response(status, [("Content-Type", "text/plain; charset=utf-8")])
+    return [body]

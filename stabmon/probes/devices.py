@@ -25,8 +25,10 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the daemon parses CUDA_VISIBLE_DEVICES here and runs without torch
+    import torch
 
 __all__ = ["PhysicalGpu", "parse_visible_devices", "resolve_visible", "torch_device_uuids"]
 
@@ -119,9 +121,12 @@ def torch_device_uuids(devices: Iterable[torch.device]) -> list[str]:
     reports the instance's UUID, which NVML spells ``MIG-<uuid>``; the daemon's
     placement check knows this.
 
+    >>> import torch
     >>> torch_device_uuids([torch.device("cpu")])
     []
     """
+    import torch
+
     cuda = [device for device in devices if device.type == "cuda"]
     if not cuda or not torch.cuda.is_available():
         return []

@@ -3,9 +3,10 @@
 Three training processes and the daemon run for real: a clean run (with a CPU
 GradScaler, so the AMP series exist), a run with one injected NaN, and a run
 that stops stepping. Prometheus (Debian's 2.42) scrapes them every second and
-evaluates the shipped rules every second; only those two intervals and the
-target files differ from the deployed config. Marked slow: it waits for the
-stall alert's ``for: 1m``.
+evaluates the shipped rules every second. It finds the training ranks the way
+the deployed config does, through the daemon's ``/targets`` service discovery;
+only the intervals and the daemon's address differ from the deployed config.
+Marked slow: it waits for the stall alert's ``for: 1m``.
 """
 
 from __future__ import annotations
@@ -109,25 +110,22 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
                 [*trainee, "--run-id", "stall", "--stop-at-step", "40", "--stall-seconds", "2"]
             ),  # fmt: skip
         }
-        training = [_host_port(_announced(process)) for process in runs.values()]
+        training = {_host_port(_announced(process)) for process in runs.values()}
         daemon = start([sys.executable, "-m", "stabmon", "daemon", "--port", "0", "--address",
                         "127.0.0.1", "--run-dir", str(run_dir), "--interval", "0.5"])  # fmt: skip
         daemon_target = _host_port(_announced(daemon))
 
-        targets = work / "targets"
-        targets.mkdir()
-        (targets / "training-e2e.json").write_text(json.dumps([{"targets": training}]))
-        (targets / "daemon-e2e.json").write_text(json.dumps([{"targets": [daemon_target]}]))
         rules = work / "rules"
         rules.mkdir()
         shutil.copy(RULES, rules / RULES.name)
-        config = yaml.safe_load(SCRAPE_CONFIG.read_text())
+        # The deployed config, pointed at this daemon: the daemon's /targets lists the ranks.
+        text = SCRAPE_CONFIG.read_text().replace("host.docker.internal:9399", daemon_target)
+        config = yaml.safe_load(text)
         config["global"].update(scrape_interval="1s", evaluation_interval="1s", scrape_timeout="1s")
         config["rule_files"] = [str(rules / "*.rules.yml")]
         config.pop("alerting", None)  # no Alertmanager here; alerts are read from the API
         for job in config["scrape_configs"]:
-            for sd in job["file_sd_configs"]:
-                sd["files"] = [str(targets / Path(pattern).name) for pattern in sd["files"]]
+            for sd in job.get("http_sd_configs", []):
                 sd["refresh_interval"] = "1s"
         config_path = work / "prometheus.yml"
         config_path.write_text(yaml.safe_dump(config))
@@ -142,7 +140,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
                 active = prometheus.get("/api/v1/targets")["activeTargets"]
             except OSError:
                 return False
-            return len(active) == 4 and all(t["health"] == "up" for t in active)
+            scraped = {t["labels"]["instance"] for t in active if t["health"] == "up"}
+            return scraped == training | {daemon_target}
 
         prometheus.until("every target scraped", all_up, timeout=60)
         yield prometheus

@@ -1,0 +1,120 @@
+"""The daemon's /targets: Prometheus HTTP service discovery of the node's training ranks."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+import urllib.parse
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import MonitorFactory
+from fake_nvml import FakeNvml
+from helpers import tiny_model
+
+from stabmon.config import load_config
+from stabmon.daemon.app import DaemonApp
+from stabmon.daemon.discovery import target_groups
+from stabmon.daemon.processes import ProcessSample
+from stabmon.rundir import ProcessRecord
+
+
+def _sample(rank: int, url: str | None, *, alive: bool = True) -> ProcessSample:
+    record = ProcessRecord(pid=100 + rank, create_time=1.0, run="job", rank=rank,
+                           local_rank=rank, metrics_url=url)  # fmt: skip
+    return ProcessSample(record, alive, False, None, None, None, None, None)
+
+
+def test_targets_list_live_ranks_with_their_real_port_on_the_requested_host() -> None:
+    samples = [
+        _sample(1, "http://127.0.0.1:9405/metrics"),  # fell back from 9401
+        _sample(0, "http://127.0.0.1:9400/metrics"),
+        _sample(2, "http://127.0.0.1:9402/metrics", alive=False),  # crashed: not a target
+        _sample(3, None),  # serve_metrics: false
+    ]
+    groups = target_groups(samples, "node7")
+    assert [g["targets"] for g in groups] == [["node7:9400"], ["node7:9405"]]
+    assert groups[1]["labels"] == {
+        "__meta_stabmon_run": "job",
+        "__meta_stabmon_rank": "1",
+        "__meta_stabmon_local_rank": "1",
+        "__meta_stabmon_pid": "101",
+    }
+
+
+def test_targets_keep_the_bound_host_without_a_host_header_and_bracket_ipv6() -> None:
+    assert target_groups([_sample(0, "http://10.0.0.5:9400/metrics")], None)[0]["targets"] == [
+        "10.0.0.5:9400"
+    ]
+    assert target_groups([_sample(0, "http://[::1]:9400/metrics")], None)[0]["targets"] == [
+        "[::1]:9400"
+    ]
+    assert target_groups([_sample(0, "http://x:9400/metrics")], "::1")[0]["targets"] == [
+        "[::1]:9400"
+    ]
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[DaemonApp]:
+    config = load_config(
+        {"run_dir": str(tmp_path), "daemon": {"port": 0, "address": "127.0.0.1", "interval": 0.1}},
+        env={},
+    )
+    app = DaemonApp(config, reader=FakeNvml([]))
+    assert app.start()
+    yield app
+    app.stop()
+
+
+def _get(url: str, path: str, host: str | None = None, method: str = "GET") -> tuple[int, bytes]:
+    netloc = urllib.parse.urlsplit(url).netloc
+    connection = http.client.HTTPConnection(netloc, timeout=5)
+    headers = {"Host": host} if host else {}
+    connection.request(method, path, headers=headers)
+    response = connection.getresponse()
+    body = response.read()
+    connection.close()
+    return response.status, body
+
+
+def _targets(daemon: DaemonApp, host: str) -> list[dict[str, Any]]:
+    assert daemon.url is not None
+    status, body = _get(daemon.url, "/targets", host)
+    assert status == 200
+    groups: list[dict[str, Any]] = json.loads(body)
+    return groups
+
+
+def test_daemon_serves_a_real_monitor_as_a_target_and_drops_it_after_detach(
+    daemon: DaemonApp, attach: MonitorFactory, tmp_path: Path
+) -> None:
+    model = tiny_model()
+    monitor = attach(model, torch.optim.SGD(model.parameters(), lr=0.1), run_dir=str(tmp_path),
+                     run_id="sd", address="127.0.0.1", port=0)  # fmt: skip
+    assert monitor.metrics_url is not None
+    port = urllib.parse.urlsplit(monitor.metrics_url).port
+    deadline = time.monotonic() + 5
+    while not (groups := _targets(daemon, "gpu-node-3:9399")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [g["targets"] for g in groups] == [[f"gpu-node-3:{port}"]]
+    assert groups[0]["labels"]["__meta_stabmon_run"] == "sd"
+
+    monitor.detach()
+    deadline = time.monotonic() + 5
+    while _targets(daemon, "gpu-node-3") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _targets(daemon, "gpu-node-3") == []
+
+
+def test_exporter_answers_only_its_paths_and_methods(daemon: DaemonApp) -> None:
+    assert daemon.url is not None
+    assert _get(daemon.url, "/metrics")[0] == 200
+    assert _get(daemon.url, "/")[0] == 404
+    assert _get(daemon.url, "/secret/../metrics")[0] == 404
+    assert _get(daemon.url, "/metrics", method="POST")[0] == 405
+    status, body = _get(daemon.url, "/targets", method="HEAD")
+    assert (status, body) == (200, b"")
