@@ -127,6 +127,35 @@ step_time = timeseries(
     description="Host wall time from one optimizer step's end to the next. A p99 far above "
     "p50 means periodic pauses (checkpoints, evaluation, input hiccups).",
 )
+#: Mean step time per rank over the rate window (the straggler alert's ingredient).
+_MEAN_STEP = (
+    f"{sum_by(RANK, rate(c.STEP_DURATION, *RUN_RANK, suffix='_sum'))}"
+    f" / {sum_by(RANK, rate(c.STEP_DURATION, *RUN_RANK, suffix='_count'))}"
+)
+_MEAN_WAIT = (
+    f"{sum_by(RANK, rate(c.DATA_WAIT, *RUN_RANK, suffix='_sum'))}"
+    f" / {sum_by(RANK, rate(c.DATA_WAIT, *RUN_RANK, suffix='_count'))}"
+)
+stragglers = timeseries(
+    "Stragglers: rank vs run median",
+    [
+        Query(
+            f"({_MEAN_STEP}) / on (run) group_left quantile by (run) (0.5, {_MEAN_STEP})",
+            "step time " + WHO,
+        ),
+        Query(
+            f"1 + (({_MEAN_WAIT}) - on (run) group_left quantile by (run) (0.5, {_MEAN_WAIT}))"
+            f" / on (run) group_left quantile by (run) (0.5, {_MEAN_STEP})",
+            "input wait " + WHO,
+        ),
+    ],
+    unit="none",
+    description="Each rank's mean step time, and its input wait beyond the run's median added to "
+    "a median step, as multiples of the run's median step. 1.0 is the pack; StabmonStragglerRank "
+    "fires above 1.2 for 15 minutes (over 10-minute windows). Under DDP every rank shows the "
+    "slowest one's step time, so the straggler is the rank whose input wait stands out.",
+    thresholds=steps("green", (1.2, "orange")),
+)
 data_wait_share = timeseries(
     "Input wait share",
     [
@@ -207,12 +236,20 @@ loss = timeseries(
     description="Last observed training loss per rank (not losses inside named phases).",
     legend_calcs=("lastNotNull", "min"),
 )
+_RUN = (matches("run", "$run"),)
+#: The run's global norm from every rank's export: the shards of all ranks, one replica.
+_GLOBAL_NORM = (
+    f"sqrt({sum_by(('run',), selector(c.GRAD_NORM_SQUARED, *_RUN, equals('placement', 'sharded')))}"
+    f" + {sum_by(('run',), selector(c.GRAD_NORM_SQUARED, *_RUN, equals('placement', 'replicated')), aggregation='max')})"  # noqa: E501
+)
 grad_norm = timeseries(
     "Global gradient norm",
-    [Query(selector(c.GRAD_NORM, *RUN_RANK), WHO)],
+    [Query(_GLOBAL_NORM, "{{run}} (all ranks)"), Query(selector(c.GRAD_NORM, *RUN_RANK), WHO)],
     unit="none",
     description="L2 norm of all gradients at the last measured step, log scale: a jump of a "
-    "decade is a spike; a slow climb precedes divergence.",
+    "decade is a spike; a slow climb precedes divergence. 'all ranks' combines every rank's "
+    "squared norms (exact under FSDP and tensor parallelism, where a rank's own line is the norm "
+    "of its shards only; under DDP every line is the global norm).",
     log_base=10,
     legend_calcs=("lastNotNull", "max"),
 )
@@ -366,6 +403,7 @@ dashboard = Dashboard(
             [
                 step_rate,
                 step_time,
+                stragglers,
                 data_wait_share,
                 data_wait,
                 host_phases,

@@ -262,7 +262,20 @@ DEVICE_UTILIZATION = MetricDef(
     "stabmon_gpu_utilization_ratio is the node's).",
     ("device",),
 )
+GRAD_NORM_SQUARED = MetricDef(
+    "stabmon_grad_norm_squared",
+    "gauge",
+    "Squared L2 norm of this rank's gradients at the last measured step, by placement: "
+    "'sharded' is this rank's shards of sharded parameters (FSDP, tensor parallelism), "
+    "'replicated' the gradients every rank holds whole. Global norm: sqrt(sum over ranks of "
+    "sharded + replicated of one rank).",
+    ("placement",),
+)
+#: Values of ``stabmon_grad_norm_squared{placement}``.
+GRAD_PLACEMENTS: tuple[str, ...] = ("replicated", "sharded")
+
 EXTENSION_METRICS: tuple[MetricDef, ...] = (
+    GRAD_NORM_SQUARED,
     DEVICE_PHASE_SECONDS,
     DEVICE_STEP_DURATION,
     DEVICE_UTILIZATION,

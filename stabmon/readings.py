@@ -83,6 +83,8 @@ class Readings:
     phase_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
 
     grad_norm: float | None = None
+    #: Squared norms by placement ("replicated", "sharded"); empty before the first measurement.
+    grad_norm_squared: dict[str, float] = field(default_factory=dict)
     module_grad_norms: dict[str, float] = field(default_factory=dict)
     nonfinite_grad_steps: int = 0
     nonfinite_losses: int = 0

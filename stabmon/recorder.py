@@ -70,6 +70,10 @@ class Recorder:
     def grads(self, step: int, summary: GradSummary, offenders: Callable[[], list[str]]) -> None:
         readings = self._readings
         readings.grad_norm = summary.total_norm
+        readings.grad_norm_squared = {
+            "replicated": summary.replicated_sq,
+            "sharded": summary.sharded_sq,
+        }
         readings.module_grad_norms = summary.group_norms
         readings.zero_grad_params = summary.zero_grad_params
         if summary.nonfinite:

@@ -42,6 +42,7 @@ class ReadingsCollector(Collector):
         yield _histogram(c.DATA_WAIT, r.labels, r.data_wait)
         yield _counter(c.PHASE_SECONDS, r.labels, _by_key(r.phase_seconds))
         yield _gauge(c.GRAD_NORM, r.labels, _optional(r.grad_norm))
+        yield _gauge(c.GRAD_NORM_SQUARED, r.labels, _by_key(r.grad_norm_squared))
         yield _gauge(c.MODULE_GRAD_NORM, r.labels, _by_key(r.module_grad_norms))
         yield _counter(c.NONFINITE_GRAD_STEPS, r.labels, [((), r.nonfinite_grad_steps)])
         yield _counter(c.NONFINITE_LOSS, r.labels, [((), r.nonfinite_losses)])

@@ -14,6 +14,14 @@ norm cannot overflow into a false "non-finite".
 The result is one packed 1-D fp64 tensor (see :class:`Packed`), so reading it
 back costs one asynchronous copy. This module knows nothing of hooks, threads
 or metrics: tensors in, tensors out.
+
+Sharded parameters (FSDP2's ``fully_shard`` and tensor parallelism: DTensors with
+a ``Shard`` placement; FSDP1's flat parameters) hold only this rank's shard of
+the gradient. The probe norms the local shard (``to_local()``, never a
+collective: adding one to every step would cost every rank a round trip) and
+keeps the squared norms of sharded and of replicated gradients apart, so the
+global norm is ``sqrt(sum over ranks of the sharded part + the replicated part
+of any one rank)``; PromQL computes it from every rank's export.
 """
 
 from __future__ import annotations
@@ -36,13 +44,15 @@ ROOT_GROUP = "root"
 class Packed:
     """Layout of the packed result: ``[group_sq..., total_sq, tensor_norms...]``.
 
+    With sharded parameters, ``total_sq`` is two entries instead:
+    ``[group_sq..., replicated_sq, sharded_sq, tensor_norms...]``.
     Group sums use ``index_add_``, not a product with an indicator matrix: there
     ``0 * NaN`` would turn every group NaN and hide which module blew up.
     """
 
     @staticmethod
-    def length(groups: int, tensors: int) -> int:
-        return groups + 1 + tensors
+    def length(groups: int, tensors: int, *, sharded: bool = False) -> int:
+        return groups + (2 if sharded else 1) + tensors
 
 
 def group_name(param_name: str, depth: int) -> str:
@@ -72,6 +82,10 @@ class GradSummary:
     zero_grad_params: int
     nonfinite: bool
     tensor_norms: list[float]
+    #: Squared norm of this rank's shards of sharded gradients (0.0 without sharding).
+    sharded_sq: float = 0.0
+    #: Squared norm of the gradients every rank holds whole (all of them without sharding).
+    replicated_sq: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -114,6 +128,7 @@ class GradProbe:
         )
         # Buckets whose fused launch failed on sparse gradients: normed per tensor from then on.
         self._per_tensor_buckets: set[int] = set()
+        self._upload_sources: list[torch.Tensor] = []
         self._build()
 
     @property
@@ -123,7 +138,12 @@ class GradProbe:
     @property
     def packed_length(self) -> int:
         """Length of every packed result of this layout."""
-        return Packed.length(len(self.groups), len(self._params))
+        return Packed.length(len(self.groups), len(self._params), sharded=self.sharded)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether some parameter is sharded across ranks (FSDP, tensor parallelism)."""
+        return bool(self._placement_index is not None)
 
     def trainable_changed(self) -> bool:
         """Whether a candidate parameter was frozen or unfrozen since the probe was built."""
@@ -134,6 +154,10 @@ class GradProbe:
         if self._params and (self._params[0].device, self._params[0].dtype) != self._placed_as:
             self._build()  # the model was moved or cast after attach (model.to(...), .half())
         grads = [param.grad for param in self._params]
+        for position in self._distributed_positions:  # DTensor gradients: this rank's shard
+            grad = grads[position]
+            if grad is not None:
+                grads[position] = grad.to_local()  # type: ignore[attr-defined]
         none_count = sum(grad is None for grad in grads)  # `None in grads` would call Tensor.__eq__
         if none_count == len(grads):
             return None
@@ -157,22 +181,32 @@ class GradProbe:
                     for index, bucket in enumerate(self._buckets)
                 ]
             )
-        packed = _pack(tensor_norms, self._group_index, len(self.groups))
+        packed = _pack(tensor_norms, self._group_index, len(self.groups), self._placement_index)
         return GradSample(packed=packed, none_count=none_count)
 
     def summarize(self, values: Sequence[float]) -> GradSummary:
         """Turn a read-back packed result into host numbers."""
         group_count = len(self.groups)
-        total_sq = values[group_count]
-        tensor_norms = list(values[group_count + 1 :])
+        if self.sharded:
+            replicated_sq, sharded_sq = values[group_count], values[group_count + 1]
+            tensor_norms = list(values[group_count + 2 :])
+        else:
+            replicated_sq, sharded_sq = values[group_count], 0.0
+            tensor_norms = list(values[group_count + 1 :])
+        total_sq = replicated_sq + sharded_sq
+        zero = tensor_norms.count(0.0)  # None gradients are zero placeholders
+        if self._empty_shards:  # a rank whose shard of a small tensor is empty holds no gradient
+            zero -= sum(tensor_norms[order] == 0.0 for order in self._empty_shards)
         return GradSummary(
             total_norm=_sqrt(total_sq),
             group_norms={
                 name: _sqrt(sq) for name, sq in zip(self.groups, values[:group_count], strict=True)
             },
-            zero_grad_params=tensor_norms.count(0.0),  # None gradients are zero placeholders
+            zero_grad_params=zero,
             nonfinite=not math.isfinite(total_sq),
             tensor_norms=tensor_norms,
+            sharded_sq=sharded_sq,
+            replicated_sq=replicated_sq,
         )
 
     def nonfinite_offenders(self, summary: GradSummary, limit: int = 5) -> list[str]:
@@ -199,11 +233,26 @@ class GradProbe:
             for bucket in self._buckets
         }
         self._placeholders = [zeros[(param.device, param.dtype)] for param in self._params]
-        index = torch.tensor([self._group_of[p] for p in self._order], dtype=torch.long)
+        self._group_index = self._upload([self._group_of[p] for p in self._order])
+        sharded = [_is_sharded(self._params[p]) for p in self._order]
+        self._distributed_positions = tuple(
+            position for position, param in enumerate(self._params) if _is_dtensor(param)
+        )
+        self._placement_index = self._upload([int(s) for s in sharded]) if any(sharded) else None
+        self._empty_shards = tuple(
+            order
+            for order, position in enumerate(self._order)
+            if sharded[order] and _local_numel(self._params[position]) == 0
+        )
+
+    def _upload(self, values: list[int]) -> torch.Tensor:
+        """A small index tensor on the probe's device, uploaded without a synchronisation."""
+        index = torch.tensor(values, dtype=torch.long)
         if self.device.type == "cuda":
             index = index.pin_memory()  # a pageable upload would synchronise
-        self._index_source = index  # kept alive until the asynchronous upload is done
-        self._group_index = index.to(self.device, non_blocking=True)
+        self._upload_sources.append(index)  # kept alive until the asynchronous upload is done
+        del self._upload_sources[:-4]
+        return index.to(self.device, non_blocking=True)
 
     def _bucket_norms(self, index: int, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         bucket = self._buckets[index]
@@ -219,12 +268,45 @@ class GradProbe:
         return [_tensor_norm(grad, norm_dtype) for grad in grads]
 
 
-def _pack(tensor_norms: torch.Tensor, group_index: torch.Tensor, group_count: int) -> torch.Tensor:
-    """``[group_sq..., total_sq, tensor_norms...]`` in fp64 (fp32 on MPS, which has no fp64)."""
+def _pack(
+    tensor_norms: torch.Tensor,
+    group_index: torch.Tensor,
+    group_count: int,
+    placement_index: torch.Tensor | None,
+) -> torch.Tensor:
+    """The :class:`Packed` layout in fp64 (fp32 on MPS, which has no fp64)."""
     norms = tensor_norms.to(torch.float32 if tensor_norms.device.type == "mps" else torch.float64)
     squares = norms * norms
     group_sq = squares.new_zeros(group_count).index_add_(0, group_index, squares)
-    return torch.cat([group_sq, squares.sum(0, keepdim=True), norms])
+    if placement_index is None:
+        totals = squares.sum(0, keepdim=True)
+    else:  # [replicated_sq, sharded_sq]: index_add_, so a NaN stays in its own half
+        totals = squares.new_zeros(2).index_add_(0, placement_index, squares)
+    return torch.cat([group_sq, totals, norms])
+
+
+def _is_dtensor(param: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed support
+        return False
+    return isinstance(param, DTensor)
+
+
+def _is_sharded(param: torch.Tensor) -> bool:
+    """Whether each rank holds only part of this parameter (and so of its gradient).
+
+    DTensors (FSDP2, tensor parallelism) say so in their placements; FSDP1's flat
+    parameters are shards (except under ``NO_SHARD``, which is DDP by another name).
+    """
+    if _is_dtensor(param):
+        return any(placement.is_shard() for placement in param.placements)  # type: ignore[attr-defined]
+    return bool(getattr(param, "_is_flat_param", False))
+
+
+def _local_numel(param: torch.Tensor) -> int:
+    local = param.to_local() if _is_dtensor(param) else param  # type: ignore[attr-defined]
+    return int(local.numel())
 
 
 def _tensor_norm(grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -36,6 +36,7 @@ def main() -> None:
     parser.add_argument("--run-id", required=True)
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--worker-mb-per-second", type=float, default=0.0)
+    parser.add_argument("--port", type=int, default=0, help="base port (0: any free port)")
     parser.add_argument("--steps-per-second", type=float, default=20.0)
     parser.add_argument("--nan-at-step", type=int, default=-1, help="inject a NaN gradient there")
     parser.add_argument(
@@ -45,7 +46,7 @@ def main() -> None:
     parser.add_argument("--stall-seconds", type=float, default=None)
     parser.add_argument("--amp", action="store_true", help="train with a (CPU) GradScaler")
     args = parser.parse_args()
-    os.environ["RANK"] = str(args.rank)
+    os.environ["RANK"] = str(args.rank)  # LOCAL_RANK, if set, comes from the caller
     worker = None
     if args.worker_mb_per_second:
         worker = subprocess.Popen([sys.executable, "-c", WORKER, str(args.worker_mb_per_second)])
@@ -55,7 +56,7 @@ def main() -> None:
     batch = torch.randn(8, 16, generator=torch.Generator().manual_seed(args.rank))
     scaler = torch.amp.GradScaler("cpu") if args.amp else None
     monitor = stabmon.attach(
-        model, optimizer, scaler=scaler, port=0, address="127.0.0.1", run_dir=args.run_dir,
+        model, optimizer, scaler=scaler, port=args.port, address="127.0.0.1", run_dir=args.run_dir,
         run_id=args.run_id, sample_seconds=0.2, window_steps=20, stall_seconds=args.stall_seconds,
     )  # fmt: skip
     if args.nan_on_sigusr1:

@@ -1,0 +1,148 @@
+"""Real processes and a real Prometheus for the integration tests: start, announce, scrape, stop.
+
+``Processes`` starts each child in its own session and kills the whole group at the
+end, so a failing test leaves nothing behind; ``start_prometheus`` runs Debian's
+Prometheus with the project's scrape config pointed at a local daemon.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+RULES = ROOT / "deploy" / "prometheus" / "rules" / "stabmon.rules.yml"
+SCRAPE_CONFIG = ROOT / "deploy" / "prometheus" / "prometheus.yml"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def announced(process: subprocess.Popen[str]) -> str:
+    """The URL a child prints as the last word of its first line (``ready <url>``)."""
+    assert process.stdout is not None
+    line = process.stdout.readline().strip()
+    assert line, f"process exited before announcing its URL (code {process.poll()})"
+    return line.rsplit(" ", 1)[1]
+
+
+def host_port(url: str) -> str:
+    return urllib.parse.urlsplit(url).netloc
+
+
+def until(what: str, check: Callable[[], bool], timeout: float, interval: float = 0.5) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout:.0f} s")
+        time.sleep(interval)
+
+
+class Processes:
+    """Children started for one test or module, killed (whole process groups) at close."""
+
+    def __init__(self) -> None:
+        self.started: list[subprocess.Popen[str]] = []
+
+    def start(
+        self, args: Sequence[str], env: dict[str, str] | None = None
+    ) -> subprocess.Popen[str]:
+        process = subprocess.Popen(
+            list(args), stdout=subprocess.PIPE, text=True, start_new_session=True, env=env
+        )
+        self.started.append(process)
+        return process
+
+    def close(self) -> None:
+        for process in self.started:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait(10)
+            if process.stdout is not None:
+                process.stdout.close()
+
+
+class Prometheus:
+    """A running Prometheus and its HTTP API."""
+
+    def __init__(self, base: str) -> None:
+        self.base = base
+
+    def get(self, path: str, **params: str) -> Any:
+        query = urllib.parse.urlencode(params)
+        with urllib.request.urlopen(f"{self.base}{path}?{query}", timeout=10) as response:
+            body = json.loads(response.read())
+        assert body["status"] == "success", body
+        return body["data"]
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        result = self.get("/api/v1/query", query=expr)
+        return result["result"] if isinstance(result, dict) else []
+
+    def alerts(self) -> list[dict[str, Any]]:
+        return list(self.get("/api/v1/alerts")["alerts"])
+
+    def scraped(self) -> set[str]:
+        """``host:port`` of every target whose last scrape succeeded."""
+        try:
+            active = self.get("/api/v1/targets")["activeTargets"]
+        except OSError:
+            return set()
+        return {t["labels"]["instance"] for t in active if t["health"] == "up"}
+
+    def until(self, what: str, check: Callable[[], bool], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not check():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{what}: not within {timeout:.0f} s; alerts: {self.alerts()}")
+            time.sleep(1.0)
+
+
+def require(tool: str) -> None:
+    """Skip without ``tool`` on a developer machine; fail in CI, which must run the test."""
+    if shutil.which(tool) is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"{tool} is not installed; CI must run this test (make tools)")
+        pytest.skip(f"Requires: {tool} (apt-get install prometheus)")
+
+
+def start_prometheus(processes: Processes, work: Path, daemon_target: str) -> Prometheus:
+    """Prometheus with the deployed scrape config and rules, pointed at one local daemon.
+
+    Only the intervals (1 s) and the daemon's address differ from the deployed config;
+    the training ranks are found as deployed, through the daemon's ``/targets``.
+    """
+    rules = work / "rules"
+    rules.mkdir()
+    shutil.copy(RULES, rules / RULES.name)
+    text = SCRAPE_CONFIG.read_text().replace("host.docker.internal:9399", daemon_target)
+    config = yaml.safe_load(text)
+    config["global"].update(scrape_interval="1s", evaluation_interval="1s", scrape_timeout="1s")
+    config["rule_files"] = [str(rules / "*.rules.yml")]
+    config.pop("alerting", None)  # no Alertmanager here; alerts are read from the API
+    for job in config["scrape_configs"]:
+        for sd in job.get("http_sd_configs", []):
+            sd["refresh_interval"] = "1s"
+    config_path = work / "prometheus.yml"
+    config_path.write_text(yaml.safe_dump(config))
+    port = free_port()
+    processes.start(["prometheus", f"--config.file={config_path}",
+                     f"--storage.tsdb.path={work / 'tsdb'}",
+                     f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"])  # fmt: skip
+    return Prometheus(f"http://127.0.0.1:{port}")
