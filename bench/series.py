@@ -111,8 +111,11 @@ def measure(run_dir: Path) -> dict[str, Any]:
                                updated_unix=time.time())  # fmt: skip
         write_atomic(daemon_dir / "job" / f"rank-{rank}.json", record.to_json())
     gpus = [
-        FakeGpu(uuid=f"GPU-{index:08d}-0000-0000-0000-000000000000", utilization_percent=90,
-                processes=[GpuProcess(os.getpid(), 2**30)])  # fmt: skip
+        FakeGpu(
+            uuid=f"GPU-{index:08d}-0000-0000-0000-000000000000",
+            utilization_percent=90,
+            processes=[GpuProcess(os.getpid(), 2**30)],
+        )  # fmt: skip
         for index in range(8)
     ]
     config = load_config({"run_dir": str(daemon_dir),
