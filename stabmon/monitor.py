@@ -62,6 +62,7 @@ from stabmon.rundir import (
     Registration,
     RunPaths,
     boot_id,
+    pid_namespace,
 )
 
 __all__ = ["Monitor", "attach"]
@@ -355,6 +356,7 @@ class Monitor:
                     attached_unix=time.time(),
                     stall_seconds=self.config.stall_seconds,
                     boot_id=boot_id(),
+                    pid_namespace=pid_namespace(),
                 ),
             )
             self._resources.registration = registration

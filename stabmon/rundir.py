@@ -42,6 +42,7 @@ __all__ = [
     "Registration",
     "RunPaths",
     "boot_id",
+    "pid_namespace",
     "read_records",
     "safe_component",
     "write_atomic",
@@ -107,6 +108,9 @@ class ProcessRecord:
     stall_seconds: float | None = None
     #: The kernel's boot id: a record from another boot (or another host) is not this node's.
     boot_id: str = ""
+    #: The PID namespace ``pid`` belongs to (``pid:[4026532178]``): in a container it is not
+    #: the daemon's, which maps ``pid`` to its own view (:mod:`stabmon.daemon.pidns`).
+    pid_namespace: str = ""
     #: Set at interpreter exit: when, and "clean" or "exception" (an uncaught error).
     exited_unix: float | None = None
     exit_status: str | None = None
@@ -140,6 +144,7 @@ class ProcessRecord:
             updated_unix=_number(data, "updated_unix", default=0.0),
             stall_seconds=_optional_number(data, "stall_seconds"),
             boot_id=_text(data, "boot_id", default=""),
+            pid_namespace=_text(data, "pid_namespace", default=""),
             exited_unix=_optional_number(data, "exited_unix"),
             exit_status=_optional_text(data, "exit_status"),
         )
@@ -157,6 +162,14 @@ def boot_id() -> str:
     """This boot's id (Linux); empty where the kernel does not say."""
     try:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def pid_namespace(pid: int | str = "self", proc: Path = Path("/proc")) -> str:
+    """The PID namespace of ``pid`` (``pid:[4026531836]``); empty where it cannot be read."""
+    try:
+        return os.readlink(proc / str(pid) / "ns" / "pid")
     except OSError:
         return ""
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import psutil
@@ -50,6 +50,7 @@ from stabmon.contract import (
     PROCESS_UP,
     MetricDef,
 )
+from stabmon.daemon.pidns import HostPids
 from stabmon.log import LogLimiter
 from stabmon.rundir import ProcessRecord, RunPaths, read_records
 
@@ -138,6 +139,7 @@ class ProcessTable:
         self._forget_after = forget_after_seconds
         self._boot_id = boot_id
         self._samples: tuple[ProcessSample, ...] = ()
+        self._host_pids = HostPids(limiter=limiter)
         self._ledgers: dict[_RecordKey, _WorkerLedger] = {}
         self._run_dir_present: bool | None = None
 
@@ -158,6 +160,7 @@ class ProcessTable:
                 problem.reason,
             )
         boot = self._boot_id()
+        self._host_pids.new_poll(records)
         chosen: dict[tuple[str, int], ProcessSample] = {}
         followed: set[_RecordKey] = set()
         for record in records:
@@ -229,6 +232,11 @@ class ProcessTable:
         age = _heartbeat_age(record, now)
         if record.exit_status is not None:
             return _not_alive(record, age, reused=False)  # it said it is exiting: down now
+        host_pid = self._host_pids.resolve(record)
+        if host_pid is None:  # a container's pid that no process here has: gone
+            return _not_alive(record, age, reused=False)
+        if host_pid != record.pid:  # follow, and label, the pid this node's tools use
+            record = replace(record, pid=host_pid)
         try:
             process = psutil.Process(record.pid)
             with process.oneshot():

@@ -1,0 +1,107 @@
+"""Pids of containerised training processes, as the daemon's PID namespace numbers them.
+
+A training process in a container registers the pid it sees (often 1 or a small
+number) and its PID namespace (``/proc/self/ns/pid``). The daemon runs in the
+host's PID namespace (``hostPID: true`` on Kubernetes, ``pid: host`` in compose),
+where the same process has another pid, the one psutil, NVML and ``kill`` use.
+The kernel lists a process's pid in every namespace it belongs to, outermost
+first, on the ``NSpid:`` line of ``/proc/<pid>/status``; so the host pid of
+(namespace, pid) is the process whose namespace link names that namespace and
+whose innermost ``NSpid`` is that pid.
+
+Finding it means reading two files of every process on the node, so it is done
+at most once per poll and only while some record is unresolved; resolved pids
+are kept. A pid kept after its process exited is caught by the caller's
+create-time check, like any reused pid.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from stabmon.log import LogLimiter
+from stabmon.rundir import ProcessRecord, pid_namespace
+
+__all__ = ["HostPids"]
+
+_Key = tuple[str, int, float]  # namespace, pid in it, create time
+
+
+class HostPids:
+    """Maps a record's (namespace, pid) to the pid in the daemon's own PID namespace."""
+
+    def __init__(self, *, limiter: LogLimiter, proc: Path = Path("/proc")) -> None:
+        self._proc = proc
+        self._limiter = limiter
+        self._own = pid_namespace(proc=proc)
+        self._resolved: dict[_Key, int] = {}
+        self._index: dict[tuple[str, int], int] | None = None
+
+    def new_poll(self, records: list[ProcessRecord]) -> None:
+        """Forget the last poll's scan, and the pids of records that are gone."""
+        self._index = None
+        live = {_key(record) for record in records}
+        for key in [key for key in self._resolved if key not in live]:
+            del self._resolved[key]
+
+    def resolve(self, record: ProcessRecord) -> int | None:
+        """The pid to follow for ``record``; None when its namespace holds no such process."""
+        if not record.pid_namespace or not self._own or record.pid_namespace == self._own:
+            return record.pid  # same namespace (or an old record, or no /proc): as written
+        key = _key(record)
+        if key in self._resolved:
+            return self._resolved[key]
+        if self._index is None:
+            self._index = self._scan()
+        host_pid = self._index.get((record.pid_namespace, record.pid))
+        if host_pid is None:
+            self._limiter.once(
+                f"pidns:{record.pid_namespace}:{record.pid}",
+                logging.WARNING,
+                "stabmon daemon: rank %d of run %s registered pid %d of PID namespace %s, and "
+                "no process of this node is that one: it exited, or the daemon does not share "
+                "the host's PID namespace (Kubernetes: hostPID: true; compose: pid: host)",
+                record.rank,
+                record.run,
+                record.pid,
+                record.pid_namespace,
+            )
+            return None
+        self._resolved[key] = host_pid
+        return host_pid
+
+    def _scan(self) -> dict[tuple[str, int], int]:
+        """(namespace, innermost pid) -> pid here, for every process of another namespace."""
+        index: dict[tuple[str, int], int] = {}
+        try:
+            entries = os.listdir(self._proc)
+        except OSError:
+            return index
+        for entry in entries:
+            if not entry.isdigit():
+                continue
+            namespace = pid_namespace(entry, proc=self._proc)
+            if not namespace or namespace == self._own:
+                continue
+            inner = _innermost_pid(self._proc / entry / "status")
+            if inner is not None:
+                index[(namespace, inner)] = int(entry)
+        return index
+
+
+def _key(record: ProcessRecord) -> _Key:
+    return (record.pid_namespace, record.pid, record.create_time)
+
+
+def _innermost_pid(status: Path) -> int | None:
+    try:
+        text = status.read_text()
+    except OSError:  # exited meanwhile, or not readable
+        return None
+    for line in text.splitlines():
+        if line.startswith("NSpid:"):
+            fields = line.split()[1:]
+            return int(fields[-1]) if fields and fields[-1].isdigit() else None
+    return None
