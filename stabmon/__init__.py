@@ -13,7 +13,12 @@ __version__ = "0.1.0"
 from typing import TYPE_CHECKING, Any
 
 from stabmon.config import Config, load_config  # noqa: E402 - __version__ first: monitor imports it
-from stabmon.errors import AlreadyAttachedError, ConfigError, StabmonError  # noqa: E402
+from stabmon.errors import (  # noqa: E402
+    AlreadyAttachedError,
+    ConfigError,
+    DeviceMismatchError,
+    StabmonError,
+)
 
 if TYPE_CHECKING:
     from stabmon.monitor import Monitor, attach
@@ -36,6 +41,7 @@ __all__ = [
     "AlreadyAttachedError",
     "Config",
     "ConfigError",
+    "DeviceMismatchError",
     "Monitor",
     "StabmonError",
     "__version__",

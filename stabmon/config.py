@@ -107,9 +107,18 @@ def _meta(
     le: float | None = None,
     nonempty: bool = False,
     max_length: int | None = None,
+    choices: tuple[str, ...] | None = None,
 ) -> dict[str, Any]:
     """Field metadata: the doc and the constraint (keywords, so a misspelt rule fails)."""
-    rules = {"env": env, "gt": gt, "ge": ge, "lt": lt, "le": le, "max_length": max_length}
+    rules = {
+        "env": env,
+        "gt": gt,
+        "ge": ge,
+        "lt": lt,
+        "le": le,
+        "max_length": max_length,
+        "choices": choices,
+    }
     meta = {"doc": doc} | {name: rule for name, rule in rules.items() if rule is not None}
     return meta | ({"nonempty": True} if nonempty else {})
 
@@ -171,6 +180,15 @@ class Config(_Section):
     serve_metrics: bool = field(
         default=True,
         metadata=_meta("Start the HTTP exporter at all."),
+    )
+    device_check: str = field(
+        default="warn",
+        metadata=_meta(
+            "Where parameters, buffers, optimizer state and forward inputs live: 'warn' logs "
+            "and counts a device_mismatch anomaly, 'raise' raises DeviceMismatchError, 'off' "
+            "skips the check (models split over devices on purpose).",
+            choices=("warn", "raise", "off"),
+        ),
     )
     measure_every: int = field(
         default=1,
@@ -536,7 +554,8 @@ def _check_value(spec: _Spec, value: Any, *, key: str, source: str) -> Any:
                 allowed=_expected(spec) + or_none,
             )
     if not _within(spec.meta, checked):
-        shown = f"{len(value)} characters" if isinstance(value, str) and value else _show(value)
+        long_text = isinstance(value, str) and bool(value) and "choices" not in spec.meta
+        shown = f"{len(str(value))} characters" if long_text else _show(value)
         raise ConfigError(
             f"expected {_expected(spec)}, got {shown}",
             key=key,
@@ -548,6 +567,8 @@ def _check_value(spec: _Spec, value: Any, *, key: str, source: str) -> Any:
 
 def _within(meta: Mapping[str, Any], value: Any) -> bool:
     if isinstance(value, str):
+        if "choices" in meta:
+            return value in meta["choices"]
         too_long = len(value) > meta.get("max_length", len(value))
         return not too_long and not (meta.get("nonempty") and not value)
     return all(compare(value, meta[name]) for name, (compare, _) in _BOUNDS.items() if name in meta)
@@ -557,6 +578,8 @@ def _expected(spec: _Spec) -> str:
     """Describe what a field accepts, e.g. 'an integer from 0 to 65535'."""
     meta = spec.meta
     if spec.kind is str:
+        if "choices" in meta:
+            return "one of " + ", ".join(repr(choice) for choice in meta["choices"])
         phrase = "a non-empty string" if meta.get("nonempty") else "a string"
         if "max_length" in meta:
             phrase += f" of at most {meta['max_length']} characters"

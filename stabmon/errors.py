@@ -6,12 +6,14 @@ nothing raised inside a hook or a background thread reaches the training loop
 
     StabmonError                  base of everything stabmon raises on purpose
      ├── ConfigError              a config key, type or value is not allowed
-     └── AlreadyAttachedError     the model or optimizer already has a Monitor
+     ├── AlreadyAttachedError     the model or optimizer already has a Monitor
+     └── DeviceMismatchError      a tensor is on the wrong device (only with
+                                  ``device_check: raise``, which asks for it)
 """
 
 from __future__ import annotations
 
-__all__ = ["AlreadyAttachedError", "ConfigError", "StabmonError"]
+__all__ = ["AlreadyAttachedError", "ConfigError", "DeviceMismatchError", "StabmonError"]
 
 
 class StabmonError(Exception):
@@ -36,3 +38,11 @@ class ConfigError(StabmonError, ValueError):
 
 class AlreadyAttachedError(StabmonError):
     """A second Monitor was attached to a model or optimizer that has one."""
+
+
+class DeviceMismatchError(StabmonError, RuntimeError):
+    """A parameter, buffer, optimizer state or forward input is on another device.
+
+    Raised only with ``device_check: raise``, from ``attach`` or from the forward
+    pre-hook, before PyTorch's own, less specific error.
+    """

@@ -134,14 +134,16 @@ class HookSet:
     def install(
         self,
         *,
-        forward_pre: Callable[[torch.nn.Module, Any], None],
+        forward_pre: Callable[[torch.nn.Module, Any, Any], None],
         forward_post: Callable[[torch.nn.Module, Any, Any], None],
         step_pre: Callable[[torch.optim.Optimizer, Any, Any], None],
         step_post: Callable[[torch.optim.Optimizer, Any, Any], None],
         scaler_update: Callable[[], None] | None = None,
     ) -> None:
         """Register every hook; the callbacks are held weakly (bound methods of the Monitor)."""
-        self._handles.append(self._model.register_forward_pre_hook(_WeakHook(forward_pre)))
+        self._handles.append(
+            self._model.register_forward_pre_hook(_WeakHook(forward_pre), with_kwargs=True)
+        )
         self._handles.append(self._model.register_forward_hook(_WeakHook(forward_post)))
         self._handles.append(self._optimizer.register_step_pre_hook(_WeakHook(step_pre)))
         self._handles.append(self._optimizer.register_step_post_hook(_WeakHook(step_post)))

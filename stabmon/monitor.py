@@ -38,7 +38,7 @@ from stabmon.background import PeriodicThread
 from stabmon.config import Config, load_config
 from stabmon.contract import INTERNAL_COMPONENTS, PHASES
 from stabmon.detectors.stall import STARTUP_PHASE, Heartbeat, StallWatchdog
-from stabmon.errors import StabmonError
+from stabmon.errors import DeviceMismatchError, StabmonError
 from stabmon.export.collector import ReadingsCollector
 from stabmon.export.event_log import EventLog
 from stabmon.export.exporter import Exporter, candidate_ports
@@ -51,6 +51,7 @@ from stabmon.probes.devices import torch_device_uuids
 from stabmon.probes.environment import build_info, default_run_id, process_identity
 from stabmon.probes.grads import GradProbe, GradSample
 from stabmon.probes.memory import HostMemory, MemorySampler, cuda_devices
+from stabmon.probes.placement import Misplaced, PlacementWatch
 from stabmon.probes.timing import LoopTimer, timed_iteration
 from stabmon.readback import Readback
 from stabmon.readings import Readings
@@ -214,6 +215,11 @@ class Monitor:
         self._param_signature = _param_signature(optimizer)
         with self._guard.contain("grads"):
             self._grads = _build_grad_probe(model, optimizer, cfg)
+        self._placement: PlacementWatch | None = None
+        if cfg.device_check != "off":
+            named = list(unwrap_model(model).named_parameters())
+            self._placement = PlacementWatch(cfg.device_check, named, self._report_misplaced)
+        self._state_audited = False
         self._scaler = scaler
         self._steps_at_update = 0
         self._scaler_seen = False
@@ -323,12 +329,25 @@ class Monitor:
             parameters=len(probe.names) if probe else 0,
             module_groups=list(probe.groups) if probe else [],
         )
+        if self._placement is not None:  # after the attach record, which opens the event log
+            self._placement.audit(unwrap_model(model), optimizer)  # raises only in raise mode
         LOGGER.info(
             "stabmon: attached (run %s, rank %d); metrics at %s; events in %s",
             self.run_id,
             self.rank,
             self.metrics_url or "(no exporter)",
             self.event_log_path or "(no event log)",
+        )
+
+    def _report_misplaced(self, finding: Misplaced) -> None:
+        self._recorder.anomaly(
+            "device_mismatch",
+            self._recorder.global_step,
+            f"{finding.message()} (device_check: raise makes this an error)",
+            what=finding.what,
+            device=finding.device,
+            expected=finding.expected,
+            names=list(finding.names[:20]),
         )
 
     def _register(self, probe: GradProbe | None) -> None:
@@ -504,7 +523,15 @@ class Monitor:
 
     # --- hooks (training thread; each body contained) -----------------------------------------
 
-    def _on_forward_pre(self, module: torch.nn.Module, args: Any) -> None:
+    def _on_forward_pre(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        placement = self._placement
+        if placement is not None:
+            try:
+                placement.inputs(args, kwargs)
+            except DeviceMismatchError:
+                raise  # device_check: raise asked for it, before PyTorch's vaguer error
+            except Exception as error:
+                self._guard.record("hooks", error)
         if not torch.is_grad_enabled():
             return  # evaluation or inference: not part of a training step
         try:
@@ -525,6 +552,16 @@ class Monitor:
             self._timer.optimizer_start()
         except Exception as error:
             self._guard.record("hooks", error)
+        if not self._state_audited and self._placement is not None:
+            # Once more at the first step: optimizer state loaded from a checkpoint after
+            # attach exists only now.
+            self._state_audited = True
+            try:
+                self._placement.audit(unwrap_model(self._model), optimizer)
+            except DeviceMismatchError:
+                raise
+            except Exception as error:
+                self._guard.record("hooks", error)
         if self._readings.steps % self.config.measure_every:
             return
         try:

@@ -8,6 +8,7 @@ def test_public_api_exports_exactly_the_documented_names() -> None:
         "AlreadyAttachedError",
         "Config",
         "ConfigError",
+        "DeviceMismatchError",
         "Monitor",
         "StabmonError",
         "__version__",
@@ -21,3 +22,4 @@ def test_public_api_exports_exactly_the_documented_names() -> None:
 def test_errors_form_one_hierarchy() -> None:
     assert issubclass(stabmon.ConfigError, stabmon.StabmonError)
     assert issubclass(stabmon.AlreadyAttachedError, stabmon.StabmonError)
+    assert issubclass(stabmon.DeviceMismatchError, stabmon.StabmonError)
