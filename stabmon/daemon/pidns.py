@@ -9,6 +9,11 @@ first, on the ``NSpid:`` line of ``/proc/<pid>/status``; so the host pid of
 (namespace, pid) is the process whose namespace link names that namespace and
 whose innermost ``NSpid`` is that pid.
 
+The namespace link of another user's process is readable only with ptrace
+access (root, or CAP_SYS_PTRACE), but ``NSpid`` and the start time are readable
+by anyone; so a daemon without that access matches the innermost pid of a
+process in a nested namespace and its create time, which the record carries.
+
 Finding it means reading two files of every process on the node, so it is done
 at most once per poll and only while some record is unresolved; resolved pids
 are kept. A pid kept after its process exited is caught by the caller's
@@ -21,12 +26,16 @@ import logging
 import os
 from pathlib import Path
 
+import psutil
+
 from stabmon.log import LogLimiter
 from stabmon.rundir import ProcessRecord, pid_namespace
 
 __all__ = ["HostPids"]
 
 _Key = tuple[str, int, float]  # namespace, pid in it, create time
+#: psutil derives create times from clock ticks since boot: equal within rounding.
+CREATE_TIME_TOLERANCE_SECONDS = 0.5
 
 
 class HostPids:
@@ -37,7 +46,7 @@ class HostPids:
         self._limiter = limiter
         self._own = pid_namespace(proc=proc)
         self._resolved: dict[_Key, int] = {}
-        self._index: dict[tuple[str, int], int] | None = None
+        self._index: dict[int, list[tuple[str, int]]] | None = None
 
     def new_poll(self, records: list[ProcessRecord]) -> None:
         """Forget the last poll's scan, and the pids of records that are gone."""
@@ -55,7 +64,7 @@ class HostPids:
             return self._resolved[key]
         if self._index is None:
             self._index = self._scan()
-        host_pid = self._index.get((record.pid_namespace, record.pid))
+        host_pid = _choose(self._index.get(record.pid, []), record)
         if host_pid is None:
             self._limiter.once(
                 f"pidns:{record.pid_namespace}:{record.pid}",
@@ -72,9 +81,9 @@ class HostPids:
         self._resolved[key] = host_pid
         return host_pid
 
-    def _scan(self) -> dict[tuple[str, int], int]:
-        """(namespace, innermost pid) -> pid here, for every process of another namespace."""
-        index: dict[tuple[str, int], int] = {}
+    def _scan(self) -> dict[int, list[tuple[str, int]]]:
+        """Innermost pid -> [(namespace or "" where unreadable, pid here)] of nested processes."""
+        index: dict[int, list[tuple[str, int]]] = {}
         try:
             entries = os.listdir(self._proc)
         except OSError:
@@ -82,26 +91,44 @@ class HostPids:
         for entry in entries:
             if not entry.isdigit():
                 continue
+            pids = _nspids(self._proc / entry / "status")
+            if len(pids) < 2:
+                continue  # in the daemon's namespace only: not a container's process
             namespace = pid_namespace(entry, proc=self._proc)
-            if not namespace or namespace == self._own:
-                continue
-            inner = _innermost_pid(self._proc / entry / "status")
-            if inner is not None:
-                index[(namespace, inner)] = int(entry)
+            index.setdefault(pids[-1], []).append((namespace, int(entry)))
         return index
+
+
+def _choose(candidates: list[tuple[str, int]], record: ProcessRecord) -> int | None:
+    """The candidate in the record's namespace; by create time where the link was unreadable."""
+    for namespace, host_pid in candidates:
+        if namespace == record.pid_namespace:
+            return host_pid
+    for namespace, host_pid in candidates:
+        if not namespace and _started_at(host_pid, record.create_time):
+            return host_pid
+    return None
+
+
+def _started_at(pid: int, create_time: float) -> bool:
+    try:
+        return abs(psutil.Process(pid).create_time() - create_time) <= CREATE_TIME_TOLERANCE_SECONDS
+    except psutil.Error:
+        return False
 
 
 def _key(record: ProcessRecord) -> _Key:
     return (record.pid_namespace, record.pid, record.create_time)
 
 
-def _innermost_pid(status: Path) -> int | None:
+def _nspids(status: Path) -> list[int]:
+    """The ``NSpid:`` line of a status file: the pid in each namespace, outermost first."""
     try:
         text = status.read_text()
-    except OSError:  # exited meanwhile, or not readable
-        return None
+    except OSError:  # exited meanwhile
+        return []
     for line in text.splitlines():
         if line.startswith("NSpid:"):
             fields = line.split()[1:]
-            return int(fields[-1]) if fields and fields[-1].isdigit() else None
-    return None
+            return [int(field) for field in fields] if all(f.isdigit() for f in fields) else []
+    return []

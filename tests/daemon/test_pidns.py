@@ -83,9 +83,19 @@ def contained(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], Path]]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("links", ["readable", "unreadable"])
 def test_daemon_follows_a_process_in_its_own_pid_namespace_by_its_host_pid(
-    contained: tuple[subprocess.Popen[str], Path],
+    contained: tuple[subprocess.Popen[str], Path], links: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    if links == "unreadable":  # a daemon without ptrace access to other users' processes
+        from stabmon.daemon import pidns
+
+        real = pidns.pid_namespace
+        monkeypatch.setattr(
+            pidns,
+            "pid_namespace",
+            lambda pid="self", proc=Path("/proc"): real(pid, proc) if pid == "self" else "",
+        )
     unshare, run_dir = contained
     (trainee,) = psutil.Process(unshare.pid).children()  # the trainee, as this namespace sees it
     records, _ = read_records(run_dir)
