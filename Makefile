@@ -7,36 +7,43 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck tools dashboards clean
+.PHONY: demo test lint typecheck tools dashboards deploy clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check $(TORCH) -e '.[dev,dashboards]'
 	touch $(STAMP)
 
-# The real Prometheus and promtool (Debian's package) for the rule and end-to-end tests.
+# The real Prometheus and promtool, and Alertmanager's amtool (Debian's packages), for the
+# rule, deployment-config and end-to-end tests.
 # Without root they are not installed here: those tests skip locally and fail in CI.
 tools:
-	@command -v promtool >/dev/null || { [ "$$(id -u)" = 0 ] && \
+	@{ command -v promtool && command -v amtool; } >/dev/null || { [ "$$(id -u)" = 0 ] && \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-		apt-get install -y -qq --no-install-recommends prometheus >/dev/null; } || \
-		echo "make: promtool not found and not root: rule and end-to-end tests will skip"
+		apt-get install -y -qq --no-install-recommends prometheus prometheus-alertmanager \
+		>/dev/null; } || \
+		echo "make: promtool/amtool missing and not root: rule, config and e2e tests will skip"
 
 dashboards: $(STAMP)
 	$(BIN)/python dashboards/generate.py
+
+# The Kubernetes PrometheusRule and dashboard ConfigMaps, from the rules file and dashboards/json.
+deploy: $(STAMP)
+	$(BIN)/python deploy/kubernetes/generate.py
 
 demo: $(STAMP)
 	$(BIN)/stabmon demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check stabmon tests bench dashboards
-	$(BIN)/ruff format --check stabmon tests bench dashboards
+	$(BIN)/ruff check stabmon tests bench dashboards deploy
+	$(BIN)/ruff format --check stabmon tests bench dashboards deploy
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
 test: tools lint typecheck
 	$(BIN)/python dashboards/generate.py --check
+	$(BIN)/python deploy/kubernetes/generate.py --check
 	$(BIN)/python -m pytest
 
 clean:
