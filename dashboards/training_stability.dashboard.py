@@ -263,10 +263,14 @@ module_grad_norm = timeseries(
 )
 zero_grads = timeseries(
     "Parameters without gradient",
-    [Query(selector(c.ZERO_GRAD_PARAMS, *RUN_RANK), WHO)],
+    [
+        Query(selector(c.ZERO_GRAD_PARAMS, *RUN_RANK), "zero now " + WHO),
+        Query(f"{selector(c.DEAD_GRAD_PARAMS, *RUN_RANK)} > 0", "dead: {{module}} " + WHO),
+    ],
     unit="none",
     description="Trainable parameter tensors whose gradient was None or all zero at the last "
-    "measured step: frozen by mistake, or unused in forward.",
+    "measured step (frozen by mistake, or unused in forward), and per module those zero for a "
+    "whole dead_grad_steps window: a dead branch, named in the event log.",
     steps_after=True,
 )
 nonfinite = timeseries(

@@ -244,6 +244,30 @@ class Config(_Section):
         default=1,
         metadata=_meta("Epochs ignored before the baseline epoch is taken.", ge=0),
     )
+    dead_grad_steps: int = field(
+        default=100,
+        metadata=_meta(
+            "Measured steps for which a trainable parameter's gradient must stay exactly zero "
+            "(or None) before its module is reported as a dead branch.",
+            ge=1,
+        ),
+    )
+    amp_skip_run: int = field(
+        default=8,
+        metadata=_meta(
+            "Consecutive optimizer steps skipped by GradScaler (Inf/NaN gradients) that make a "
+            "nonfinite_grad anomaly; isolated skips are GradScaler's normal scale search.",
+            ge=1,
+        ),
+    )
+    memory_snapshot_steps: int = field(
+        default=0,
+        metadata=_meta(
+            "When the leak rule fires on a CUDA device, record the allocator's history for this "
+            "many steps and dump a snapshot into the run directory (0: off).",
+            ge=0,
+        ),
+    )
     stall_seconds: float | None = field(
         default=None,
         metadata=_meta(

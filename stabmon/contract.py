@@ -271,11 +271,19 @@ GRAD_NORM_SQUARED = MetricDef(
     "sharded + replicated of one rank).",
     ("placement",),
 )
+DEAD_GRAD_PARAMS = MetricDef(
+    "stabmon_dead_grad_params",
+    "gauge",
+    "Trainable parameter tensors of a module group whose gradient has been exactly zero (or "
+    "None) at every measured step of the dead_grad_steps window: a dead branch.",
+    ("module",),
+)
 #: Values of ``stabmon_grad_norm_squared{placement}``.
 GRAD_PLACEMENTS: tuple[str, ...] = ("replicated", "sharded")
 
 EXTENSION_METRICS: tuple[MetricDef, ...] = (
     GRAD_NORM_SQUARED,
+    DEAD_GRAD_PARAMS,
     DEVICE_PHASE_SECONDS,
     DEVICE_STEP_DURATION,
     DEVICE_UTILIZATION,

@@ -37,6 +37,7 @@ from stabmon import __version__
 from stabmon.background import PeriodicThread
 from stabmon.config import Config, load_config
 from stabmon.contract import INTERNAL_COMPONENTS, PHASES
+from stabmon.detectors.dead import DeadGradients
 from stabmon.detectors.stall import STARTUP_PHASE, Heartbeat, StallWatchdog
 from stabmon.errors import DeviceMismatchError, StabmonError
 from stabmon.export.collector import ReadingsCollector
@@ -49,7 +50,7 @@ from stabmon.probes.amp import scale_tensor
 from stabmon.probes.device_timing import DeviceTimer, recorder_for
 from stabmon.probes.devices import torch_device_uuids
 from stabmon.probes.environment import build_info, default_run_id, process_identity
-from stabmon.probes.grads import GradProbe, GradSample
+from stabmon.probes.grads import GradProbe, GradSample, GradSummary
 from stabmon.probes.memory import HostMemory, MemorySampler, cuda_devices
 from stabmon.probes.placement import Misplaced, PlacementWatch
 from stabmon.probes.timing import LoopTimer, timed_iteration
@@ -212,6 +213,8 @@ class Monitor:
         )
         self._readback: Readback[_GradTag | _ValueTag] = Readback()
         self._grads: GradProbe | None = None
+        self._dead: DeadGradients | None = None
+        self._dead_layout: tuple[int, int] = (0, -1)
         self._param_signature = _param_signature(optimizer)
         with self._guard.contain("grads"):
             self._grads = _build_grad_probe(model, optimizer, cfg)
@@ -628,12 +631,30 @@ class Monitor:
                     summary = probe.summarize(values)
                     offenders = functools.partial(probe.nonfinite_offenders, summary)
                     self._recorder.grads(tag.step, summary, offenders)
+                    self._judge_dead(probe, tag.step, summary)
                 elif tag.kind == "loss":
                     self._recorder.loss(tag.step, values[0])
                 else:
                     self._recorder.scale(tag.step, values[0])
             except Exception as error:
                 self._guard.record("detectors", error)
+
+    def _judge_dead(self, probe: GradProbe, step: int, summary: GradSummary) -> None:
+        """Feed the dead-branch detector; a new layout (model moved, params changed) restarts it."""
+        dead = self._dead
+        if dead is None or self._dead_layout != (id(probe), probe.layout_version):
+            empty = set(probe.empty_shards)
+            names = [n for i, n in enumerate(probe.packed_names) if i not in empty]
+            groups = [g for i, g in enumerate(probe.packed_groups) if i not in empty]
+            dead = DeadGradients(names, groups, self.config.dead_grad_steps)
+            self._dead, self._dead_layout = dead, (id(probe), probe.layout_version)
+        norms = summary.tensor_norms
+        if probe.empty_shards:
+            empty = set(probe.empty_shards)
+            norms = [n for i, n in enumerate(norms) if i not in empty]
+        report = dead.update(norms, summary.zero_grad_params)
+        if report.newly_dead or report.revived or not self._readings.dead_grad_params:
+            self._recorder.dead(step, report, dead.dead_by_group())
 
     def _close_epoch(self) -> None:
         with self._guard.contain("memory"):

@@ -89,6 +89,8 @@ class Readings:
     nonfinite_grad_steps: int = 0
     nonfinite_losses: int = 0
     zero_grad_params: int | None = None
+    #: Dead parameters per module group (see stabmon.detectors.dead); empty before measuring.
+    dead_grad_params: dict[str, int] = field(default_factory=dict)
     loss: float | None = None
     anomalies: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ANOMALY_KINDS, 0))
 

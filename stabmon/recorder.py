@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from stabmon.config import Config
+from stabmon.detectors.dead import DeadReport, module_of
 from stabmon.detectors.leak import LeakDetector
 from stabmon.detectors.spike import Spike, SpikeDetector
 from stabmon.detectors.stall import StallReport
@@ -121,15 +122,51 @@ class Recorder:
             mean=spike.mean,
         )
 
+    def dead(self, step: int, report: DeadReport, by_group: Mapping[str, int]) -> None:
+        """Dead branches: name the modules whose gradients stayed exactly zero for a window."""
+        self._readings.dead_grad_params = dict(by_group)
+        if report.newly_dead:
+            modules = sorted({module_of(name) or "(root)" for name in report.newly_dead})
+            self.write(
+                "dead_gradients",
+                step=step,
+                modules=modules[:20],
+                parameters=list(report.newly_dead[:20]),
+                count=len(report.newly_dead),
+            )
+            self._limiter.limited(
+                "dead_gradients",
+                logging.WARNING,
+                "stabmon: the gradient of %s has been exactly zero for %d measured steps "
+                "(parameters %s): a dead branch, cut off by detach(), a mask, an unused output "
+                "or a loss term that is always zero",
+                ", ".join(modules[:5])
+                + (f" and {len(modules) - 5} more" if len(modules) > 5 else ""),
+                self._config.dead_grad_steps,
+                ", ".join(report.newly_dead[:5]),
+            )
+        if report.revived:
+            self.write("gradients_revived", step=step, parameters=list(report.revived[:20]))
+
     def scale(self, step: int, scale: float) -> None:
         """One GradScaler scale per ``update()``; a drop means that step was skipped."""
         readings = self._readings
         readings.amp_loss_scale = scale
         if self._scale.update(scale):
             readings.amp_skipped_steps = (readings.amp_skipped_steps or 0) + 1
-            self.write(
-                "amp_skip", step=step, scale=scale, consecutive=self._scale.consecutive_skips
-            )
+            run = self._scale.consecutive_skips
+            self.write("amp_skip", step=step, scale=scale, consecutive=run)
+            if run == self._config.amp_skip_run:  # once per run of skips
+                self.anomaly(
+                    "nonfinite_grad",
+                    step,
+                    f"GradScaler skipped {run} optimizer steps in a row at step {step} (loss "
+                    f"scale now {scale:g}): the gradients are Inf/NaN at every scale it tries, "
+                    "so the model has stopped training",
+                    source="amp_skip_run",
+                    consecutive=run,
+                    scale=scale,
+                )
 
     # --- per epoch ----------------------------------------------------------------------------
 

@@ -366,7 +366,7 @@ def test_load_config_suggests_a_close_key_when_the_key_is_unknown(tmp_path: Path
     with pytest.raises(
         ConfigError,
         match=rf"^stall_secs in {re.escape(str(path))}: unknown key; "
-        r"did you mean 'stall_seconds'\? allowed: address, daemon, ",
+        r"did you mean 'stall_seconds'\? allowed: address, amp_skip_run, daemon, ",
     ) as caught:
         load_config(path, env={})
 

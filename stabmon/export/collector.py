@@ -47,6 +47,7 @@ class ReadingsCollector(Collector):
         yield _counter(c.NONFINITE_GRAD_STEPS, r.labels, [((), r.nonfinite_grad_steps)])
         yield _counter(c.NONFINITE_LOSS, r.labels, [((), r.nonfinite_losses)])
         yield _gauge(c.ZERO_GRAD_PARAMS, r.labels, _optional(r.zero_grad_params))
+        yield _gauge(c.DEAD_GRAD_PARAMS, r.labels, _by_key(r.dead_grad_params))
         yield _gauge(c.LOSS, r.labels, _optional(r.loss))
         yield _counter(c.ANOMALIES, r.labels, _by_key(r.anomalies))
         yield _gauge(c.AMP_LOSS_SCALE, r.labels, _optional(r.amp_loss_scale))

@@ -141,6 +141,21 @@ class GradProbe:
         return Packed.length(len(self.groups), len(self._params), sharded=self.sharded)
 
     @property
+    def packed_names(self) -> tuple[str, ...]:
+        """Parameter names in the order of the per-tensor norms of a packed result."""
+        return tuple(self.names[position] for position in self._order)
+
+    @property
+    def packed_groups(self) -> tuple[str, ...]:
+        """Module group of each per-tensor norm of a packed result."""
+        return tuple(self.groups[self._group_of[position]] for position in self._order)
+
+    @property
+    def empty_shards(self) -> tuple[int, ...]:
+        """Packed positions of sharded parameters of which this rank holds nothing."""
+        return self._empty_shards
+
+    @property
     def sharded(self) -> bool:
         """Whether some parameter is sharded across ranks (FSDP, tensor parallelism)."""
         return bool(self._placement_index is not None)
@@ -221,6 +236,7 @@ class GradProbe:
 
     def _build(self) -> None:
         """Buckets, zero placeholders and the group index for where the parameters are now."""
+        self.layout_version = getattr(self, "layout_version", -1) + 1
         self._buckets = _bucket(self._params)
         self.device: torch.device = self._params[0].device if self._params else torch.device("cpu")
         self._placed_as = (self.device, self._params[0].dtype if self._params else None)

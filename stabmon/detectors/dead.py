@@ -1,0 +1,86 @@
+"""Dead branches: trainable parameters whose gradient stays exactly zero for a window.
+
+A loss branch that GradScaler, a ``detach()`` or a wrong mask cuts off still
+trains without an error: its parameters just never move. The count of zero
+gradients (``stabmon_zero_grad_params``) shows that something is zero; this
+detector says which module, once the gradient has been exactly zero (or None)
+at every measured step of a window, so a branch used only every other step or
+a ReLU that is briefly all-off is not reported.
+
+It is fed the per-tensor norms the gradient probe reads back anyway. Steps
+without a zero gradient cost one check; the per-parameter bookkeeping runs only
+while some gradient is zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["DeadGradients", "DeadReport", "module_of"]
+
+
+def module_of(param_name: str) -> str:
+    """The module that owns a parameter (``head.aux.weight`` -> ``head.aux``; root: ``""``)."""
+    return param_name.rpartition(".")[0]
+
+
+@dataclass(frozen=True)
+class DeadReport:
+    """What changed at one measured step."""
+
+    #: Parameters that just completed a window of zero gradients.
+    newly_dead: tuple[str, ...]
+    #: Dead parameters whose gradient is nonzero again.
+    revived: tuple[str, ...]
+
+
+class DeadGradients:
+    """Follows which parameters' gradients have been zero for ``window`` measured steps.
+
+    ``names`` and ``groups`` give each position of the norms handed to
+    :meth:`update` its parameter name and module group (the exported ``module``
+    label), in the probe's packed order.
+    """
+
+    def __init__(self, names: Sequence[str], groups: Sequence[str], window: int) -> None:
+        if len(names) != len(groups):
+            raise ValueError("names and groups must have one entry per parameter")
+        self._names = tuple(names)
+        self._groups = tuple(groups)
+        self._window = window
+        self._measured = 0
+        self._zero_since: dict[int, int] = {}
+        self._dead: set[int] = set()
+
+    def update(self, tensor_norms: Sequence[float], zero_count: int) -> DeadReport:
+        """One measured step's per-tensor norms (``zero_count`` of them exactly 0.0)."""
+        self._measured += 1
+        if zero_count == 0 and not self._zero_since:
+            return DeadReport((), ())
+        zeros = (
+            {index for index, norm in enumerate(tensor_norms) if norm == 0.0}
+            if zero_count
+            else set()
+        )
+        revived = sorted(index for index in self._dead if index not in zeros)
+        self._dead.difference_update(revived)
+        for index in [index for index in self._zero_since if index not in zeros]:
+            del self._zero_since[index]
+        newly_dead = []
+        for index in sorted(zeros):
+            since = self._zero_since.setdefault(index, self._measured)
+            if index not in self._dead and self._measured - since + 1 >= self._window:
+                self._dead.add(index)
+                newly_dead.append(index)
+        return DeadReport(
+            tuple(self._names[index] for index in newly_dead),
+            tuple(self._names[index] for index in revived),
+        )
+
+    def dead_by_group(self) -> dict[str, int]:
+        """Dead parameters per module group, every group present (0 where none is dead)."""
+        counts = dict.fromkeys(self._groups, 0)
+        for index in self._dead:
+            counts[self._groups[index]] += 1
+        return counts

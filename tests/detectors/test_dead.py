@@ -1,0 +1,45 @@
+"""The dead-branch detector: zero for a whole window, by name; flickering zeros are not dead."""
+
+from __future__ import annotations
+
+from stabmon.detectors.dead import DeadGradients, module_of
+
+NAMES = ("encoder.weight", "encoder.bias", "aux.head.weight", "aux.head.bias")
+GROUPS = ("encoder", "encoder", "aux", "aux")
+
+
+def _feed(detector: DeadGradients, norms: list[float]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    report = detector.update(norms, norms.count(0.0))
+    return report.newly_dead, report.revived
+
+
+def test_a_branch_zero_for_the_whole_window_is_reported_once_by_name() -> None:
+    detector = DeadGradients(NAMES, GROUPS, window=3)
+    assert _feed(detector, [1.0, 1.0, 0.0, 0.0]) == ((), ())
+    assert _feed(detector, [1.0, 1.0, 0.0, 0.0]) == ((), ())
+    assert _feed(detector, [1.0, 1.0, 0.0, 0.0]) == (("aux.head.weight", "aux.head.bias"), ())
+    assert _feed(detector, [1.0, 1.0, 0.0, 0.0]) == ((), ())  # reported once
+    assert detector.dead_by_group() == {"encoder": 0, "aux": 2}
+
+
+def test_a_branch_used_every_other_step_is_never_dead() -> None:
+    detector = DeadGradients(NAMES, GROUPS, window=3)
+    for step in range(20):
+        aux = 0.0 if step % 2 else 0.5
+        assert _feed(detector, [1.0, 1.0, aux, aux]) == ((), ())
+    assert detector.dead_by_group() == {"encoder": 0, "aux": 0}
+
+
+def test_a_dead_branch_that_learns_again_is_revived() -> None:
+    detector = DeadGradients(NAMES, GROUPS, window=2)
+    _feed(detector, [1.0, 0.0, 1.0, 1.0])
+    assert _feed(detector, [1.0, 0.0, 1.0, 1.0]) == (("encoder.bias",), ())
+    assert _feed(detector, [1.0, 0.3, 1.0, 1.0]) == ((), ("encoder.bias",))
+    assert detector.dead_by_group() == {"encoder": 0, "aux": 0}
+    # The window starts over: one zero step is not dead again.
+    assert _feed(detector, [1.0, 0.0, 1.0, 1.0]) == ((), ())
+
+
+def test_module_of_names_the_owning_module() -> None:
+    assert module_of("aux.head.weight") == "aux.head"
+    assert module_of("bias") == ""
