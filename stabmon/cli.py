@@ -43,6 +43,11 @@ def _parser() -> argparse.ArgumentParser:
         help="keep serving the metrics this long after training",
     )  # fmt: skip
 
+    env = commands.add_parser(
+        "env", help="print what stabmon records about this machine's environment at attach"
+    )
+    env.add_argument("--json", action="store_true", help="the record as JSON")
+
     check = commands.add_parser("check-config", help="validate a YAML config file (exit 0 or 2)")
     check.add_argument("file")
 
@@ -84,6 +89,25 @@ def _run_daemon(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_environment(as_json: bool) -> int:
+    import json
+
+    import torch
+
+    from stabmon.probes.environment import build_info, environment_record, format_environment
+    from stabmon.probes.identity import cuda_identities, driver_version
+
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    driver = driver_version()
+    gpus = [
+        {**identity.labels(), "driver_version": driver}
+        for identity in cuda_identities([torch.device("cuda", i) for i in range(visible)])
+    ]
+    record = environment_record(build_info(__version__), gpus, driver, os.environ)
+    print(json.dumps(record, indent=2) if as_json else format_environment(record))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -93,6 +117,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "daemon":
             return _run_daemon(args)
+        if args.command == "env":
+            return _print_environment(args.json)
         if args.command == "demo":
             from stabmon.demo import DemoPlan, run_demo
 

@@ -278,12 +278,20 @@ DEAD_GRAD_PARAMS = MetricDef(
     "None) at every measured step of the dead_grad_steps window: a dead branch.",
     ("module",),
 )
+DEVICE_INFO = MetricDef(
+    "stabmon_device_info",
+    "gauge",
+    "The physical GPU behind each CUDA device of this process (value 1): UUID, NVML index "
+    "(nvidia-smi -i), PCI bus id, name and driver version, after CUDA_VISIBLE_DEVICES.",
+    ("device", "uuid", "gpu", "pci_bus_id", "name", "driver_version"),
+)
 #: Values of ``stabmon_grad_norm_squared{placement}``.
 GRAD_PLACEMENTS: tuple[str, ...] = ("replicated", "sharded")
 
 EXTENSION_METRICS: tuple[MetricDef, ...] = (
     GRAD_NORM_SQUARED,
     DEAD_GRAD_PARAMS,
+    DEVICE_INFO,
     DEVICE_PHASE_SECONDS,
     DEVICE_STEP_DURATION,
     DEVICE_UTILIZATION,

@@ -49,8 +49,14 @@ from stabmon.log import LOGGER, LogLimiter
 from stabmon.probes.amp import scale_tensor
 from stabmon.probes.device_timing import DeviceTimer, recorder_for
 from stabmon.probes.devices import torch_device_uuids
-from stabmon.probes.environment import build_info, default_run_id, process_identity
+from stabmon.probes.environment import (
+    build_info,
+    default_run_id,
+    environment_record,
+    process_identity,
+)
 from stabmon.probes.grads import GradProbe, GradSample, GradSummary
+from stabmon.probes.identity import cuda_identities, driver_version, local_rank_problem
 from stabmon.probes.memory import HostMemory, MemorySampler, cuda_devices
 from stabmon.probes.placement import Misplaced, PlacementWatch
 from stabmon.probes.timing import LoopTimer, timed_iteration
@@ -323,15 +329,17 @@ class Monitor:
                 f"cannot install hooks on {type(model).__name__}: {error}; attach to the "
                 "Python nn.Module before scripting it"
             ) from error
+        environment = self._describe_environment(probe)
         self._recorder.write(
             "attach",
-            environment=self._readings.build_info,
+            environment=environment,
             config=cfg.to_dict(),
             pid=os.getpid(),
             metrics_url=self.metrics_url,
             parameters=len(probe.names) if probe else 0,
             module_groups=list(probe.groups) if probe else [],
         )
+        self._check_local_rank()
         if self._placement is not None:  # after the attach record, which opens the event log
             self._placement.audit(unwrap_model(model), optimizer)  # raises only in raise mode
         LOGGER.info(
@@ -341,6 +349,29 @@ class Monitor:
             self.metrics_url or "(no exporter)",
             self.event_log_path or "(no event log)",
         )
+
+    def _describe_environment(self, probe: GradProbe | None) -> dict[str, Any]:
+        """Identify the physical GPUs in use and record the environment (never raises)."""
+        gpus: list[dict[str, str]] = []
+        driver = ""
+        with self._guard.contain("hooks"):
+            devices = cuda_devices(probe.params) if probe else ()
+            if devices:
+                driver = driver_version()
+                gpus = [
+                    {**identity.labels(), "driver_version": driver}
+                    for identity in cuda_identities(devices)
+                ]
+                self._readings.device_info = gpus
+        return environment_record(self._readings.build_info, gpus, driver, os.environ)
+
+    def _check_local_rank(self) -> None:
+        """cuda:LOCAL_RANK must exist: say so in words, not as "invalid device ordinal"."""
+        with self._guard.contain("hooks"):
+            if torch.cuda.is_available():
+                problem = local_rank_problem(os.environ, torch.cuda.device_count())
+                if problem is not None:
+                    self._recorder.anomaly("device_mismatch", 0, problem, what="LOCAL_RANK")
 
     def _report_misplaced(self, finding: Misplaced) -> None:
         self._recorder.anomaly(

@@ -82,6 +82,8 @@ class Readings:
     data_wait: Histogram = field(default_factory=Histogram)
     phase_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
 
+    #: Label values of stabmon_device_info, one mapping per CUDA device (set at attach).
+    device_info: list[dict[str, str]] = field(default_factory=list)
     grad_norm: float | None = None
     #: Squared norms by placement ("replicated", "sharded"); empty before the first measurement.
     grad_norm_squared: dict[str, float] = field(default_factory=dict)

@@ -71,3 +71,31 @@ def test_grad_norm_and_memory_metrics_on_cuda(attach: MonitorFactory) -> None:
         assert value(samples, name, device="cuda:0") is not None, name
     assert value(samples, "stabmon_device_phase_seconds_total", phase="forward") > 0
     assert 0 <= value(samples, "stabmon_device_utilization_ratio", device="cuda:0") <= 1
+
+
+def test_device_info_names_the_physical_gpu(attach: MonitorFactory) -> None:
+    model, optimizer = _cuda_model()
+    monitor = attach(model, optimizer)
+    samples = scrape(monitor.metrics_url)
+    (info,) = [dict(labels) for (name, labels) in samples if name == "stabmon_device_info"]
+    properties = torch.cuda.get_device_properties(0)
+    assert info["device"] == "cuda:0"
+    assert info["uuid"].removeprefix("gpu-") == str(properties.uuid).lower().removeprefix("gpu-")
+    assert info["name"] == properties.name
+    assert info["pci_bus_id"].endswith(
+        f"{properties.pci_bus_id:02X}:{properties.pci_device_id:02X}.0"
+    )
+    assert info["gpu"].isdigit() and info["driver_version"]  # NVML answers where a GPU is
+
+
+def test_misplaced_cuda_input_is_reported_before_the_forward_fails(attach: MonitorFactory) -> None:
+    model, optimizer = _cuda_model()
+    monitor = attach(model, optimizer)
+    torch.cuda.set_sync_debug_mode("error")  # the check reads metadata only
+    try:
+        with pytest.raises(RuntimeError):  # PyTorch's own error still follows in warn mode
+            model(torch.randn(4, 256))  # on the CPU
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    samples = scrape(monitor.metrics_url)
+    assert value(samples, "stabmon_anomalies_total", kind="device_mismatch") == 1

@@ -35,6 +35,13 @@ class ReadingsCollector(Collector):
         r = self._readings
         info = r.build_info
         yield _gauge(c.BUILD_INFO, r.labels, [(tuple(info.values()), 1.0)], tuple(info))
+        if r.device_info:
+            names = c.DEVICE_INFO.labels
+            yield _gauge(
+                c.DEVICE_INFO,
+                r.labels,
+                [(tuple(info.get(name, "") for name in names), 1.0) for info in r.device_info],
+            )
         yield _counter(c.STEPS, r.labels, [((), r.steps)])
         yield _gauge(c.EPOCH, r.labels, [((), r.epoch)])
         yield _gauge(c.LAST_STEP_TIMESTAMP, r.labels, _optional(r.last_step_unix))
