@@ -285,6 +285,13 @@ DEVICE_INFO = MetricDef(
     "(nvidia-smi -i), PCI bus id, name and driver version, after CUDA_VISIBLE_DEVICES.",
     ("device", "uuid", "gpu", "pci_bus_id", "name", "driver_version"),
 )
+DEVICE_MEMORY_CACHE = MetricDef(
+    "stabmon_device_memory_cache_bytes",
+    "gauge",
+    "Allocator cache now: reserved minus allocated. A growing cache with a flat live set is "
+    "fragmentation, not a leak.",
+    ("device",),
+)
 #: Values of ``stabmon_grad_norm_squared{placement}``.
 GRAD_PLACEMENTS: tuple[str, ...] = ("replicated", "sharded")
 
@@ -292,6 +299,7 @@ EXTENSION_METRICS: tuple[MetricDef, ...] = (
     GRAD_NORM_SQUARED,
     DEAD_GRAD_PARAMS,
     DEVICE_INFO,
+    DEVICE_MEMORY_CACHE,
     DEVICE_PHASE_SECONDS,
     DEVICE_STEP_DURATION,
     DEVICE_UTILIZATION,

@@ -58,6 +58,7 @@ from stabmon.probes.environment import (
 from stabmon.probes.grads import GradProbe, GradSample, GradSummary
 from stabmon.probes.identity import cuda_identities, driver_version, local_rank_problem
 from stabmon.probes.memory import HostMemory, MemorySampler, cuda_devices
+from stabmon.probes.memory_snapshot import SnapshotRecorder
 from stabmon.probes.placement import Misplaced, PlacementWatch
 from stabmon.probes.timing import LoopTimer, timed_iteration
 from stabmon.readback import Readback
@@ -219,6 +220,9 @@ class Monitor:
         )
         self._readback: Readback[_GradTag | _ValueTag] = Readback()
         self._grads: GradProbe | None = None
+        self._snapshots = SnapshotRecorder(
+            cfg.memory_snapshot_steps, self._paths.run_directory, self.rank
+        )
         self._dead: DeadGradients | None = None
         self._dead_layout: tuple[int, int] = (0, -1)
         self._param_signature = _param_signature(optimizer)
@@ -615,6 +619,8 @@ class Monitor:
         except Exception as error:
             self._guard.record("hooks", error)
         self._poll()
+        if self._snapshots.recording:
+            self._finish_snapshot()
         if (
             not (self._user_marks_epochs or self._loader_marks_epochs)
             and self._readings.steps % self.config.window_steps == 0
@@ -692,8 +698,38 @@ class Monitor:
             self._poll()
             samples, peaks = self._memory.epoch_samples()
             self._recorder.epoch(samples, peaks)
+            self._start_snapshot()
             if self._grads is not None and self._grads.trainable_changed():
                 self._grads = _build_grad_probe(self._model, self._optimizer, self.config)
+
+    def _start_snapshot(self) -> None:
+        """When the leak rule holds on a CUDA device, record its allocator (if configured)."""
+        step = self._recorder.global_step
+        for label, suspected in self._readings.memory_leak_suspected.items():
+            if suspected and label.startswith("cuda") and self._snapshots.start(label, step):
+                self._recorder.write(
+                    "memory_snapshot_started",
+                    device=label,
+                    step=step,
+                    steps=self.config.memory_snapshot_steps,
+                )
+                return
+
+    def _finish_snapshot(self) -> None:
+        with self._guard.contain("memory"):
+            finished = self._snapshots.step(self._recorder.global_step)
+            if finished is not None:
+                device, path = finished
+                self._recorder.write(
+                    "memory_snapshot", device=device, step=self._recorder.global_step,
+                    path=str(path),
+                )  # fmt: skip
+                LOGGER.warning(
+                    "stabmon: CUDA allocator snapshot of %s written to %s; open it at "
+                    "https://pytorch.org/memory_viz to see which allocations grow",
+                    device,
+                    path,
+                )
 
     def _phase_label(self, name: str) -> str:
         if isinstance(name, str) and name in self._named_phases:

@@ -99,3 +99,27 @@ def test_misplaced_cuda_input_is_reported_before_the_forward_fails(attach: Monit
         torch.cuda.set_sync_debug_mode(0)
     samples = scrape(monitor.metrics_url)
     assert value(samples, "stabmon_anomalies_total", kind="device_mismatch") == 1
+
+
+def test_a_cuda_leak_dumps_one_allocator_snapshot(attach: MonitorFactory) -> None:
+    model, optimizer = _cuda_model()
+    monitor = attach(
+        model, optimizer, memory_snapshot_steps=2, leak_warmup_epochs=0, leak_windows=1,
+        leak_window_epochs=1, leak_threshold=0.01,
+    )  # fmt: skip
+    hoard = []
+    for _ in range(6):  # each epoch keeps 64 MiB more alive: a leak
+        for _ in range(3):
+            monitor.observe(loss=_step(model, optimizer))
+        hoard.append(torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda"))
+        monitor.epoch_end()
+    assert monitor.event_log_path is not None
+    import json
+    from pathlib import Path
+
+    events = [json.loads(line) for line in Path(monitor.event_log_path).read_text().splitlines()]
+    (snapshot,) = [e for e in events if e["event"] == "memory_snapshot"]
+    assert Path(snapshot["path"]).stat().st_size > 0
+    samples = scrape(monitor.metrics_url)
+    cache = value(samples, "stabmon_device_memory_cache_bytes", device="cuda:0")
+    assert cache is not None and cache >= 0

@@ -70,6 +70,11 @@ class ReadingsCollector(Collector):
             r.labels,
             [((device,), m.reserved) for device, m in memory.items()],
         )
+        yield _gauge(
+            c.DEVICE_MEMORY_CACHE,
+            r.labels,
+            [((device,), m.reserved - m.allocated) for device, m in memory.items()],
+        )
         yield _gauge(c.DEVICE_MEMORY_PEAK, r.labels, _by_key(r.device_memory_peak))
         yield _gauge(c.EPOCH_MEMORY, r.labels, _by_key(r.epoch_memory))
         yield _gauge(c.MEMORY_DRIFT, r.labels, _by_key(r.memory_drift))

@@ -1,0 +1,68 @@
+"""A CUDA allocator snapshot taken when the leak rule fires: where the growing memory comes from.
+
+Knowing that device memory grows is half the answer; the other half is which
+allocations keep growing. PyTorch's caching allocator can record every
+allocation with its Python stack (``torch.cuda.memory._record_memory_history``)
+and dump the record (``_dump_snapshot``) for https://pytorch.org/memory_viz.
+Recording costs time on every allocation, so it is off by default
+(``memory_snapshot_steps: 0``), starts only when the leak rule fires on a CUDA
+device, lasts a bounded number of steps, and happens at most once per process,
+so a long run never fills its disk with snapshots.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+__all__ = ["SnapshotRecorder"]
+
+#: Allocation events kept in the recording (PyTorch's own default is 100,000).
+MAX_ENTRIES = 100_000
+
+
+class SnapshotRecorder:
+    """Records the allocator for ``steps`` steps after :meth:`start`, then dumps one snapshot."""
+
+    def __init__(self, steps: int, directory: Path, rank: int, memory: Any = None) -> None:
+        self._steps = steps
+        self._directory = directory
+        self._rank = rank
+        self._memory = memory
+        self._until: int | None = None
+        self._device = ""
+        self.done = False
+
+    @property
+    def recording(self) -> bool:
+        return self._until is not None
+
+    def start(self, device: str, step: int) -> bool:
+        """Begin recording (once per process); False when off, done or already recording."""
+        if self._steps <= 0 or self.done or self.recording:
+            return False
+        self._cuda_memory()._record_memory_history(max_entries=MAX_ENTRIES)
+        self._until = step + self._steps
+        self._device = device
+        return True
+
+    def step(self, step: int) -> tuple[str, Path] | None:
+        """At each step: once the window has passed, dump, stop, and return (device, path)."""
+        if self._until is None or step < self._until:
+            return None
+        memory = self._cuda_memory()
+        path = self._directory / f"rank-{self._rank}.memory-snapshot-step{step}.pickle"
+        self._until, self.done = None, True
+        try:
+            self._directory.mkdir(parents=True, exist_ok=True)
+            memory._dump_snapshot(str(path))
+        finally:
+            memory._record_memory_history(enabled=None)  # stop, whatever the dump did
+        return self._device, path
+
+    def _cuda_memory(self) -> Any:
+        if self._memory is None:
+            import torch.cuda.memory
+
+            self._memory = torch.cuda.memory
+        return self._memory

@@ -1,0 +1,55 @@
+"""The allocator snapshot taken after a CUDA leak: bounded, once per process, always stopped."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stabmon.probes.memory_snapshot import MAX_ENTRIES, SnapshotRecorder
+
+
+class FakeCudaMemory:
+    """Records the calls torch.cuda.memory would get; dumps write a small file."""
+
+    def __init__(self, fail_dump: bool = False) -> None:
+        self.calls: list[tuple[str, Any]] = []
+        self.fail_dump = fail_dump
+
+    def _record_memory_history(self, enabled: Any = "all", max_entries: int = 0) -> None:
+        self.calls.append(("record", None if enabled is None else max_entries))
+
+    def _dump_snapshot(self, path: str) -> None:
+        self.calls.append(("dump", path))
+        if self.fail_dump:
+            raise OSError(28, "No space left on device")
+        Path(path).write_bytes(b"snapshot")
+
+
+def test_records_for_the_configured_steps_then_dumps_once_and_stops(tmp_path: Path) -> None:
+    memory = FakeCudaMemory()
+    snapshots = SnapshotRecorder(3, tmp_path / "run", rank=2, memory=memory)
+    assert snapshots.start("cuda:0", step=100)
+    assert memory.calls == [("record", MAX_ENTRIES)]
+    assert not snapshots.start("cuda:1", step=101)  # one recording at a time
+    assert snapshots.step(101) is None and snapshots.step(102) is None
+    device, path = snapshots.step(103) or ("", Path())
+    assert device == "cuda:0"
+    assert path == tmp_path / "run" / "rank-2.memory-snapshot-step103.pickle"
+    assert path.read_bytes() == b"snapshot"
+    assert memory.calls[1:] == [("dump", str(path)), ("record", None)]  # stopped after the dump
+    assert not snapshots.recording
+    assert not snapshots.start("cuda:0", step=500)  # once per process: the disk stays bounded
+
+
+def test_off_by_default_and_stopped_even_when_the_dump_fails(tmp_path: Path) -> None:
+    memory = FakeCudaMemory(fail_dump=True)
+    assert not SnapshotRecorder(0, tmp_path, rank=0, memory=memory).start("cuda:0", step=1)
+    assert memory.calls == []
+    snapshots = SnapshotRecorder(1, tmp_path, rank=0, memory=memory)
+    snapshots.start("cuda:0", step=1)
+    with pytest.raises(OSError):  # the Monitor's guard counts it; recording must stop anyway
+        snapshots.step(2)
+    assert memory.calls[-1] == ("record", None)
+    assert not snapshots.recording
