@@ -57,6 +57,7 @@ from stabmon.probes.environment import (
 )
 from stabmon.probes.grads import GradProbe, GradSample, GradSummary
 from stabmon.probes.identity import cuda_identities, driver_version, local_rank_problem
+from stabmon.probes.loader import WorkerWatch, loader_problem
 from stabmon.probes.memory import HostMemory, MemorySampler, cuda_devices
 from stabmon.probes.memory_snapshot import SnapshotRecorder
 from stabmon.probes.placement import Misplaced, PlacementWatch
@@ -250,6 +251,7 @@ class Monitor:
         self._device_timer = (
             DeviceTimer(self._readings, record=recorder_for(devices[0])) if devices else None
         )
+        self._workers = WorkerWatch(self._recorder.worker_died)
         self._heartbeat = Heartbeat()
         self._timer = LoopTimer(
             self._readings,
@@ -292,6 +294,13 @@ class Monitor:
                 self._memory.sample,
                 guard=self._guard,
                 component="memory",
+            ),
+            PeriodicThread(
+                "stabmon-loader",
+                cfg.sample_seconds,
+                self._workers.check,  # holds the recorder, not the Monitor
+                guard=self._guard,
+                component="hooks",
             ),
         ]
         registration = self._resources.registration
@@ -488,6 +497,10 @@ class Monitor:
         """
         self._timer.track_loader()
         self._loader_marks_epochs = True
+        with self._guard.contain("hooks"):
+            problem = loader_problem(loader)
+            if problem is not None:
+                self._limiter.once("loader:timeout", logging.WARNING, "stabmon: %s", problem)
         steps_at_start = self._readings.steps
 
         def exhausted() -> None:
@@ -495,7 +508,16 @@ class Monitor:
                 self._close_epoch()
                 self._loader_closed_at = self._readings.steps
 
-        return timed_iteration(loader, self._loader_wait, exhausted)
+        workers = self._workers
+        guard = self._guard
+
+        def failed(error: BaseException) -> None:
+            with guard.contain("hooks"):
+                workers.failed(error)
+
+        return timed_iteration(
+            loader, self._loader_wait, exhausted, on_iterator=workers.follow, on_error=failed
+        )
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:

@@ -148,6 +148,21 @@ class Recorder:
         if report.revived:
             self.write("gradients_revived", step=step, parameters=list(report.revived[:20]))
 
+    def worker_died(self, info: Mapping[str, Any]) -> None:
+        """A data loader worker died while its loader still needed it (sampling thread)."""
+        how = f"signal {info['signal']}" if info.get("signal") else f"exit code {info['exitcode']}"
+        self.write("loader_worker_died", step=self.global_step, **info)
+        self._limiter.limited(
+            "loader_worker_died",
+            logging.WARNING,
+            "stabmon: data loader worker %s (pid %s) died with %s at step %d; SIGKILL is usually "
+            "the OOM killer (see the workers' memory on the GPU nodes dashboard)",
+            info.get("worker"),
+            info.get("pid"),
+            how,
+            self.global_step,
+        )
+
     def scale(self, step: int, scale: float) -> None:
         """One GradScaler scale per ``update()``; a drop means that step was skipped."""
         readings = self._readings

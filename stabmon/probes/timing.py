@@ -178,15 +178,27 @@ def timed_iteration(
     on_wait: Callable[[float], None],
     on_exhausted: Callable[[], None],
     clock: Callable[[], float] = time.perf_counter,
+    on_iterator: Callable[[Iterator[T]], None] | None = None,
+    on_error: Callable[[BaseException], None] | None = None,
 ) -> Iterator[T]:
-    """Yield from ``iterable``, timing each ``next()``; call ``on_exhausted`` at its end."""
+    """Yield from ``iterable``, timing each ``next()``; call ``on_exhausted`` at its end.
+
+    ``on_iterator`` sees the iterator once; ``on_error`` sees an exception from
+    ``next()`` before it propagates (it must not raise).
+    """
     iterator = iter(iterable)
+    if on_iterator is not None:
+        on_iterator(iterator)
     while True:
         start = clock()
         try:
             item = next(iterator)
         except StopIteration:
             break
+        except Exception as error:
+            if on_error is not None:
+                on_error(error)
+            raise
         on_wait(clock() - start)
         yield item
     on_exhausted()
