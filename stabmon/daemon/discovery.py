@@ -17,7 +17,9 @@ container (``host.docker.internal``) or from another machine (the node's name).
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import re
 import urllib.parse
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -28,6 +30,11 @@ __all__ = ["CONTENT_TYPE", "PATH", "target_groups", "targets_response"]
 
 PATH = "/targets"
 CONTENT_TYPE = "application/json"
+#: RFC 1123 host names: dot-separated labels of letters, digits and inner hyphens.
+_HOSTNAME = re.compile(
+    r"(?=.{1,253}$)[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?(?:\.[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?)*"
+)
+_MAX_HOST_HEADER = 300
 
 
 def target_groups(samples: Sequence[ProcessSample], host: str | None) -> list[dict[str, Any]]:
@@ -69,9 +76,22 @@ def targets_response(
 
 
 def _request_host(environ: Mapping[str, Any]) -> str | None:
-    """The host part of the request's ``Host`` header (``node1:9399`` -> ``node1``)."""
+    """The host part of the request's ``Host`` header (``node1:9399`` -> ``node1``).
+
+    Only a host name or an IP address is taken; anything else (a malformed or
+    oversized header) falls back to each process's own address.
+    """
     header = str(environ.get("HTTP_HOST") or "").strip()
-    if not header:
+    if not header or len(header) > _MAX_HOST_HEADER:
         return None
-    host = urllib.parse.urlsplit(f"//{header}").hostname
-    return host or None
+    try:
+        host = urllib.parse.urlsplit(f"//{header}").hostname
+    except ValueError:  # "[::1" and other broken brackets
+        return None
+    if not host:
+        return None
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return host if _HOSTNAME.fullmatch(host) else None
+    return host

@@ -118,3 +118,31 @@ def test_exporter_answers_only_its_paths_and_methods(daemon: DaemonApp) -> None:
     assert _get(daemon.url, "/metrics", method="POST")[0] == 405
     status, body = _get(daemon.url, "/targets", method="HEAD")
     assert (status, body) == (200, b"")
+
+
+@pytest.mark.parametrize(
+    ("header", "host"),
+    [
+        ("node7:9399", "node7"),
+        ("GPU-Node-3.example.org", "gpu-node-3.example.org"),
+        ("[::1]:9399", "::1"),
+        ("10.1.2.3:80", "10.1.2.3"),
+        ("[::1", None),  # broken brackets: no 500, no traceback in the log
+        ("node 1", None),
+        ('evil"host', None),
+        ("a" * 60_000, None),
+        ("", None),
+    ],
+)
+def test_only_a_host_name_or_address_from_the_host_header_is_used(
+    header: str, host: str | None
+) -> None:
+    from stabmon.daemon.discovery import _request_host
+
+    assert _request_host({"HTTP_HOST": header}) == host
+
+
+def test_a_malformed_host_header_falls_back_to_the_bound_address(daemon: DaemonApp) -> None:
+    assert daemon.url is not None
+    status, body = _get(daemon.url, "/targets", "[::1")
+    assert status == 200 and json.loads(body) == []
