@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import platform
 import re
@@ -25,6 +26,8 @@ __all__ = [
     "relevant_variables",
 ]
 
+#: How long a rank waits at attach for rank 0's run id in the process group's store.
+_STORE_WAIT_SECONDS = 10.0
 #: Environment variables that change how a run behaves (threads, NCCL, allocator, launch).
 _PREFIXES = ("TORCH", "PYTORCH_", "NCCL_", "CUDA_", "CUBLAS_", "CUDNN_", "NVIDIA_", "OMP_", "MKL_")
 _NAMES = frozenset(
@@ -57,11 +60,58 @@ def process_identity(env: Mapping[str, str]) -> ProcessIdentity:
 
 
 def default_run_id(env: Mapping[str, str]) -> str:
-    """A run id shared by every rank of a torchrun job, else one stable for this process."""
+    """A run id shared by every rank of a distributed job, else one stable for this process.
+
+    In order: torchrun's rendezvous id (``TORCHELASTIC_RUN_ID``, which is ``none``
+    under a static ``--master-addr/--master-port`` rendezvous); an id that rank 0
+    puts in the process group's store, once, at attach (never per step); a hash of
+    the job's rendezvous address and size, which every rank computes alike; and
+    last, for a single process, host, start time and pid.
+    """
     elastic = env.get("TORCHELASTIC_RUN_ID", "")
     if elastic and elastic != "none":
         return elastic
-    return _process_run_id()
+    return _shared_run_id(_job_key(env)) or _process_run_id()
+
+
+def _job_key(env: Mapping[str, str]) -> str | None:
+    parts = [env.get(name, "") for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE")]
+    return ":".join(parts) if all(parts) else None
+
+
+@functools.cache
+def _shared_run_id(job: str | None) -> str | None:
+    """The run id every rank agrees on (cached: one per process, as the job is)."""
+    from_store = _run_id_from_store(job)
+    if from_store:
+        return from_store
+    if job is None:
+        return None
+    return "job-" + hashlib.sha1(job.encode()).hexdigest()[:12]
+
+
+def _run_id_from_store(job: str | None) -> str | None:
+    """Rank 0 publishes an id in the default process group's store; the others read it."""
+    distributed = torch.distributed
+    if not (distributed.is_available() and distributed.is_initialized()):
+        return None
+    try:
+        store: Any = distributed.distributed_c10d._get_default_store()
+        key = "stabmon/run_id"
+        if distributed.get_rank() == 0:
+            stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+            digest = hashlib.sha1((job or socket.gethostname()).encode()).hexdigest()[:8]
+            run_id = f"job-{digest}-{stamp}"
+            store.set(key, run_id)
+            return run_id
+        deadline = time.monotonic() + _STORE_WAIT_SECONDS
+        while not store.check([key]):  # non-blocking: never wait out the store's own timeout
+            if time.monotonic() > deadline:
+                return None  # rank 0 did not attach (yet): fall back to the job hash
+            time.sleep(0.05)
+        return bytes(store.get(key)).decode()
+    except Exception:  # a store without check(), or one that failed: the fallbacks will do
+        return None
 
 
 @functools.cache

@@ -55,9 +55,16 @@ class Node:
         env["OMP_NUM_THREADS"] = "1"
         return env
 
-    def torchrun(self, nproc: int, *args: str) -> subprocess.Popen[str]:
+    def torchrun(self, nproc: int, *args: str, static: bool = False) -> subprocess.Popen[str]:
+        """torchrun with its elastic rendezvous, or (``static``) a fixed master address and port,
+        as multi-node jobs and Kubeflow's PyTorchJob launch it (TORCHELASTIC_RUN_ID=none)."""
+        rendezvous = (
+            ["--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={free_port()}"]
+            if static
+            else ["--standalone"]
+        )
         return self.processes.start(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            [sys.executable, "-m", "torch.distributed.run", *rendezvous,
              f"--nproc_per_node={nproc}", str(TRAINEE), *args],
             env=self.env(),
         )  # fmt: skip
@@ -190,6 +197,17 @@ def test_every_rank_exports_and_the_global_norm_is_reconstructed_from_the_ranks(
             norm = value(samples, "stabmon_grad_norm")
             assert norm is not None and norm < reference
         assert value(samples, "stabmon_nonfinite_grad_steps_total") == 0
+
+
+def test_ranks_of_a_static_rendezvous_share_one_run_id(node: Node) -> None:
+    node.torchrun(2, "--mode", "ddp", "--steps", "2", static=True)
+    urls = node.ranks(2)
+    runs = set()
+    for url in urls.values():
+        samples = _scrape_when(url, 2)
+        runs |= {dict(lbl)["run"] for (name, lbl) in samples if name == "stabmon_steps_total"}
+    (run,) = runs  # one run, though torchrun says TORCHELASTIC_RUN_ID=none here
+    assert run.startswith("job-")
 
 
 def test_a_slowed_rank_is_the_straggler_and_a_killed_rank_is_down_while_the_rest_export(

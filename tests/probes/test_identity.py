@@ -152,3 +152,17 @@ def test_stabmon_env_prints_the_same_record() -> None:
 
 def test_identity_module_imports_pynvml_lazily() -> None:
     assert "pynvml" not in vars(identity)
+
+
+def test_default_run_id_is_shared_by_every_rank_of_a_job() -> None:
+    from stabmon.probes.environment import default_run_id
+
+    job = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "WORLD_SIZE": "16"}
+    assert default_run_id({**job, "TORCHELASTIC_RUN_ID": "abc123"}) == "abc123"
+    static = default_run_id({**job, "TORCHELASTIC_RUN_ID": "none", "RANK": "3"})
+    assert static.startswith("job-")
+    assert default_run_id({**job, "RANK": "11"}) == static  # another rank computes the same
+    other_job = default_run_id({**job, "MASTER_PORT": "29501"})
+    assert other_job != static
+    alone = default_run_id({})
+    assert not alone.startswith("job-") and alone == default_run_id({})
