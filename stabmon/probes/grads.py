@@ -21,7 +21,10 @@ the gradient. The probe norms the local shard (``to_local()``, never a
 collective: adding one to every step would cost every rank a round trip) and
 keeps the squared norms of sharded and of replicated gradients apart, so the
 global norm is ``sqrt(sum over ranks of the sharded part + the replicated part
-of any one rank)``; PromQL computes it from every rank's export.
+of any one rank)``; PromQL computes it from every rank's export. A shard that
+several ranks hold (HSDP's replicate dimension, tensor parallelism inside data
+parallelism) would be counted once per holder, so each exports its share: the
+shard's squared norm divided by the number of holders.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
 
@@ -82,7 +85,8 @@ class GradSummary:
     zero_grad_params: int
     nonfinite: bool
     tensor_norms: list[float]
-    #: Squared norm of this rank's shards of sharded gradients (0.0 without sharding).
+    #: This rank's share of the squared norm of sharded gradients: its shards' squared norm
+    #: divided by how many ranks hold the same shard (0.0 without sharding).
     sharded_sq: float = 0.0
     #: Squared norm of the gradients every rank holds whole (all of them without sharding).
     replicated_sq: float = 0.0
@@ -196,7 +200,13 @@ class GradProbe:
                     for index, bucket in enumerate(self._buckets)
                 ]
             )
-        packed = _pack(tensor_norms, self._group_index, len(self.groups), self._placement_index)
+        packed = _pack(
+            tensor_norms,
+            self._group_index,
+            len(self.groups),
+            self._placement_index,
+            self._placement_weights,
+        )
         return GradSample(packed=packed, none_count=none_count)
 
     def summarize(self, values: Sequence[float]) -> GradSummary:
@@ -205,10 +215,12 @@ class GradProbe:
         if self.sharded:
             replicated_sq, sharded_sq = values[group_count], values[group_count + 1]
             tensor_norms = list(values[group_count + 2 :])
+            # The rank's own norm counts its shards whole (sharded_sq is its 1/replicas share).
+            total_sq = math.fsum(values[:group_count])
         else:
             replicated_sq, sharded_sq = values[group_count], 0.0
             tensor_norms = list(values[group_count + 1 :])
-        total_sq = replicated_sq + sharded_sq
+            total_sq = replicated_sq
         zero = tensor_norms.count(0.0)  # None gradients are zero placeholders
         if self._empty_shards:  # a rank whose shard of a small tensor is empty holds no gradient
             zero -= sum(tensor_norms[order] == 0.0 for order in self._empty_shards)
@@ -255,15 +267,30 @@ class GradProbe:
             position for position, param in enumerate(self._params) if _is_dtensor(param)
         )
         self._placement_index = self._upload([int(s) for s in sharded]) if any(sharded) else None
+        # A shard held by r replicas (HSDP, tensor parallel x data parallel) is summed r times
+        # over the ranks: each rank exports its share, 1/r of its squared norm.
+        self._placement_weights = (
+            self._upload(
+                [
+                    1.0 / _replicas(self._params[p]) if s else 1.0
+                    for p, s in zip(self._order, sharded, strict=True)
+                ],
+                dtype=torch.float64 if self.device.type != "mps" else torch.float32,
+            )
+            if any(sharded)
+            else None
+        )
         self._empty_shards = tuple(
             order
             for order, position in enumerate(self._order)
             if sharded[order] and _local_numel(self._params[position]) == 0
         )
 
-    def _upload(self, values: list[int]) -> torch.Tensor:
+    def _upload(
+        self, values: list[int] | list[float], dtype: torch.dtype = torch.long
+    ) -> torch.Tensor:
         """A small index tensor on the probe's device, uploaded without a synchronisation."""
-        index = torch.tensor(values, dtype=torch.long)
+        index = torch.tensor(values, dtype=dtype)
         if self.device.type == "cuda":
             index = index.pin_memory()  # a pageable upload would synchronise
         self._upload_sources.append(index)  # kept alive until the asynchronous upload is done
@@ -289,6 +316,7 @@ def _pack(
     group_index: torch.Tensor,
     group_count: int,
     placement_index: torch.Tensor | None,
+    placement_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The :class:`Packed` layout in fp64 (fp32 on MPS, which has no fp64)."""
     norms = tensor_norms.to(torch.float32 if tensor_norms.device.type == "mps" else torch.float64)
@@ -297,7 +325,8 @@ def _pack(
     if placement_index is None:
         totals = squares.sum(0, keepdim=True)
     else:  # [replicated_sq, sharded_sq]: index_add_, so a NaN stays in its own half
-        totals = squares.new_zeros(2).index_add_(0, placement_index, squares)
+        shares = squares if placement_weights is None else squares * placement_weights
+        totals = squares.new_zeros(2).index_add_(0, placement_index, shares)
     return torch.cat([group_sq, totals, norms])
 
 
@@ -318,6 +347,18 @@ def _is_sharded(param: torch.Tensor) -> bool:
     if _is_dtensor(param):
         return any(placement.is_shard() for placement in param.placements)  # type: ignore[attr-defined]
     return bool(getattr(param, "_is_flat_param", False))
+
+
+def _replicas(param: torch.Tensor) -> int:
+    """How many ranks hold this rank's shard: the mesh sizes of the ``Replicate`` dimensions."""
+    if not _is_dtensor(param):
+        return 1
+    mesh: Any = param.device_mesh  # type: ignore[attr-defined]
+    replicas = 1
+    for dim, placement in enumerate(param.placements):  # type: ignore[attr-defined]
+        if placement.is_replicate():
+            replicas *= int(mesh.size(dim))
+    return max(replicas, 1)
 
 
 def _local_numel(param: torch.Tensor) -> int:

@@ -1,6 +1,6 @@
-"""One rank of a distributed test job, started by torchrun: gloo on CPU, DDP or FSDP2.
+"""One rank of a distributed test job, started by torchrun: gloo on CPU, DDP, FSDP2 or HSDP.
 
-    torchrun --nproc_per_node=N ddp_trainee.py --mode ddp|fsdp --steps S [--slow-rank R]
+    torchrun --nproc_per_node=N ddp_trainee.py --mode ddp|fsdp|hsdp --steps S [--slow-rank R]
 
 Attaches stabmon with no distributed configuration at all: rank, local rank,
 port and run id come from torchrun's environment. Trains ``--steps`` steps on
@@ -42,7 +42,7 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=("ddp", "fsdp"), required=True)
+    parser.add_argument("--mode", choices=("ddp", "fsdp", "hsdp"), required=True)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--slow-rank", type=int, default=-1)
     parser.add_argument("--slow-seconds", type=float, default=0.0)
@@ -55,12 +55,17 @@ def main() -> None:
     if args.mode == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
     else:
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        mesh = None
+        if args.mode == "hsdp":  # replicate over 2 groups, shard within each
+            world = dist.get_world_size()
+            mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
         for layer in model:
             if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer)
-        fully_shard(model)
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     monitor = stabmon.attach(model, optimizer, sample_seconds=0.2)
     print(f"ready {monitor.metrics_url}", flush=True)

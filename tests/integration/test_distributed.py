@@ -158,7 +158,9 @@ def _reference_norm(world: int, steps: int) -> float:
     return float(norm)
 
 
-@pytest.mark.parametrize(("mode", "world"), [("ddp", 2), ("ddp", 4), ("fsdp", 2), ("fsdp", 4)])
+@pytest.mark.parametrize(
+    ("mode", "world"), [("ddp", 2), ("ddp", 4), ("fsdp", 2), ("fsdp", 4), ("hsdp", 4)]
+)
 def test_every_rank_exports_and_the_global_norm_is_reconstructed_from_the_ranks(
     node: Node, mode: str, world: int
 ) -> None:
