@@ -31,11 +31,12 @@ import psutil
 from stabmon.log import LogLimiter
 from stabmon.rundir import ProcessRecord, pid_namespace
 
-__all__ = ["HostPids"]
+__all__ = ["AMBIGUOUS", "Ambiguous", "HostPids"]
 
 _Key = tuple[str, int, float]  # namespace, pid in it, create time
-#: psutil derives create times from clock ticks since boot: equal within rounding.
-CREATE_TIME_TOLERANCE_SECONDS = 0.5
+#: psutil derives create times from clock ticks since boot, the same way in every namespace
+#: of one kernel: a match is exact up to float rounding, well within one tick (10 ms).
+CREATE_TIME_TOLERANCE_SECONDS = 0.005
 
 
 class HostPids:
@@ -55,8 +56,8 @@ class HostPids:
         for key in [key for key in self._resolved if key not in live]:
             del self._resolved[key]
 
-    def resolve(self, record: ProcessRecord) -> int | None:
-        """The pid to follow for ``record``; None when its namespace holds no such process."""
+    def resolve(self, record: ProcessRecord) -> int | None | Ambiguous:
+        """The pid to follow for ``record``: None when no process here is it, or AMBIGUOUS."""
         if not record.pid_namespace or not self._own or record.pid_namespace == self._own:
             return record.pid  # same namespace (or an old record, or no /proc): as written
         key = _key(record)
@@ -65,6 +66,18 @@ class HostPids:
         if self._index is None:
             self._index = self._scan()
         host_pid = _choose(self._index.get(record.pid, []), record)
+        if isinstance(host_pid, Ambiguous):
+            self._limiter.once(
+                f"pidns-ambiguous:{record.pid_namespace}:{record.pid}",
+                logging.WARNING,
+                "stabmon daemon: more than one process could be rank %d of run %s (pid %d of "
+                "its namespace, started at the same instant); it is not followed. Run the "
+                "daemon as root or with CAP_SYS_PTRACE so it can read PID namespace links",
+                record.rank,
+                record.run,
+                record.pid,
+            )
+            return host_pid
         if host_pid is None:
             self._limiter.once(
                 f"pidns:{record.pid_namespace}:{record.pid}",
@@ -99,15 +112,24 @@ class HostPids:
         return index
 
 
-def _choose(candidates: list[tuple[str, int]], record: ProcessRecord) -> int | None:
-    """The candidate in the record's namespace; by create time where the link was unreadable."""
+def _choose(candidates: list[tuple[str, int]], record: ProcessRecord) -> int | None | Ambiguous:
+    """The candidate in the record's namespace; by start time where the link was unreadable.
+
+    Pods of one job on one node run the same pids and start within a second, so the
+    start time must match to the clock tick, and two processes that still match are
+    :data:`AMBIGUOUS` rather than a guess.
+    """
     for namespace, host_pid in candidates:
         if namespace == record.pid_namespace:
             return host_pid
-    for namespace, host_pid in candidates:
-        if not namespace and _started_at(host_pid, record.create_time):
-            return host_pid
-    return None
+    matches = [
+        host_pid
+        for namespace, host_pid in candidates
+        if not namespace and _started_at(host_pid, record.create_time)
+    ]
+    if len(matches) > 1:
+        return AMBIGUOUS
+    return matches[0] if matches else None
 
 
 def _started_at(pid: int, create_time: float) -> bool:
@@ -115,6 +137,13 @@ def _started_at(pid: int, create_time: float) -> bool:
         return abs(psutil.Process(pid).create_time() - create_time) <= CREATE_TIME_TOLERANCE_SECONDS
     except psutil.Error:
         return False
+
+
+class Ambiguous:
+    """Several processes match a record: it is neither followed nor reported down."""
+
+
+AMBIGUOUS = Ambiguous()
 
 
 def _key(record: ProcessRecord) -> _Key:

@@ -50,7 +50,7 @@ from stabmon.contract import (
     PROCESS_UP,
     MetricDef,
 )
-from stabmon.daemon.pidns import HostPids
+from stabmon.daemon.pidns import Ambiguous, HostPids
 from stabmon.log import LogLimiter
 from stabmon.rundir import ProcessRecord, RunPaths, read_records
 
@@ -170,6 +170,8 @@ class ProcessTable:
                 continue  # finished normally without detach: nothing is down
             key = _record_key(record)
             sample = self._sample(record, key, now)
+            if sample is None:
+                continue  # cannot tell which process it is: neither up nor down
             if sample.alive:
                 followed.add(key)
             elif now - _last_written(record) > self._forget_after:
@@ -228,11 +230,13 @@ class ProcessTable:
         )
         return False
 
-    def _sample(self, record: ProcessRecord, key: _RecordKey, now: float) -> ProcessSample:
+    def _sample(self, record: ProcessRecord, key: _RecordKey, now: float) -> ProcessSample | None:
         age = _heartbeat_age(record, now)
         if record.exit_status is not None:
             return _not_alive(record, age, reused=False)  # it said it is exiting: down now
         host_pid = self._host_pids.resolve(record)
+        if isinstance(host_pid, Ambiguous):
+            return None
         if host_pid is None:  # a container's pid that no process here has: gone
             return _not_alive(record, age, reused=False)
         if host_pid != record.pid:  # follow, and label, the pid this node's tools use

@@ -114,3 +114,22 @@ def test_daemon_follows_a_process_in_its_own_pid_namespace_by_its_host_pid(
     while table.poll()[0].alive and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not table.poll()[0].alive
+
+
+def test_two_processes_matching_an_unreadable_namespace_are_ambiguous_not_a_guess(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from stabmon.daemon import pidns
+
+    # Two pods of one job: the same in-container pid, links unreadable, the same start tick.
+    proc = _fake_proc(tmp_path, {5001: ("pid:[1]", "5001\t7"), 5002: ("pid:[1]", "5002\t7")})
+    monkeypatch.setattr(pidns, "pid_namespace", lambda pid="self", proc=proc: (
+        "pid:[1]" if pid == "self" else ""))  # fmt: skip
+    monkeypatch.setattr(pidns, "_started_at", lambda pid, create_time: True)
+    pids = HostPids(limiter=LogLimiter(), proc=proc)
+    record = _record(7, "pid:[4026532999]")
+    pids.new_poll([record])
+    assert pids.resolve(record) is pidns.AMBIGUOUS
+    monkeypatch.setattr(pidns, "_started_at", lambda pid, create_time: pid == 5002)
+    pids.new_poll([record])
+    assert pids.resolve(record) == 5002
