@@ -47,11 +47,14 @@ def main() -> None:
     parser.add_argument("--slow-rank", type=int, default=-1)
     parser.add_argument("--slow-seconds", type=float, default=0.0)
     parser.add_argument("--step-seconds", type=float, default=0.0, help="pause every rank")
+    parser.add_argument("--slow-forward-rank", type=int, default=-1, help="a slow GPU's rank")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model: torch.nn.Module = make_model()
+    if rank == args.slow_forward_rank:  # compute, not input, is slow here: inside the forward
+        model.register_forward_pre_hook(lambda module, inputs: time.sleep(args.slow_seconds))
     if args.mode == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
     else:

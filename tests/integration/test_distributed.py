@@ -216,8 +216,11 @@ def test_a_slowed_rank_is_the_straggler_and_a_killed_rank_is_down_while_the_rest
     node: Node, tmp_path: Path
 ) -> None:
     require("prometheus")
-    world, slow_rank = 3, 2
-    slow = ("--slow-rank", str(slow_rank), "--slow-seconds", "0.08", "--step-seconds", "0.02")
+    # Rank 2 waits for its input, rank 3 computes slowly (a throttled GPU); under DDP all four
+    # step at the same pace, so only the rule's input-wait and forward legs tell them apart.
+    world = 4
+    slow = ("--slow-rank", "2", "--slow-forward-rank", "3", "--slow-seconds", "0.08",
+            "--step-seconds", "0.02")  # fmt: skip
     node.ranks_without_agent(world, "--mode", "ddp", "--steps", "100000", *slow)
     urls = node.ranks(world)
     prometheus = start_prometheus(node.processes, tmp_path, node.daemon_target)
@@ -238,7 +241,9 @@ def test_a_slowed_rank_is_the_straggler_and_a_killed_rank_is_down_while_the_rest
     def straggler_ranks() -> set[str]:
         return {sample["metric"]["rank"] for sample in prometheus.query(expr)}
 
-    until("the slowed rank flagged as the straggler", lambda: straggler_ranks() == {"2"}, 90, 1.0)
+    until(
+        "the slowed ranks flagged as stragglers", lambda: straggler_ranks() == {"2", "3"}, 90, 1.0
+    )
 
     victim = next(
         group for group in node.targets() if group["labels"]["__meta_stabmon_rank"] == "1"
@@ -250,7 +255,7 @@ def test_a_slowed_rank_is_the_straggler_and_a_killed_rank_is_down_while_the_rest
         return value(samples, "stabmon_process_up", rank="1") == 0
 
     until("the killed rank reported down by the daemon", reported_down, 30)
-    for rank in (0, 2):  # the survivors are stuck in the collective, but still export
+    for rank in (0, 2, 3):  # the survivors are stuck in the collective, but still export
         assert value(scrape(urls[rank]), "stabmon_steps_total") is not None
         assert value(scrape(node.daemon_url), "stabmon_process_up", rank=str(rank)) == 1
 
