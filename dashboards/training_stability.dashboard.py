@@ -136,6 +136,11 @@ _MEAN_WAIT = (
     f"{sum_by(RANK, rate(c.DATA_WAIT, *RUN_RANK, suffix='_sum'))}"
     f" / {sum_by(RANK, rate(c.DATA_WAIT, *RUN_RANK, suffix='_count'))}"
 )
+_MEAN_FORWARD = (
+    f"({sum_by(RANK, rate(c.DEVICE_PHASE_SECONDS, *RUN_RANK, equals('phase', 'forward')))}"
+    f" or {sum_by(RANK, rate(c.PHASE_SECONDS, *RUN_RANK, equals('phase', 'forward')))})"
+    f" / {sum_by(RANK, rate(c.STEP_DURATION, *RUN_RANK, suffix='_count'))}"
+)
 stragglers = timeseries(
     "Stragglers: rank vs run median",
     [
@@ -148,12 +153,18 @@ stragglers = timeseries(
             f" / on (run) group_left quantile by (run) (0.5, {_MEAN_STEP})",
             "input wait " + WHO,
         ),
+        Query(
+            f"1 + (({_MEAN_FORWARD}) - on (run) group_left quantile by (run) (0.5, {_MEAN_FORWARD}))"
+            f" / on (run) group_left quantile by (run) (0.5, {_MEAN_STEP})",
+            "forward " + WHO,
+        ),
     ],
     unit="none",
-    description="Each rank's mean step time, and its input wait beyond the run's median added to "
-    "a median step, as multiples of the run's median step. 1.0 is the pack; StabmonStragglerRank "
+    description="Each rank's mean step time, and its input wait and forward time (device time on "
+    "CUDA) beyond the run's median added to a median step, as multiples of the run's median step. 1.0 is the pack; StabmonStragglerRank "
     "fires above 1.2 for 15 minutes (over 10-minute windows). Under DDP every rank shows the "
-    "slowest one's step time, so the straggler is the rank whose input wait stands out.",
+    "slowest one's step time, so the straggler is the rank whose input wait or forward time stands "
+    "out.",
     thresholds=steps("green", (1.2, "orange")),
 )
 data_wait_share = timeseries(
