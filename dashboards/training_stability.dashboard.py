@@ -154,17 +154,18 @@ stragglers = timeseries(
             "input wait " + WHO,
         ),
         Query(
-            f"1 + (({_MEAN_FORWARD}) - on (run) group_left quantile by (run) (0.5, {_MEAN_FORWARD}))"
+            f"1 + (({_MEAN_FORWARD}) - on (run) group_left"
+            f" quantile by (run) (0.5, {_MEAN_FORWARD}))"
             f" / on (run) group_left quantile by (run) (0.5, {_MEAN_STEP})",
             "forward " + WHO,
         ),
     ],
     unit="none",
     description="Each rank's mean step time, and its input wait and forward time (device time on "
-    "CUDA) beyond the run's median added to a median step, as multiples of the run's median step. 1.0 is the pack; StabmonStragglerRank "
-    "fires above 1.2 for 15 minutes (over 10-minute windows). Under DDP every rank shows the "
-    "slowest one's step time, so the straggler is the rank whose input wait or forward time stands "
-    "out.",
+    "CUDA) beyond the run's median added to a median step, as multiples of the run's median "
+    "step. 1.0 is the pack; StabmonStragglerRank fires above 1.2 for 15 minutes (over 10-minute "
+    "windows). Under DDP every rank shows the slowest one's step time, so the straggler is the "
+    "rank whose input wait or forward time stands out.",
     thresholds=steps("green", (1.2, "orange")),
 )
 data_wait_share = timeseries(
