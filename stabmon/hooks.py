@@ -7,6 +7,11 @@ hooks on every submodule or parameter. GradScaler has no hook API, so its
 restored on removal. Every handle is kept in one list, so removing them is a
 loop and the model, optimizer and scaler are left exactly as they were.
 
+Under torch.compile a forward hook is a constant no-op in traced code (no graph
+break, so ``fullgraph=True`` works), while the optimizer's step hooks run
+outside the graph (one graph break at each end of a compiled ``optimizer.step()``):
+a step that stabmon did not see would be a lost measurement and a false stall.
+
 Hooks hold the Monitor weakly and are inert when copied or pickled: EMA and SWA
 code deep-copies the model mid-run (``AveragedModel``), and ``torch.save(model)``
 pickles its hooks; neither may drag the Monitor, its threads and locks along.
@@ -42,17 +47,18 @@ class _InertHook:
 class _WeakHook:
     """Calls a bound method through a weak reference; copies and pickles are inert."""
 
-    __slots__ = ("_method",)
+    __slots__ = ("_method", "_outside_graph")
 
-    def __init__(self, method: Callable[..., None]) -> None:
+    def __init__(self, method: Callable[..., None], *, outside_graph: bool = False) -> None:
         self._method = weakref.WeakMethod(method)
+        self._outside_graph = outside_graph
 
     def __call__(self, *args: Any, **kwargs: Any) -> None:
         if torch.compiler.is_compiling():
-            return  # traced by torch.compile: a constant no-op, so no graph break
-        method = self._method()
-        if method is not None:
-            method(*args, **kwargs)
+            if self._outside_graph:
+                _call_outside_graph(self._method, args, kwargs)
+            return  # otherwise a constant no-op in traced code, so no graph break
+        _call(self._method, args, kwargs)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _InertHook:
         return _InertHook()
@@ -80,6 +86,18 @@ class _WrappedUpdate:
     def __reduce__(self) -> tuple[Callable[[Any], Any], tuple[Any]]:
         # A pickled bound method unpickles as the class's update of the new scaler.
         return (_identity, (self._original,))
+
+
+def _call(
+    method: weakref.WeakMethod[Callable[..., None]], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    target = method()
+    if target is not None:
+        target(*args, **kwargs)
+
+
+# Dynamo does not trace a disabled function: it breaks the graph there and calls it eagerly.
+_call_outside_graph: Callable[..., None] = torch.compiler.disable(_call)  # type: ignore[no-untyped-call]  # unannotated in torch
 
 
 def _identity(value: Any) -> Any:
@@ -145,8 +163,11 @@ class HookSet:
             self._model.register_forward_pre_hook(_WeakHook(forward_pre), with_kwargs=True)
         )
         self._handles.append(self._model.register_forward_hook(_WeakHook(forward_post)))
-        self._handles.append(self._optimizer.register_step_pre_hook(_WeakHook(step_pre)))
-        self._handles.append(self._optimizer.register_step_post_hook(_WeakHook(step_post)))
+        for register, hook in (
+            (self._optimizer.register_step_pre_hook, step_pre),
+            (self._optimizer.register_step_post_hook, step_post),
+        ):
+            self._handles.append(register(_WeakHook(hook, outside_graph=True)))
         if self._scaler is not None and scaler_update is not None:
             self._scaler_update = self._scaler.__dict__.get("update", _MISSING)
             original = getattr(self._scaler, "update")  # noqa: B009 - the bound method, wrapped

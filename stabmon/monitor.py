@@ -262,6 +262,8 @@ class Monitor:
         self._loader_marks_epochs = False
         self._loader_closed_at: int | None = None
         self._named_phases: set[str] = set()
+        # Decided at the first observe() when no forward hook fires (a compiled forward).
+        self._observes_before_step: bool | None = None
 
         registry = CollectorRegistry(auto_describe=False)
         registry.register(ReadingsCollector(self._readings, self._guard.counts))
@@ -462,7 +464,14 @@ class Monitor:
             return
         try:
             step = self._recorder.global_step
-            if not self._timer.in_iteration:
+            in_iteration = self._timer.in_iteration
+            if not self._timer.forward_seen:
+                # Hooks inside a compiled forward never fire: a loop that observes before its
+                # optimizer step makes its first observe() before the first step.
+                if self._observes_before_step is None:
+                    self._observes_before_step = self._readings.steps == 0
+                in_iteration = self._observes_before_step
+            if not in_iteration:
                 step = max(step - 1, 0)  # observed after the step it belongs to
             if isinstance(loss, torch.Tensor):
                 value = loss.detach()
@@ -536,7 +545,14 @@ class Monitor:
                 self._timer.exit_named()
 
     def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint must carry so a resumed run keeps its numbering and baselines."""
+        """What a checkpoint must carry so a resumed run keeps its numbering and baselines.
+
+        Results still in flight on the device (the last step's gradients and loss) are
+        read first, waiting at most a second: a checkpoint is rare, and ``torch.save``
+        waits for the device anyway.
+        """
+        with self._guard.contain("readback"):
+            self._consume(self._readback.drain(timeout=1.0))
         state = self._recorder.state_dict()
         state["run_id"] = self.run_id
         state["epochs_marked_by"] = (

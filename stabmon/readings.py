@@ -14,7 +14,7 @@ within a process, so Prometheus sees them monotonic.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from stabmon.contract import ANOMALY_KINDS, PHASES
@@ -121,7 +121,3 @@ class Readings:
     def count_anomaly(self, kind: str) -> None:
         self.anomalies[kind] = self.anomalies.get(kind, 0) + 1
 
-    def restore_counts(self, counts: Iterable[tuple[str, int]]) -> None:
-        """Continue anomaly counts from a checkpoint (values never go down)."""
-        for kind, value in counts:
-            self.anomalies[kind] = max(self.anomalies.get(kind, 0), int(value))

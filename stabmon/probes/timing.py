@@ -59,12 +59,16 @@ class LoopTimer:
         self._monotonic = monotonic
         self._state = _DATA_WAIT
         self._mark = clock()
+        #: Input wait timed by ``track()`` since ``_mark``: all that is known of a compiled forward.
+        self._loader_seconds = 0.0
         self._last_step_end: float | None = None
         self._named: list[str] = []
         # Set once ``track()`` measures input wait itself; the hook figure is then not observed.
         self._loader_tracked = False
         #: True from the first forward of an iteration until its optimizer step.
         self.in_iteration = False
+        #: Whether a training forward was ever seen; never, when the forward runs compiled.
+        self.forward_seen = False
 
     @property
     def phase(self) -> str:
@@ -87,6 +91,7 @@ class LoopTimer:
             if not self._loader_tracked and self._last_step_end is not None:
                 self._readings.data_wait.observe(elapsed)
             self.in_iteration = True
+        self.forward_seen = True
         self._readings.add_phase_time(self._state, elapsed)
         self._enter(_FORWARD, now)
 
@@ -101,7 +106,16 @@ class LoopTimer:
         if self._named:
             return
         now = self._clock()
-        self._readings.add_phase_time(self._state, now - self._mark)
+        elapsed = now - self._mark
+        if self._state == _DATA_WAIT:
+            # No forward boundary since the last step: the forward ran compiled, where the hooks
+            # are no-ops (stabmon.hooks). Only track()'s loader time is known input wait; the
+            # rest is forward and backward, which cannot be told apart.
+            waited = min(self._loader_seconds, elapsed)
+            self._readings.add_phase_time(_DATA_WAIT, waited)
+            self._readings.add_phase_time(_FORWARD, elapsed - waited)
+        else:
+            self._readings.add_phase_time(self._state, elapsed)
         self._enter(_OPTIMIZER, now)
 
     def optimizer_end(self) -> None:
@@ -125,6 +139,7 @@ class LoopTimer:
         """Input wait measured around the loader's ``next()`` by ``track()``."""
         if not self._named:  # a validation loader inside mon.phase("eval") is not input wait
             self._readings.data_wait.observe(seconds)
+            self._loader_seconds += seconds
 
     def iteration_skipped(self) -> None:
         """The optimizer step was skipped (GradScaler): end the iteration without a step."""
@@ -143,6 +158,7 @@ class LoopTimer:
             self._readings.add_phase_time(self._state, now - self._mark)
         self._named.append(name)
         self._mark = now
+        self._loader_seconds = 0.0
         self._heartbeat.progress(self._monotonic())
         if self._device_mark is not None:
             self._device_mark(name, False)
@@ -154,6 +170,7 @@ class LoopTimer:
         if self._named:
             self._readings.add_phase_time(self._named.pop(), now - self._mark)
         self._mark = now
+        self._loader_seconds = 0.0
         self._heartbeat.progress(self._monotonic())  # silence is measured from the phase's end
         if self._device_mark is not None:
             self._device_mark(self._named[-1] if self._named else _DATA_WAIT, False)
@@ -168,6 +185,7 @@ class LoopTimer:
     def _enter(self, state: str, now: float, *, step_end: bool = False) -> None:
         self._state = state
         self._mark = now
+        self._loader_seconds = 0.0
         self._heartbeat.phase = state
         if self._device_mark is not None:
             self._device_mark(state, step_end)
