@@ -1,19 +1,18 @@
 """Gradient health in one fused pass over every gradient, computed on the device.
 
 ``torch._foreach_norm`` gives the L2 norm of each gradient tensor in one fused
-launch per (device, dtype) bucket; everything else is reduced from those norms
-on the device: the squared norms summed per module group (``index_add_``) and
-in total. Counting all-zero gradients needs no
-device work: the per-tensor norms come back anyway, and ``list.count(0.0)``
-on the host is cheaper than two more launches. The non-finite check needs no pass
-of its own: a NaN or Inf anywhere makes the total NaN or Inf, which the host
-sees when the packed result is read back a step later. Half-precision
-gradients are normed in fp32 and the sums run in fp64, so a large but finite
-norm cannot overflow into a false "non-finite".
-
-The result is one packed 1-D fp64 tensor (see :class:`Packed`), so reading it
-back costs one asynchronous copy. This module knows nothing of hooks, threads
-or metrics: tensors in, tensors out.
+launch per (device, dtype) bucket, and one ``stack`` packs them into a 1-D
+tensor: that is all the device does, the floor of reading every gradient once.
+Everything else is reduced on the host from those per-tensor norms when they
+are read back a step later (one asynchronous copy of a few bytes per tensor):
+squared norms summed per module group and in total (numpy, fp64), all-zero
+gradients counted, and the non-finite check, which needs no pass of its own: a
+NaN or Inf anywhere makes the total NaN or Inf. Each launch costs the host a
+few microseconds of dispatch; doing the sums on the device cost five more
+launches per step for a handful of numbers. Half-precision gradients are normed
+in fp32 and the sums run in fp64, so a large but finite norm cannot overflow
+into a false "non-finite". This module knows nothing of hooks, threads or
+metrics: tensors in, numbers out.
 
 Sharded parameters (FSDP2's ``fully_shard`` and tensor parallelism: DTensors with
 a ``Shard`` placement; FSDP1's flat parameters) hold only this rank's shard of
@@ -34,10 +33,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
+import numpy as np
 import torch
 
 __all__ = ["GradProbe", "GradSample", "GradSummary", "Packed", "group_name"]
 
+#: Up to this many tensors, the host sums run in plain Python (numpy's call overhead is larger).
+_SMALL = 64
 #: Label of the module group that collects parameters beyond ``max_modules`` groups.
 OTHER_GROUP = "other"
 #: Label of parameters that sit directly on the root module (``bias`` rather than ``fc.bias``).
@@ -45,17 +47,11 @@ ROOT_GROUP = "root"
 
 
 class Packed:
-    """Layout of the packed result: ``[group_sq..., total_sq, tensor_norms...]``.
-
-    With sharded parameters, ``total_sq`` is two entries instead:
-    ``[group_sq..., replicated_sq, sharded_sq, tensor_norms...]``.
-    Group sums use ``index_add_``, not a product with an indicator matrix: there
-    ``0 * NaN`` would turn every group NaN and hide which module blew up.
-    """
+    """Layout of the packed result: the per-tensor norms, in bucket order."""
 
     @staticmethod
     def length(groups: int, tensors: int, *, sharded: bool = False) -> int:
-        return groups + (2 if sharded else 1) + tensors
+        return tensors
 
 
 def group_name(param_name: str, depth: int) -> str:
@@ -132,7 +128,6 @@ class GradProbe:
         )
         # Buckets whose fused launch failed on sparse gradients: normed per tensor from then on.
         self._per_tensor_buckets: set[int] = set()
-        self._upload_sources: list[torch.Tensor] = []
         self._build()
 
     @property
@@ -190,45 +185,58 @@ class GradProbe:
             else grads,
         )
         if len(self._buckets) == 1:  # then every parameter is on self.device already
-            tensor_norms = torch.stack(self._bucket_norms(0, present))
+            packed = torch.stack(self._bucket_norms(0, present))
         else:
-            tensor_norms = torch.cat(
+            packed = torch.cat(
                 [
                     torch.stack(
                         self._bucket_norms(index, [present[p] for p in bucket.positions])
-                    ).to(self.device, non_blocking=True)
+                    ).to(self.device, self._norm_dtype, non_blocking=True)
                     for index, bucket in enumerate(self._buckets)
                 ]
             )
-        packed = _pack(
-            tensor_norms,
-            self._group_index,
-            len(self.groups),
-            self._placement_index,
-            self._placement_weights,
-        )
         return GradSample(packed=packed, none_count=none_count)
 
     def summarize(self, values: Sequence[float]) -> GradSummary:
-        """Turn a read-back packed result into host numbers."""
-        group_count = len(self.groups)
-        if self.sharded:
-            replicated_sq, sharded_sq = values[group_count], values[group_count + 1]
-            tensor_norms = list(values[group_count + 2 :])
-            # The rank's own norm counts its shards whole (sharded_sq is its 1/replicas share).
-            total_sq = math.fsum(values[:group_count])
+        """Turn read-back per-tensor norms into host numbers (numpy, fp64).
+
+        ``bincount`` sums each group separately, so a NaN stays in its own group
+        (a product with an indicator matrix would spread ``0 * NaN`` to all).
+        """
+        tensor_norms = list(values)
+        group_sq: list[float]
+        if len(tensor_norms) <= _SMALL and self._placement_index is None:
+            # A few tensors: plain Python beats numpy's per-call overhead.
+            group_sq = [0.0] * len(self.groups)
+            for group, norm in zip(self._group_list, tensor_norms, strict=True):
+                group_sq[group] += norm * norm
+            total_sq = sum(norm * norm for norm in tensor_norms)
+            replicated_sq, sharded_sq = total_sq, 0.0
         else:
-            replicated_sq, sharded_sq = values[group_count], 0.0
-            tensor_norms = list(values[group_count + 1 :])
-            total_sq = replicated_sq
+            norms = np.asarray(tensor_norms, dtype=np.float64)
+            squares = norms * norms
+            group_sq = np.bincount(
+                self._group_index, weights=squares, minlength=len(self.groups)
+            ).tolist()
+            total_sq = float(squares.sum())  # NaN and Inf propagate: the non-finite check
+            if self._placement_index is not None:
+                shares = (
+                    squares
+                    if self._placement_weights is None
+                    else squares * self._placement_weights
+                )
+                replicated_sq, sharded_sq = (
+                    float(x)
+                    for x in np.bincount(self._placement_index, weights=shares, minlength=2)
+                )
+            else:
+                replicated_sq, sharded_sq = total_sq, 0.0
         zero = tensor_norms.count(0.0)  # None gradients are zero placeholders
         if self._empty_shards:  # a rank whose shard of a small tensor is empty holds no gradient
             zero -= sum(tensor_norms[order] == 0.0 for order in self._empty_shards)
         return GradSummary(
             total_norm=_sqrt(total_sq),
-            group_norms={
-                name: _sqrt(sq) for name, sq in zip(self.groups, values[:group_count], strict=True)
-            },
+            group_norms={name: _sqrt(sq) for name, sq in zip(self.groups, group_sq, strict=True)},
             zero_grad_params=zero,
             nonfinite=not math.isfinite(total_sq),
             tensor_norms=tensor_norms,
@@ -261,21 +269,24 @@ class GradProbe:
             for bucket in self._buckets
         }
         self._placeholders = [zeros[(param.device, param.dtype)] for param in self._params]
-        self._group_index = self._upload([self._group_of[p] for p in self._order])
+        # Several buckets are concatenated in one dtype: fp64 only if some gradient is fp64.
+        any_fp64 = any(bucket.dtype == torch.float64 for bucket in self._buckets)
+        self._norm_dtype = torch.float64 if any_fp64 else torch.float32
+        self._group_list = [self._group_of[p] for p in self._order]
+        self._group_index = np.array(self._group_list, dtype=np.intp)
         sharded = [_is_sharded(self._params[p]) for p in self._order]
         self._distributed_positions = tuple(
             position for position, param in enumerate(self._params) if _is_dtensor(param)
         )
-        self._placement_index = self._upload([int(s) for s in sharded]) if any(sharded) else None
+        self._placement_index = np.array(sharded, dtype=np.intp) if any(sharded) else None
         # A shard held by r replicas (HSDP, tensor parallel x data parallel) is summed r times
         # over the ranks: each rank exports its share, 1/r of its squared norm.
         self._placement_weights = (
-            self._upload(
+            np.array(
                 [
                     1.0 / _replicas(self._params[p]) if s else 1.0
                     for p, s in zip(self._order, sharded, strict=True)
-                ],
-                dtype=torch.float64 if self.device.type != "mps" else torch.float32,
+                ]
             )
             if any(sharded)
             else None
@@ -285,17 +296,6 @@ class GradProbe:
             for order, position in enumerate(self._order)
             if sharded[order] and _local_numel(self._params[position]) == 0
         )
-
-    def _upload(
-        self, values: list[int] | list[float], dtype: torch.dtype = torch.long
-    ) -> torch.Tensor:
-        """A small index tensor on the probe's device, uploaded without a synchronisation."""
-        index = torch.tensor(values, dtype=dtype)
-        if self.device.type == "cuda":
-            index = index.pin_memory()  # a pageable upload would synchronise
-        self._upload_sources.append(index)  # kept alive until the asynchronous upload is done
-        del self._upload_sources[:-4]
-        return index.to(self.device, non_blocking=True)
 
     def _bucket_norms(self, index: int, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         bucket = self._buckets[index]
@@ -309,25 +309,6 @@ class GradProbe:
                 # Sparse gradients (nn.Embedding(sparse=True)) have no fused kernel.
                 self._per_tensor_buckets.add(index)
         return [_tensor_norm(grad, norm_dtype) for grad in grads]
-
-
-def _pack(
-    tensor_norms: torch.Tensor,
-    group_index: torch.Tensor,
-    group_count: int,
-    placement_index: torch.Tensor | None,
-    placement_weights: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The :class:`Packed` layout in fp64 (fp32 on MPS, which has no fp64)."""
-    norms = tensor_norms.to(torch.float32 if tensor_norms.device.type == "mps" else torch.float64)
-    squares = norms * norms
-    group_sq = squares.new_zeros(group_count).index_add_(0, group_index, squares)
-    if placement_index is None:
-        totals = squares.sum(0, keepdim=True)
-    else:  # [replicated_sq, sharded_sq]: index_add_, so a NaN stays in its own half
-        shares = squares if placement_weights is None else squares * placement_weights
-        totals = squares.new_zeros(2).index_add_(0, placement_index, shares)
-    return torch.cat([group_sq, totals, norms])
 
 
 def _is_dtensor(param: torch.Tensor) -> bool:

@@ -205,3 +205,27 @@ def test_grad_probe_keeps_clean_module_norms_finite_when_one_module_is_nan() -> 
     summary = _measure(GradProbe([("encoder.w", clean), ("decoder.w", broken)]))
     assert summary.group_norms["encoder"] == pytest.approx(5.0)  # where the NaN is not
     assert math.isnan(summary.group_norms["decoder"])
+
+
+@pytest.mark.parametrize("layers", [3, 40])  # the plain-Python sums, and numpy's beyond 64 tensors
+def test_host_sums_match_torch_and_keep_a_nan_in_its_own_group(layers: int) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(layers)))
+    model(torch.randn(2, 4)).sum().backward()
+    probe = GradProbe(list(model.named_parameters()), max_modules=1024)
+    sample = probe.measure()
+    assert sample is not None
+    summary = probe.summarize(sample.packed.tolist())
+    expected = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+    assert summary.total_norm == pytest.approx(float(expected), rel=1e-6)
+    for index, layer in enumerate(model):
+        layer_norm = torch.nn.utils.get_total_norm([p.grad for p in layer.parameters()])
+        assert summary.group_norms[str(index)] == pytest.approx(float(layer_norm), rel=1e-6)
+
+    model[1].weight.grad[0, 0] = float("nan")
+    sample = probe.measure()
+    assert sample is not None
+    poisoned = probe.summarize(sample.packed.tolist())
+    assert poisoned.nonfinite and math.isnan(poisoned.total_norm)
+    assert math.isnan(poisoned.group_norms["1"])
+    assert all(math.isfinite(norm) for group, norm in poisoned.group_norms.items() if group != "1")
