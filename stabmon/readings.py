@@ -120,4 +120,3 @@ class Readings:
 
     def count_anomaly(self, kind: str) -> None:
         self.anomalies[kind] = self.anomalies.get(kind, 0) + 1
-
