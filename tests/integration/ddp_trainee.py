@@ -13,6 +13,7 @@ because a peer died ends the training loop, not the process.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -86,8 +87,9 @@ def main() -> None:
         print(f"done {args.steps}", flush=True)
     except RuntimeError as error:  # a peer died: gloo reports it here
         print(f"collective failed: {error}", flush=True)
-    while True:
-        time.sleep(1.0)  # hold: the exporter keeps serving until the test kills the rank
+    parent = os.getppid()
+    while os.getppid() == parent:  # hold: keep serving until killed, never outlive the launcher
+        time.sleep(0.5)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ Prometheus with the project's scrape config pointed at a local daemon.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import yaml
 
@@ -70,9 +72,22 @@ class Processes:
         return process
 
     def close(self) -> None:
+        """Kill every child and everything it started, wherever it went.
+
+        torchrun starts its workers in sessions of their own, so killing its process
+        group would leave them behind: descendants are collected first and killed by pid.
+        """
         for process in self.started:
             if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
+                try:
+                    descendants = psutil.Process(process.pid).children(recursive=True)
+                except psutil.Error:
+                    descendants = []
+                for child in descendants:
+                    with contextlib.suppress(psutil.Error):
+                        child.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
             process.wait(10)
             if process.stdout is not None:
                 process.stdout.close()
