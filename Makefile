@@ -7,22 +7,22 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck tools dashboards deploy clean
+.PHONY: demo test lint typecheck tools dashboards deploy bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check $(TORCH) -e '.[dev,dashboards]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check $(TORCH) -e '.[dev,dashboards,report,integrations]'
 	touch $(STAMP)
 
 # The real Prometheus and promtool, and Alertmanager's amtool (Debian's packages), for the
-# rule, deployment-config and end-to-end tests.
+# rule, deployment-config and end-to-end tests; headless Chromium to open `stabmon report` pages.
 # Without root they are not installed here: those tests skip locally and fail in CI.
 tools:
-	@{ command -v promtool && command -v amtool; } >/dev/null || { [ "$$(id -u)" = 0 ] && \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	@{ command -v promtool && command -v amtool && command -v chromium; } >/dev/null || \
+		{ [ "$$(id -u)" = 0 ] && apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 		apt-get install -y -qq --no-install-recommends prometheus prometheus-alertmanager \
-		>/dev/null; } || \
-		echo "make: promtool/amtool missing and not root: rule, config and e2e tests will skip"
+		chromium fonts-dejavu-core >/dev/null; } || \
+		echo "make: promtool/amtool/chromium missing and not root: those tests will skip"
 
 dashboards: $(STAMP)
 	$(BIN)/python dashboards/generate.py
@@ -30,6 +30,11 @@ dashboards: $(STAMP)
 # The Kubernetes PrometheusRule and dashboard ConfigMaps, from the rules file and dashboards/json.
 deploy: $(STAMP)
 	$(BIN)/python deploy/kubernetes/generate.py
+
+# The overhead benchmark with the peers users would use instead (Lightning's grad_norm, wandb.watch).
+bench: $(STAMP)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[bench]'
+	$(BIN)/python bench/overhead.py
 
 demo: $(STAMP)
 	$(BIN)/stabmon demo
