@@ -1,0 +1,176 @@
+"""``StabmonCallback`` for the Hugging Face ``transformers.Trainer``.
+
+Example::
+
+    from transformers import Trainer
+    from stabmon.integrations.huggingface import StabmonCallback
+
+    trainer = Trainer(model=model, args=args, train_dataset=data,
+                      callbacks=[StabmonCallback(run_id="exp42")])
+    trainer.train()
+
+At ``on_train_begin`` the callback attaches a Monitor to the model and to the
+optimizer inside Accelerate's wrapper (with its GradScaler under fp16). The loss is
+the ``loss`` of each training ``on_log`` record, a float the Trainer has already
+read back (``logging_steps`` sets how often); epochs end at ``on_epoch_end``;
+evaluation and checkpointing are phases, entered when ``TrainerControl`` says they
+come next and left at ``on_evaluate`` and ``on_save``.
+
+Resume: at each ``on_save`` the Monitor's state is written into the checkpoint
+folder as ``stabmon-rank<rank>.pt``; ``trainer.train(resume_from_checkpoint=...)``
+restores the Trainer's step, and ``on_train_begin`` loads the file from
+``<output_dir>/checkpoint-<step>``. See docs/integrations/huggingface.md.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from stabmon.integrations._common import ConfigSource, PhaseSwitch, load_state, save_state
+from stabmon.monitor import Monitor
+
+__all__ = ["StabmonCallback", "state_file"]
+
+
+def state_file(checkpoint_folder: str | Path, rank: int) -> Path:
+    """Where the callback keeps a rank's Monitor state inside a Trainer checkpoint folder."""
+    return Path(checkpoint_folder) / f"stabmon-rank{rank}.pt"
+
+
+class StabmonCallback(TrainerCallback):
+    """A ``TrainerCallback`` that runs a :class:`~stabmon.Monitor` for ``Trainer.train``.
+
+    Keyword arguments are those of ``stabmon.attach``: ``config=`` and any config key.
+    """
+
+    def __init__(self, config: ConfigSource = None, **overrides: Any) -> None:
+        self._config = config
+        self._overrides = overrides
+        self._monitor: Monitor | None = None
+        self._phase: PhaseSwitch | None = None
+        self._awaiting_log = False
+
+    @property
+    def monitor(self) -> Monitor | None:
+        """The attached Monitor, or None outside ``train()``."""
+        return self._monitor
+
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: torch.nn.Module | None = None,
+        optimizer: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        """Attach to the model and the optimizer; on resume, load the checkpoint's state."""
+        self._detach()
+        if model is None or optimizer is None:
+            return
+        inner = getattr(optimizer, "optimizer", None)  # Accelerate's AcceleratedOptimizer
+        monitor = Monitor(
+            model,
+            inner if isinstance(inner, torch.optim.Optimizer) else optimizer,
+            scaler=getattr(optimizer, "scaler", None),
+            config=self._config,
+            **self._overrides,
+        )
+        self._monitor, self._phase = monitor, PhaseSwitch(monitor)
+        if state.global_step > 0:
+            load_state(monitor, state_file(_checkpoint_folder(args, state), monitor.rank))
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._after_training_work(control)
+
+    def on_epoch_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self._monitor is not None:
+            self._monitor.epoch_end()
+        self._after_training_work(control)
+
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, float] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Observe a training log record's ``loss``; evaluation records carry ``eval_loss``."""
+        if self._monitor is None or not self._awaiting_log:
+            return
+        loss = (logs or {}).get("loss")
+        if isinstance(loss, int | float):
+            self._monitor.observe(loss=float(loss))
+        self._awaiting_log = False
+        self._next_phase(control)
+
+    def on_evaluate(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self._phase is not None and self._phase.name == "eval":
+            self._next_phase(control, evaluated=True)
+
+    def on_save(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """Write the Monitor's state into the checkpoint folder the Trainer has just written."""
+        monitor = self._monitor
+        if monitor is None:
+            return
+        save_state(monitor, state_file(_checkpoint_folder(args, state), monitor.rank))
+        if self._phase is not None:
+            self._phase.close()
+
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self._phase is not None:
+            self._phase.close()  # in case an expected event never came
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """Detach: every hook removed, every thread stopped, the port freed."""
+        self._detach()
+
+    def _after_training_work(self, control: TrainerControl) -> None:
+        # The Trainer logs, then evaluates, then saves, as the control flags just set say.
+        if self._monitor is None:
+            return
+        self._awaiting_log = bool(control.should_log)
+        if not self._awaiting_log:
+            self._next_phase(control)
+
+    def _next_phase(self, control: TrainerControl, *, evaluated: bool = False) -> None:
+        if self._phase is None:
+            return
+        if control.should_evaluate and not evaluated:
+            self._phase.enter("eval")
+        elif control.should_save:
+            self._phase.enter("checkpoint")
+        else:
+            self._phase.close()
+
+    def _detach(self) -> None:
+        if self._phase is not None:
+            self._phase.close()
+        if self._monitor is not None:
+            self._monitor.detach()
+        self._monitor, self._phase, self._awaiting_log = None, None, False
+
+
+def _checkpoint_folder(args: TrainingArguments, state: TrainerState) -> Path:
+    """The folder the Trainer saves the checkpoint of ``state.global_step`` in."""
+    return (
+        Path(args.output_dir or "trainer_output") / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+    )
