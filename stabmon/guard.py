@@ -34,6 +34,11 @@ class Guard:
         """Contained failures so far, by component (read by the exporter)."""
         return self._counts
 
+    def count(self, component: str) -> None:
+        """Count a failure in ``component`` whose owner already logged it in its own words."""
+        with self._lock:
+            self._counts[component] = self._counts.get(component, 0) + 1
+
     def record(self, component: str, error: BaseException) -> None:
         """Count ``error`` against ``component`` and log it the first time it is seen."""
         try:

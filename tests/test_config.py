@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -366,7 +367,7 @@ def test_load_config_suggests_a_close_key_when_the_key_is_unknown(tmp_path: Path
     with pytest.raises(
         ConfigError,
         match=rf"^stall_secs in {re.escape(str(path))}: unknown key; "
-        r"did you mean 'stall_seconds'\? allowed: address, amp_skip_run, daemon, ",
+        r"did you mean 'stall_seconds'\? allowed: address, amp_skip_run, basic_auth_file, daemon, ",
     ) as caught:
         load_config(path, env={})
 
@@ -647,4 +648,66 @@ def test_load_config_raises_only_config_error_when_fed_arbitrary_mappings(
     except ConfigError:
         return
 
+    assert isinstance(config, Config)
+
+
+def test_load_config_never_runs_os_system_from_a_python_tag(tmp_path: Path) -> None:
+    marker = tmp_path / "X"
+    text = f'!!python/object/apply:os.system ["touch {marker}"]\n'
+    for document in (text, f"port: {text}", f"daemon:\n  interval: {text}"):
+        path = write_yaml(tmp_path, document)
+        with pytest.raises(ConfigError, match=r"unsupported YAML .*tags such as"):
+            load_config(path, env={})
+    assert not marker.exists()
+
+
+def test_load_config_refuses_a_huge_file_without_reading_it_all(tmp_path: Path) -> None:
+    path = tmp_path / "huge.yaml"
+    with path.open("wb") as file:
+        file.truncate(8 * 2**30)  # 8 GiB, sparse: reading it whole would exhaust memory
+    with pytest.raises(ConfigError, match=r"larger than 1 MiB|over 1 MiB|MiB"):
+        load_config(path, env={})
+
+
+_YAML_TEXT = st.one_of(
+    st.text(max_size=200),
+    st.lists(
+        st.tuples(
+            st.sampled_from([*dotted_keys(Config().to_dict()), "daemon", "x", "- a", "? k"]),
+            st.sampled_from(["", " 1", " -5", " 1e999", " .nan", " [1, 2]", " {a: 1}",
+                             " !!binary aGk=", " &a 1", " *a", " 'text'", " ~", " yes",
+                             " !!python/name:os.system", ":", " |\n  block"]),
+        ),
+        max_size=6,
+    ).map(lambda pairs: "".join(f"{key}:{value}\n" for key, value in pairs)),
+)  # fmt: skip
+
+
+@settings(database=None, max_examples=300, deadline=None)
+@given(text=_YAML_TEXT)
+def test_load_config_raises_only_config_error_when_fed_arbitrary_yaml_text(text: str) -> None:
+    with tempfile.TemporaryDirectory() as directory:
+        path = Path(directory) / "fuzz.yaml"
+        path.write_text(text, encoding="utf-8", errors="surrogatepass")
+        try:
+            config = load_config(path, env={})
+        except ConfigError:
+            return
+    assert isinstance(config, Config)
+
+
+@settings(database=None, max_examples=200, deadline=None)
+@given(
+    environ=st.dictionaries(
+        st.sampled_from(["STABMON_PORT", "STABMON_RUN_ID", "STABMON_DIR", "STABMON_OTHER"]),
+        st.text(max_size=200),
+    )
+)
+def test_load_config_raises_only_config_error_when_fed_arbitrary_environment(
+    environ: dict[str, str],
+) -> None:
+    try:
+        config = load_config({}, env=environ)
+    except ConfigError:
+        return
     assert isinstance(config, Config)

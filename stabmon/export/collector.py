@@ -8,6 +8,7 @@ from :mod:`stabmon.contract`.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Iterator, Mapping
 
 from prometheus_client.core import (
@@ -91,6 +92,25 @@ class ReadingsCollector(Collector):
 
 Samples = Iterable[tuple[tuple[str, ...], float]]
 
+#: Longest label value exported; module names and run ids come from user code.
+MAX_LABEL_CHARS = 128
+
+
+def bounded_label(value: str) -> str:
+    """``value``, or its head plus a hash of the whole when longer than ``MAX_LABEL_CHARS``.
+
+    The hash keeps two long names that share a head apart (no duplicate series);
+    prometheus-client escapes quotes, backslashes and newlines at exposition.
+    """
+    if len(value) <= MAX_LABEL_CHARS:
+        return value
+    digest = hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    return f"{value[: MAX_LABEL_CHARS - 18]}~{digest}"
+
+
+def _values(base: tuple[str, ...], values: Iterable[str]) -> list[str]:
+    return [bounded_label(str(item)) for item in (*base, *values)]
+
 
 def _optional(value: float | None) -> Samples:
     return [] if value is None else [((), value)]
@@ -110,7 +130,7 @@ def _gauge(
     family = GaugeMetricFamily(definition.name, definition.help, labels=[*labels, *extra])
     base = tuple(labels.values())
     for values, value in samples:
-        family.add_metric([*base, *values], float(value))
+        family.add_metric(_values(base, values), float(value))
     return family
 
 
@@ -122,7 +142,7 @@ def _counter(
     )
     base = tuple(labels.values())
     for values, value in samples:
-        family.add_metric([*base, *values], float(value))
+        family.add_metric(_values(base, values), float(value))
     return family
 
 
@@ -131,5 +151,5 @@ def _histogram(
 ) -> HistogramMetricFamily:
     family = HistogramMetricFamily(definition.name, definition.help, labels=list(labels))
     buckets, total = histogram.snapshot()
-    family.add_metric(list(labels.values()), buckets, total)
+    family.add_metric(_values(tuple(labels.values()), ()), buckets, total)
     return family

@@ -4,23 +4,40 @@ A busy port never reaches training: the exporter tries the configured port,
 then further candidates, and in the worst case the monitor runs on without an
 endpoint (the event log still records everything). ``stop`` shuts the server
 down and frees the port, so ``detach`` leaves nothing listening.
+
+TLS and HTTP basic auth are optional (:class:`Security`). Both fail closed: a
+certificate or credentials file that cannot be read means no endpoint at all
+(one log line), never a plain or unauthenticated one. The TLS handshake runs in
+the request's own thread, so a client that connects and says nothing cannot
+hold up the next scrape.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import hmac
 import logging
 import socket
+import ssl
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
+from stabmon.config import Config
+from stabmon.guard import Guard
 from stabmon.log import LogLimiter
 
-__all__ = ["Exporter", "Route", "candidate_ports"]
+__all__ = ["Exporter", "Route", "Security", "candidate_ports"]
+
+#: Credentials files are one line; anything larger is not one.
+_MAX_CREDENTIALS_BYTES = 4096
 
 #: An extra path's handler: the WSGI environ in, (content type, body) out.
 Route = Callable[[Mapping[str, Any]], tuple[str, bytes]]
@@ -41,10 +58,69 @@ def candidate_ports(base: int, local_rank: int, local_world_size: int, attempts:
     ]
 
 
+@dataclass(frozen=True, kw_only=True)
+class Security:
+    """HTTPS and basic auth of an exporter; the defaults serve plain, open HTTP."""
+
+    tls_certfile: str | None = None
+    """PEM certificate (chain); set, the exporter serves HTTPS only."""
+    tls_keyfile: str | None = None
+    """PEM private key of ``tls_certfile``; None when the certificate file holds it."""
+    basic_auth_file: str | None = None
+    """File whose first line is ``username:password``; set, every request must carry them."""
+
+    @classmethod
+    def from_config(cls, config: Config) -> Security:
+        """The three keys of the same names from a :class:`~stabmon.config.Config`."""
+        return cls(
+            tls_certfile=config.tls_certfile,
+            tls_keyfile=config.tls_keyfile,
+            basic_auth_file=config.basic_auth_file,
+        )
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """The server context, or None for plain HTTP; raises OSError/ValueError when unusable."""
+        if self.tls_certfile is None:
+            if self.tls_keyfile is not None:
+                raise ValueError("tls_keyfile is set but tls_certfile is not")
+            return None
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.load_cert_chain(self.tls_certfile, self.tls_keyfile)
+        return context
+
+    def expected_authorization(self) -> bytes | None:
+        """The ``Authorization`` header value every request must send, or None for no auth."""
+        if self.basic_auth_file is None:
+            return None
+        with Path(self.basic_auth_file).open("rb") as file:
+            text = file.read(_MAX_CREDENTIALS_BYTES + 1)
+        if len(text) > _MAX_CREDENTIALS_BYTES:
+            raise ValueError(f"{self.basic_auth_file}: longer than one username:password line")
+        line = text.decode("utf-8").splitlines()[0] if text.strip() else ""
+        username, colon, password = line.partition(":")
+        if not colon or not username or not password:
+            raise ValueError(f"{self.basic_auth_file}: expected one line username:password")
+        return b"Basic " + base64.b64encode(line.encode("utf-8"))
+
+
 class _ThreadingServer(ThreadingMixIn, WSGIServer):
     """One thread per request, so a slow scraper never holds up the next one."""
 
     daemon_threads = True
+    #: Set under TLS: a client's handshake runs in its own request thread.
+    tls: ssl.SSLContext | None = None
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        connection, address = super().get_request()
+        if self.tls is not None:
+            connection = self.tls.wrap_socket(
+                connection, server_side=True, do_handshake_on_connect=False
+            )
+        return connection, address
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # a failed handshake or a vanished client: no traceback on the user's stderr
 
 
 class _ThreadingServerV6(_ThreadingServer):
@@ -54,6 +130,21 @@ class _ThreadingServerV6(_ThreadingServer):
 class _QuietHandler(WSGIRequestHandler):
     """No access log on stderr: Prometheus scrapes every few seconds for days."""
 
+    #: A connection that sends nothing is dropped after this long (its thread with it).
+    timeout = 30.0
+
+    def setup(self) -> None:
+        if isinstance(self.request, ssl.SSLSocket):
+            self.request.settimeout(self.timeout)
+            self.request.do_handshake()  # here, in the request thread, not in accept()
+        super().setup()
+
+    def handle(self) -> None:
+        try:
+            super().handle()
+        except (OSError, ssl.SSLError):
+            pass  # a client that went away, or spoke plain HTTP to HTTPS: nothing to serve
+
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
         pass
 
@@ -62,7 +153,10 @@ class Exporter:
     """Serves one registry at ``/metrics`` on the first free port of ``ports``.
 
     Only ``/metrics`` and the paths in ``routes`` answer (``GET`` and ``HEAD``);
-    every other path is a 404, and no request body is ever read.
+    every other path is a 404, and no request body is ever read. With
+    ``security``, it serves HTTPS and/or asks for basic auth (401 without it).
+    A failure to serve at all is logged once and, with ``guard``, counted in
+    ``stabmon_internal_errors_total{component="exporter"}``.
     """
 
     def __init__(
@@ -73,8 +167,14 @@ class Exporter:
         ports: Sequence[int],
         limiter: LogLimiter,
         routes: Mapping[str, Route] | None = None,
+        security: Security | None = None,
+        guard: Guard | None = None,
     ) -> None:
         self._registry = registry
+        self._security = security or Security()
+        self._guard = guard
+        self._tls: ssl.SSLContext | None = None
+        self._authorization: bytes | None = None
         self._metrics_app = make_wsgi_app(registry)
         self._routes = dict(routes or {})
         self._address = address
@@ -86,6 +186,18 @@ class Exporter:
 
     def start(self) -> bool:
         """Bind the first free candidate port; False (logged) when none could be bound."""
+        try:
+            self._tls = self._security.ssl_context()
+            self._authorization = self._security.expected_authorization()
+        except (OSError, ValueError, ssl.SSLError) as error:
+            self._fail(
+                "exporter:security",
+                "stabmon: not serving metrics: the exporter's TLS or basic-auth settings cannot "
+                "be used (%s); training goes on and the event log still records everything. "
+                "Fix tls_certfile, tls_keyfile or basic_auth_file.",
+                error,
+            )
+            return False
         failures: list[str] = []
         for port in self._ports:
             try:
@@ -108,9 +220,8 @@ class Exporter:
                     self.url,
                 )
             return True
-        self._limiter.once(
+        self._fail(
             "exporter:none",
-            logging.WARNING,
             "stabmon: could not bind the metrics exporter on %s (%s); training goes on without "
             "an HTTP endpoint and the event log still records everything. Set `port` to a free "
             "port, or `port: 0` for any.",
@@ -119,18 +230,37 @@ class Exporter:
         )
         return False
 
-    def _bind(self, port: int) -> WSGIServer:
+    def _fail(self, key: str, message: str, *args: object) -> None:
+        self._limiter.once(key, logging.WARNING, message, *args)
+        if self._guard is not None:
+            self._guard.count("exporter")
+
+    def _bind(self, port: int) -> _ThreadingServer:
         server_class = _ThreadingServerV6 if ":" in self._address else _ThreadingServer
-        return make_server(
+        server = make_server(
             self._address, port, self._serve, server_class=server_class, handler_class=_QuietHandler
         )
+        server.tls = self._tls
+        return server
 
     def _serve(self, environ: dict[str, Any], start_response: _StartResponse) -> Iterable[bytes]:
         """The WSGI application: ``/metrics``, the extra routes, and 404 for the rest."""
         method = environ.get("REQUEST_METHOD", "GET")
         path = environ.get("PATH_INFO", "")
+        if self._authorization is not None and not _authorized(environ, self._authorization):
+            start_response(
+                "401 Unauthorized",
+                [
+                    ("Content-Type", "text/plain; charset=utf-8"),
+                    ("WWW-Authenticate", 'Basic realm="stabmon", charset="UTF-8"'),
+                ],
+            )
+            return [b"basic auth required\n"]
         if method not in ("GET", "HEAD"):
             return _plain(start_response, "405 Method Not Allowed", b"GET or HEAD only\n")
+        if path == "/metrics" and method == "HEAD":  # prometheus-client answers HEAD with 405
+            self._metrics_app({**environ, "REQUEST_METHOD": "GET"}, start_response)
+            return [b""]
         if path == "/metrics":
             return self._metrics_app(environ, start_response)  # type: ignore[no-any-return]
         route = self._routes.get(path)
@@ -147,6 +277,7 @@ class Exporter:
         """The scrape URL, with a loopback host when bound to every interface."""
         if self.port is None:
             return None
+        scheme = "https" if self._tls is not None else "http"
         host = self._address
         if host in ("", "0.0.0.0"):
             host = "127.0.0.1"
@@ -154,7 +285,7 @@ class Exporter:
             host = "::1"
         if ":" in host:
             host = f"[{host}]"
-        return f"http://{host}:{self.port}/metrics"
+        return f"{scheme}://{host}:{self.port}/metrics"
 
     def stop(self) -> None:
         """Stop serving and free the port; returns within about a second."""
@@ -171,3 +302,15 @@ class Exporter:
 def _plain(start_response: _StartResponse, status: str, body: bytes) -> list[bytes]:
     start_response(status, [("Content-Type", "text/plain; charset=utf-8")])
     return [body]
+
+
+def _authorized(environ: Mapping[str, Any], expected: bytes) -> bool:
+    """Whether the request's ``Authorization`` header is ``expected`` (constant-time compare)."""
+    sent = str(environ.get("HTTP_AUTHORIZATION", "")).encode("latin-1", "replace")
+    scheme, _, token = sent.partition(b" ")
+    try:
+        decoded = base64.b64decode(token.strip(), validate=True)
+    except (binascii.Error, ValueError):
+        return False
+    given = b"Basic " + base64.b64encode(decoded)
+    return scheme.lower() == b"basic" and hmac.compare_digest(given, expected)
