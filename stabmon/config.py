@@ -303,6 +303,29 @@ class Config(_Section):
         default=10,
         metadata=_meta("Log lines per anomaly kind per minute (the event log keeps all).", ge=0),
     )
+    tls_certfile: str | None = field(
+        default=None,
+        metadata=_meta(
+            "PEM certificate (chain) for HTTPS on the exporters (ranks and daemon); None "
+            "serves plain HTTP. Unreadable, no endpoint is served (fail closed).",
+            nonempty=True,
+        ),
+    )
+    tls_keyfile: str | None = field(
+        default=None,
+        metadata=_meta(
+            "PEM private key of tls_certfile; None when the certificate file holds the key.",
+            nonempty=True,
+        ),
+    )
+    basic_auth_file: str | None = field(
+        default=None,
+        metadata=_meta(
+            "File whose first line is username:password; set, every scrape needs HTTP basic "
+            "auth (401 without). Unreadable, no endpoint is served (fail closed).",
+            nonempty=True,
+        ),
+    )
     daemon: DaemonConfig = field(
         default_factory=DaemonConfig,
         metadata=_meta("The node daemon section: daemon.port, daemon.address, daemon.interval."),

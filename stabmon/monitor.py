@@ -42,7 +42,7 @@ from stabmon.detectors.stall import STARTUP_PHASE, Heartbeat, StallWatchdog
 from stabmon.errors import DeviceMismatchError, StabmonError
 from stabmon.export.collector import ReadingsCollector
 from stabmon.export.event_log import EventLog
-from stabmon.export.exporter import Exporter, candidate_ports
+from stabmon.export.exporter import Exporter, Security, candidate_ports
 from stabmon.guard import Guard
 from stabmon.hooks import HookSet, unwrap_model
 from stabmon.log import LOGGER, LogLimiter
@@ -272,8 +272,9 @@ class Monitor:
             ports = candidate_ports(cfg.port, local_rank, local_world_size, cfg.port_attempts)
             with self._guard.contain("exporter"):
                 exporter = Exporter(
-                    registry, address=cfg.address, ports=ports, limiter=self._limiter
-                )
+                    registry, address=cfg.address, ports=ports, limiter=self._limiter,
+                    security=Security.from_config(cfg), guard=self._guard,
+                )  # fmt: skip
                 if exporter.start():
                     self._resources.exporter = exporter
 

@@ -38,7 +38,7 @@ from stabmon.daemon.nvml import NvmlReader, PynvmlReader
 from stabmon.daemon.placement import PlacementCollector
 from stabmon.daemon.processes import ProcessCollector, ProcessTable
 from stabmon.daemon.xid_events import XidWatcher
-from stabmon.export.exporter import Exporter
+from stabmon.export.exporter import Exporter, Security
 from stabmon.guard import Guard
 from stabmon.log import LOGGER, LogLimiter
 from stabmon.rundir import DEFAULT_RUN_DIR
@@ -143,6 +143,7 @@ class DaemonApp:
             ports=[daemon.port],
             limiter=self._limiter,
             routes={discovery.PATH: self._targets},
+            security=Security.from_config(self.config),
         )
         if not self._exporter.start():
             self._gpus.close()
