@@ -10,5 +10,7 @@ def test_integrations_import_of_stabmon_and_the_package_imports_no_framework() -
     code = ("import sys, stabmon, stabmon.integrations; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in "
             "('lightning', 'pytorch_lightning', 'transformers', 'ultralytics')))")  # fmt: skip
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
     assert result.stdout.strip() == "[]"

@@ -185,7 +185,7 @@ def test_lightning_callback_names_validation_and_checkpointing_as_phases(accumul
 
 def test_lightning_callback_detaches_at_teardown(accumulated: Fit) -> None:
     assert accumulated.callback.monitors == ()
-    assert accumulated.hooks_after == {"forward_pre": 0, "forward": 0, "step_pre": 0, "step_post": 0}
+    assert set(accumulated.hooks_after.values()) == {0}
     port = urllib.parse.urlsplit(accumulated.scraper.urls[0]).port
     with socket.socket() as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # the scrape's TIME_WAIT
