@@ -20,7 +20,7 @@ import torch
 
 from stabmon.monitor import Monitor
 
-__all__ = ["DemoPlan", "run_demo"]
+__all__ = ["DemoPlan", "nan_step", "read_anomalies", "run_demo"]
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ def run_demo(
                 loss = torch.nn.functional.mse_loss(model(inputs), targets)
                 loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
                 if step == plan.nan_step:
-                    _nan_step(model, optimizer)
+                    nan_step(model, optimizer)
                 else:
                     optimizer.step()
                 optimizer.zero_grad()
@@ -120,7 +120,7 @@ def run_demo(
             print(f"serving {monitor.metrics_url} for {serve_seconds:.0f} s more", file=out)
             time.sleep(serve_seconds)
         events_path = monitor.event_log_path
-    detected = _read_anomalies(events_path)
+    detected = read_anomalies(events_path)
     print(_summary(plan, detected, events_path), file=out)
     return detected
 
@@ -132,7 +132,7 @@ def _batches(plan: DemoPlan, epoch: int) -> Iterator[torch.Tensor]:
         yield torch.randn(64, 32, generator=generator)
 
 
-def _nan_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def nan_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """A NaN reaches one gradient; the step is taken and undone, as GradScaler would skip it."""
     first = next(model.parameters())
     assert first.grad is not None
@@ -162,7 +162,8 @@ def _anomaly_count(monitor: Monitor) -> int:
     )
 
 
-def _read_anomalies(path: Path | None) -> dict[str, Any]:
+def read_anomalies(path: Path | None) -> dict[str, Any]:
+    """The event log's anomaly records by kind (the soak benchmark reads them too)."""
     import json
 
     detected: dict[str, list[dict[str, Any]]] = {}
