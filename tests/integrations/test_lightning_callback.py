@@ -259,3 +259,13 @@ def test_lightning_callback_gives_each_optimizer_its_own_labelled_monitor(
     assert run.metric("stabmon_steps_total", 1, run="lightning-test-opt1") == BATCHES_PER_EPOCH / 2
     assert run.metric("stabmon_loss", 0) is not None
     assert {p.name for p in run.run_dir.iterdir()} == {"lightning-test-opt0", "lightning-test-opt1"}
+
+
+def test_lightning_module_uses_lightning_pytorch_else_pytorch_lightning() -> None:
+    from stabmon.integrations import lightning
+
+    try:
+        from lightning.pytorch.callbacks import Callback
+    except ImportError:
+        Callback = pl.callbacks.Callback  # noqa: N806 - the class the module falls back to
+    assert issubclass(lightning.StabmonCallback, Callback)
