@@ -125,6 +125,33 @@ def test_record_reader_never_crashes_on_arbitrary_json(data: dict[str, object]) 
             ProcessRecord.from_mapping(json.loads(record.to_json()))  # a read record round-trips
 
 
+@settings(max_examples=200, deadline=None, database=None)
+@given(
+    payload=st.one_of(
+        st.binary(max_size=300),
+        st.text(max_size=300).map(str.encode),
+        st.recursive(
+            st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+            lambda children: (
+                st.lists(children, max_size=3)
+                | st.dictionaries(st.text(max_size=10), children, max_size=3)
+            ),
+            max_leaves=10,
+        ).map(lambda data: json.dumps(data).encode()),
+    ),
+    name=st.sampled_from(["rank-0.json", "rank-x.json", "rank--1.json", "rank-0.json.tmp"]),
+)
+def test_record_reader_never_crashes_on_arbitrary_bytes(payload: bytes, name: str) -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as root:
+        run = Path(root) / "job"
+        run.mkdir()
+        (run / name).write_bytes(payload)
+        records, problems = read_records(Path(root))
+        assert len(records) + len(problems) <= 1
+
+
 _EXITING_SCRIPT = """
 import sys, torch, stabmon
 model = torch.nn.Linear(2, 1)
