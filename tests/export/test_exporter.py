@@ -314,3 +314,32 @@ def test_a_thousand_modules_export_a_bounded_number_of_series(attach: MonitorFac
     modules = {dict(lbl)["module"] for (n, lbl) in samples if n == "stabmon_module_grad_norm"}
     assert len(modules) == 32  # max_modules: 31 largest and 'other'
     assert "other" in modules
+
+
+def test_daemon_serves_https_with_basic_auth_from_the_same_config_keys(
+    tmp_path: Path, certificate: tuple[Path, Path]
+) -> None:
+    from stabmon.config import load_config
+    from stabmon.daemon.app import DaemonApp
+
+    cert, key = certificate
+    credentials = tmp_path / "credentials"
+    credentials.write_text("prometheus:daemon-secret\n")
+    config = load_config(
+        {"run_dir": str(tmp_path), "daemon": {"port": 0, "address": "127.0.0.1"},
+         "tls_certfile": str(cert), "tls_keyfile": str(key),
+         "basic_auth_file": str(credentials)},
+        env={},
+    )  # fmt: skip
+    daemon = DaemonApp(config)  # the real NVML reader: up on a GPU node, down here
+    assert daemon.start()
+    try:
+        assert daemon.url is not None and daemon.url.startswith("https://127.0.0.1:")
+        assert _https_get(daemon.url, cert)[0] == 401
+        targets = daemon.url.replace("/metrics", "/targets")
+        assert _https_get(targets, cert)[0] == 401  # every path, not only /metrics
+        right = "Basic " + base64.b64encode(b"prometheus:daemon-secret").decode()
+        status, body = _https_get(daemon.url, cert, right)
+        assert status == 200 and "stabmon_daemon_nvml_up" in body
+    finally:
+        daemon.stop()
