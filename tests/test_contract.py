@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import platform
 import re
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import torch
 from conftest import MonitorFactory
 from helpers import scrape, tiny_model, value
 
+import stabmon
 from stabmon import contract
 
 CONTRACT = Path(__file__).resolve().parents[2] / "shared" / "metrics-contract.md"
@@ -94,3 +96,17 @@ def test_contract_alert_names_match_the_published_contract() -> None:
     text = CONTRACT.read_text() if CONTRACT.exists() else pytest.skip("no shared contract")
     section = text.split("## Alert names", 1)[1].split("##", 1)[0]
     assert set(re.findall(r"`(Stabmon[A-Za-z]+)`", section)) == set(contract.ALERT_NAMES)
+
+
+def test_build_info_fingerprints_this_environment(attach: MonitorFactory) -> None:
+    monitor = attach(tiny_model(), torch.optim.SGD(tiny_model().parameters(), lr=0.1))
+    [labels] = [
+        dict(series) for name, series in scrape(monitor.metrics_url) if name == "stabmon_build_info"
+    ]
+    assert labels["stabmon_version"] == stabmon.__version__
+    assert labels["torch_version"] == torch.__version__
+    assert labels["python_version"] == platform.python_version()
+    assert labels["cuda_version"] == (torch.version.cuda or "")
+    if not torch.cuda.is_available():  # a CPU build: nothing of CUDA, cuDNN or NCCL to report
+        assert (labels["cudnn_version"], labels["nccl_version"]) == ("", "")
+    assert value(scrape(monitor.metrics_url), "stabmon_build_info", **labels) == 1
