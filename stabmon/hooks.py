@@ -45,20 +45,28 @@ class _InertHook:
 
 
 class _WeakHook:
-    """Calls a bound method through a weak reference; copies and pickles are inert."""
+    """Calls a bound method through a weak reference; copies and pickles are inert.
 
-    __slots__ = ("_method", "_outside_graph")
+    It holds a weak reference to the method's object and the plain function, not a
+    ``WeakMethod``: that one is a Python-level call building a bound method at every
+    hook call, four times a step.
+    """
+
+    __slots__ = ("_function", "_outside_graph", "_target")
 
     def __init__(self, method: Callable[..., None], *, outside_graph: bool = False) -> None:
-        self._method = weakref.WeakMethod(method)
+        self._target = weakref.ref(method.__self__)  # type: ignore[attr-defined]  # a bound method
+        self._function: Callable[..., None] = method.__func__  # type: ignore[attr-defined]  # idem
         self._outside_graph = outside_graph
 
     def __call__(self, *args: Any, **kwargs: Any) -> None:
-        if torch.compiler.is_compiling():
+        if _is_compiling():
             if self._outside_graph:
-                _call_outside_graph(self._method, args, kwargs)
+                _call_outside_graph(self._target, self._function, args, kwargs)
             return  # otherwise a constant no-op in traced code, so no graph break
-        _call(self._method, args, kwargs)
+        target = self._target()
+        if target is not None:
+            self._function(target, *args, **kwargs)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _InertHook:
         return _InertHook()
@@ -89,15 +97,20 @@ class _WrappedUpdate:
 
 
 def _call(
-    method: weakref.WeakMethod[Callable[..., None]], args: tuple[Any, ...], kwargs: dict[str, Any]
+    target: weakref.ref[Any],
+    function: Callable[..., None],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
 ) -> None:
-    target = method()
-    if target is not None:
-        target(*args, **kwargs)
+    owner = target()
+    if owner is not None:
+        function(owner, *args, **kwargs)
 
 
 # Dynamo does not trace a disabled function: it breaks the graph there and calls it eagerly.
 _call_outside_graph: Callable[..., None] = torch.compiler.disable(_call)  # type: ignore[no-untyped-call]  # unannotated in torch
+# Dynamo folds this function to True while tracing, however it is referenced.
+_is_compiling = torch.compiler.is_compiling
 
 
 def _identity(value: Any) -> Any:

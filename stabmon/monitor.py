@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, NamedTuple, TypeVar
 
 import psutil
 import torch
@@ -85,14 +85,13 @@ _PHASE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 _RESERVED_PHASES = frozenset((*PHASES, STARTUP_PHASE))
 
 
-@dataclass(frozen=True)
-class _GradTag:
+# Named tuples, not frozen dataclasses: one is built per measured step.
+class _GradTag(NamedTuple):
     step: int
     sample: GradSample
 
 
-@dataclass(frozen=True)
-class _ValueTag:
+class _ValueTag(NamedTuple):
     kind: Literal["loss", "scale"]
     step: int
 
@@ -227,6 +226,8 @@ class Monitor:
         self._dead: DeadGradients | None = None
         self._dead_layout: tuple[int, int] = (0, -1)
         self._param_signature = _param_signature(optimizer)
+        self._measure_every = cfg.measure_every
+        self._window_steps = cfg.window_steps
         with self._guard.contain("grads"):
             self._grads = _build_grad_probe(model, optimizer, cfg)
         self._placement: PlacementWatch | None = None
@@ -475,13 +476,13 @@ class Monitor:
             if not in_iteration:
                 step = max(step - 1, 0)  # observed after the step it belongs to
             if isinstance(loss, torch.Tensor):
-                value = loss.detach()
-                if value.numel() != 1:
-                    value = value.float().mean()
-                if value.device.type == "cpu":
-                    self._recorder.loss(step, float(value))  # host memory: no device to wait for
+                value = loss if loss.numel() == 1 else loss.detach().float().mean()
+                if value.is_cpu:
+                    self._recorder.loss(step, value.item())  # host memory: no device to wait for
                 else:
-                    self._readback.submit(_ValueTag("loss", step), value.reshape(1).double())
+                    self._readback.submit(
+                        _ValueTag("loss", step), value.detach().reshape(1).double()
+                    )
             else:
                 self._recorder.loss(step, float(loss))
         except Exception as error:  # never break training
@@ -584,6 +585,7 @@ class Monitor:
             self._consume(self._readback.drain(timeout=1.0))  # bounded: never hang a detach
             if self._device_timer is not None:
                 self._device_timer.poll()
+        self._recorder.flush_sample()
         self._recorder.write("detach", step=self._recorder.global_step, epoch=self._readings.epoch)
         self._finalizer()
 
@@ -639,14 +641,18 @@ class Monitor:
                 raise
             except Exception as error:
                 self._guard.record("hooks", error)
-        if self._readings.steps % self.config.measure_every:
+        if self._readings.steps % self._measure_every:
             return
         try:
-            signature = _param_signature(optimizer)
-            if signature != self._param_signature or self._grads is None:
-                self._param_signature = signature  # add_param_group(): measure the new set
-                self._grads = _build_grad_probe(self._model, optimizer, self.config)
-            sample = self._grads.measure()
+            groups = optimizer.param_groups
+            count = 0
+            for group in groups:  # _param_signature, inlined: this runs every measured step
+                count += len(group["params"])
+            probe = self._grads
+            if (len(groups), count) != self._param_signature or probe is None:
+                self._param_signature = (len(groups), count)  # add_param_group(): measure anew
+                probe = self._grads = _build_grad_probe(self._model, optimizer, self.config)
+            sample = probe.measure()
             if sample is not None:
                 self._readback.submit(_GradTag(self._recorder.global_step, sample), sample.packed)
         except Exception as error:
@@ -660,9 +666,8 @@ class Monitor:
         self._poll()
         if self._snapshots.recording:
             self._finish_snapshot()
-        if (
-            not (self._user_marks_epochs or self._loader_marks_epochs)
-            and self._readings.steps % self.config.window_steps == 0
+        if self._readings.steps % self._window_steps == 0 and not (
+            self._user_marks_epochs or self._loader_marks_epochs
         ):
             self._close_epoch()
 
@@ -691,7 +696,9 @@ class Monitor:
 
     def _poll(self) -> None:
         try:
-            self._consume(self._readback.poll())
+            results = self._readback.poll()
+            if results:
+                self._consume(results)
             if self._device_timer is not None:
                 self._device_timer.poll()
         except Exception as error:
@@ -718,7 +725,8 @@ class Monitor:
     def _judge_dead(self, probe: GradProbe, step: int, summary: GradSummary) -> None:
         """Feed the dead-branch detector; a new layout (model moved, params changed) restarts it."""
         dead = self._dead
-        if dead is None or self._dead_layout != (id(probe), probe.layout_version):
+        layout = self._dead_layout
+        if dead is None or layout[1] != probe.layout_version or layout[0] != id(probe):
             empty = set(probe.empty_shards)
             names = [n for i, n in enumerate(probe.packed_names) if i not in empty]
             groups = [g for i, g in enumerate(probe.packed_groups) if i not in empty]

@@ -57,11 +57,11 @@ class Readback(Generic[Tag]):
 
     def submit(self, tag: Tag, values: torch.Tensor) -> None:
         """Start reading ``values`` (a 1-D tensor) back to the host; returns at once."""
-        if values.device.type == "cpu":
+        if values.is_cpu:  # a flag read; `.device.type` builds a device object every step
             # Host memory already: reading it is no device synchronisation.
             self._ready.append((tag, values.tolist()))
             return
-        if values.device.type != "cuda":
+        if not values.is_cuda:
             self._ready.append((tag, values.to("cpu").tolist()))  # blocking fallback, see docstring
             return
         slot = self._take_slot(values)
@@ -75,7 +75,12 @@ class Readback(Generic[Tag]):
 
     def poll(self) -> list[tuple[Tag, list[float]]]:
         """Every completed result, oldest first; never blocks."""
-        ready, self._ready = self._ready, []
+        ready = self._ready
+        if not self._pending:
+            if ready:
+                self._ready = []
+            return ready  # nothing pending: no event to query, no list to allocate
+        self._ready = []
         while self._pending and self._pending[0].slot.event.query():  # type: ignore[no-untyped-call]  # unannotated in torch
             done = self._pending.popleft()
             ready.append((done.tag, done.slot.host.tolist()))  # pinned host memory, copy finished
@@ -89,7 +94,7 @@ class Readback(Generic[Tag]):
         collective or a failed device must not hang the process too.
         """
         deadline = time.monotonic() + timeout
-        ready = self.poll()
+        ready = list(self.poll())  # poll() may hand back its own (empty) list
         while self._pending and time.monotonic() < deadline:
             time.sleep(0.001)
             ready.extend(self.poll())

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 import torch
@@ -62,9 +62,12 @@ def group_name(param_name: str, depth: int) -> str:
     return ".".join(module_path[:depth])
 
 
-@dataclass(frozen=True)
-class GradSample:
-    """A measurement in flight: the packed device tensor and what the host needs to read it."""
+class GradSample(NamedTuple):
+    """A measurement in flight: the packed device tensor and what the host needs to read it.
+
+    A named tuple, not a frozen dataclass: one is built every measured step, and a
+    tuple is the cheapest immutable record to build.
+    """
 
     packed: torch.Tensor
     #: Gradients that were None (they are measured as zero placeholders).
@@ -137,7 +140,7 @@ class GradProbe:
     @property
     def packed_length(self) -> int:
         """Length of every packed result of this layout."""
-        return Packed.length(len(self.groups), len(self._params), sharded=self.sharded)
+        return self._packed_length
 
     @property
     def packed_names(self) -> tuple[str, ...]:
@@ -172,7 +175,8 @@ class GradProbe:
             grad = grads[position]
             if grad is not None:
                 grads[position] = grad.to_local()  # type: ignore[attr-defined]
-        none_count = sum(grad is None for grad in grads)  # `None in grads` would call Tensor.__eq__
+        # A comprehension, not `None in grads` (which would call Tensor.__eq__) nor a generator.
+        none_count = len(grads) - len([grad for grad in grads if grad is not None])
         if none_count == len(grads):
             return None
         present = cast(
@@ -295,6 +299,9 @@ class GradProbe:
             order
             for order, position in enumerate(self._order)
             if sharded[order] and _local_numel(self._params[position]) == 0
+        )
+        self._packed_length = Packed.length(
+            len(self.groups), len(self._params), sharded=any(sharded)
         )
 
     def _bucket_norms(self, index: int, grads: list[torch.Tensor]) -> list[torch.Tensor]:

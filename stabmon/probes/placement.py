@@ -130,6 +130,10 @@ class InputCheck:
         expected = self.expected
         if expected is None:
             return []
+        if not kwargs and all(
+            isinstance(value, torch.Tensor) and value.device == expected for value in args
+        ):
+            return []  # the usual call, tensors on the model's device: no tree to walk per step
         found: list[Misplaced] = []
         for path, tensor in _tensors(args, kwargs):
             if _misplaced(tensor, expected):

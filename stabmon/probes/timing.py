@@ -51,6 +51,7 @@ class LoopTimer:
         device_mark: Callable[[str, bool], None] | None = None,
     ) -> None:
         self._readings = readings
+        self._phases = readings.phase_seconds  # the same dict, added to at every boundary
         #: Called at each boundary with the phase starting there and whether a step just
         #: ended (CUDA-event timing), if set.
         self._device_mark = device_mark
@@ -82,24 +83,31 @@ class LoopTimer:
         """From now on input wait is timed around the loader's ``next()`` (``track()``)."""
         self._loader_tracked = True
 
+    # The four boundaries below run every step: they add to ``phase_seconds`` in place
+    # rather than through ``Readings.add_phase_time``, one Python call fewer each.
+
     def forward_start(self) -> None:
         if self._named:
             return
         now = self._clock()
         elapsed = now - self._mark
-        if self._state == _DATA_WAIT:
+        state = self._state
+        if state == _DATA_WAIT:
             if not self._loader_tracked and self._last_step_end is not None:
                 self._readings.data_wait.observe(elapsed)
             self.in_iteration = True
         self.forward_seen = True
-        self._readings.add_phase_time(self._state, elapsed)
+        phases = self._phases
+        phases[state] = phases.get(state, 0.0) + elapsed
         self._enter(_FORWARD, now)
 
     def forward_end(self) -> None:
         if self._named:
             return
         now = self._clock()
-        self._readings.add_phase_time(self._state, now - self._mark)
+        state = self._state
+        phases = self._phases
+        phases[state] = phases.get(state, 0.0) + (now - self._mark)
         self._enter(_BACKWARD, now)
 
     def optimizer_start(self) -> None:
@@ -115,19 +123,21 @@ class LoopTimer:
             self._readings.add_phase_time(_DATA_WAIT, waited)
             self._readings.add_phase_time(_FORWARD, elapsed - waited)
         else:
-            self._readings.add_phase_time(self._state, elapsed)
+            phases = self._phases
+            phases[self._state] = phases.get(self._state, 0.0) + elapsed
         self._enter(_OPTIMIZER, now)
 
     def optimizer_end(self) -> None:
         """A step completed: count it, beat the heartbeat, start the next data wait."""
         now = self._clock()
+        readings = self._readings
         if not self._named:
-            self._readings.add_phase_time(self._state, now - self._mark)
+            phases = self._phases
+            phases[self._state] = phases.get(self._state, 0.0) + (now - self._mark)
         step_seconds = None if self._last_step_end is None else now - self._last_step_end
         if step_seconds is not None:
-            self._readings.step_duration.observe(step_seconds)
+            readings.step_duration.observe(step_seconds)
         self._last_step_end = now
-        readings = self._readings
         readings.steps += 1
         readings.last_step_unix = time.time()
         self._heartbeat.beat(self._monotonic(), step_seconds)
