@@ -10,6 +10,7 @@ configs themselves go through promtool and amtool.
 from __future__ import annotations
 
 import fnmatch
+import json
 import re
 import shutil
 from pathlib import Path, PurePosixPath
@@ -313,3 +314,34 @@ def test_amtool_accepts_alertmanager_yml_with_its_examples_uncommented(tmp_path:
     assert [route["receiver"] for route in config["route"]["routes"]] == ["pagerduty", "slack"]
     result = run_tool(amtool, "check-config", example)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_grafana_provisioning_files_have_the_shape_grafana_reads() -> None:
+    """The fields Grafana's file provisioning requires (apiVersion 1, one provider of type file)."""
+    datasources = load_yaml(DATASOURCE)
+    assert datasources["apiVersion"] == 1
+    (datasource,) = datasources["datasources"]
+    assert datasource["type"] == "prometheus" and datasource["access"] == "proxy"
+    assert datasource["uid"] == "stabmon-prometheus"
+    providers = load_yaml(DASHBOARD_PROVIDER)
+    assert providers["apiVersion"] == 1
+    (provider,) = providers["providers"]
+    assert provider["type"] == "file" and provider["options"]["path"].startswith("/")
+
+
+def test_provisioned_dashboards_load_unchanged_into_grafana_10_and_later() -> None:
+    """Provisioning reads the JSON as is: a dashboard model, not the export-for-sharing form."""
+    dashboards = sorted((ROOT / "dashboards" / "json").glob("*.json"))
+    assert dashboards
+    uids = set()
+    for path in dashboards:
+        model = json.loads(path.read_text())
+        assert not model.get("__inputs") and "dashboard" not in model, path.name
+        assert model["uid"] and model["title"], path.name
+        uids.add(model["uid"])
+        # schemaVersion 39 is what Grafana 10.3 writes; the compose image is newer.
+        assert 36 <= model["schemaVersion"] <= 39, path.name
+        variables = {v["name"]: v for v in model["templating"]["list"]}
+        assert variables["datasource"]["type"] == "datasource"
+        assert variables["datasource"]["query"] == "prometheus"
+    assert len(uids) == len(dashboards)
