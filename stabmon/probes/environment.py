@@ -87,31 +87,48 @@ def _shared_run_id(job: str | None) -> str | None:
         return from_store
     if job is None:
         return None
-    return "job-" + hashlib.sha1(job.encode()).hexdigest()[:12]
+    return _job_run_id(job)
 
 
 def _run_id_from_store(job: str | None) -> str | None:
-    """Rank 0 publishes an id in the default process group's store; the others read it."""
+    """The run id agreed in the default process group's store, if there is one."""
     distributed = torch.distributed
     if not (distributed.is_available() and distributed.is_initialized()):
         return None
     try:
         store: Any = distributed.distributed_c10d._get_default_store()
-        key = "stabmon/run_id"
-        if distributed.get_rank() == 0:
-            stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-            digest = hashlib.sha1((job or socket.gethostname()).encode()).hexdigest()[:8]
-            run_id = f"job-{digest}-{stamp}"
-            store.set(key, run_id)
-            return run_id
-        deadline = time.monotonic() + _STORE_WAIT_SECONDS
+        return agree_run_id(store, rank=distributed.get_rank(), job=job)
+    except Exception:  # a store without check() or compare_set(), or one that failed
+        return None
+
+
+def agree_run_id(
+    store: Any, *, rank: int, job: str | None, wait_seconds: float = _STORE_WAIT_SECONDS
+) -> str:
+    """One run id for every rank, whoever writes it first (``store``: a c10d ``Store``).
+
+    Rank 0 proposes a fresh id. The other ranks wait up to ``wait_seconds`` for it
+    and then propose the job hash. ``compare_set`` lets only the first proposal in,
+    and every rank takes what is stored: a rank 0 that attaches late still joins the
+    others' run instead of splitting the ``run`` label.
+    """
+    key = "stabmon/run_id"
+    if rank == 0:
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        digest = hashlib.sha1((job or socket.gethostname()).encode()).hexdigest()[:8]
+        proposal = f"job-{digest}-{stamp}"
+    else:
+        deadline = time.monotonic() + wait_seconds
         while not store.check([key]):  # non-blocking: never wait out the store's own timeout
             if time.monotonic() > deadline:
-                return None  # rank 0 did not attach (yet): fall back to the job hash
+                break
             time.sleep(0.05)
-        return bytes(store.get(key)).decode()
-    except Exception:  # a store without check(), or one that failed: the fallbacks will do
-        return None
+        proposal = _job_run_id(job or socket.gethostname())
+    return bytes(store.compare_set(key, "", proposal)).decode()
+
+
+def _job_run_id(job: str) -> str:
+    return "job-" + hashlib.sha1(job.encode()).hexdigest()[:12]
 
 
 @functools.cache

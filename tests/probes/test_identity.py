@@ -166,3 +166,22 @@ def test_default_run_id_is_shared_by_every_rank_of_a_job() -> None:
     assert other_job != static
     alone = default_run_id({})
     assert not alone.startswith("job-") and alone == default_run_id({})
+
+
+def test_run_id_agreed_in_the_store_is_rank_zeros_when_it_comes_first() -> None:
+    from stabmon.probes.environment import agree_run_id
+
+    store = torch.distributed.HashStore()
+    first = agree_run_id(store, rank=0, job="10.0.0.1:29500:4")
+    assert first.startswith("job-")
+    assert agree_run_id(store, rank=1, job="10.0.0.1:29500:4", wait_seconds=0.1) == first
+
+
+def test_run_id_agreed_in_the_store_stays_one_when_rank_zero_attaches_late() -> None:
+    from stabmon.probes.environment import agree_run_id
+
+    store = torch.distributed.HashStore()
+    waited_out = agree_run_id(store, rank=1, job="10.0.0.1:29500:4", wait_seconds=0.05)
+    late_rank_zero = agree_run_id(store, rank=0, job="10.0.0.1:29500:4")
+    assert late_rank_zero == waited_out
+    assert agree_run_id(store, rank=2, job="10.0.0.1:29500:4", wait_seconds=0.05) == waited_out
