@@ -287,6 +287,14 @@ class Config(_Section):
         default=5.0,
         metadata=_meta("Interval of background sampling (memory now, heartbeat).", gt=0),
     )
+    sample_every: int = field(
+        default=50,
+        metadata=_meta(
+            "Write a step_sample record (loss, gradient norms, step time, input wait, AMP "
+            "scale) to the event log every N steps, for `stabmon report`.",
+            ge=1,
+        ),
+    )
     run_dir: str | None = field(
         default=None,
         metadata=_meta(

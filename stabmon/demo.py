@@ -83,6 +83,7 @@ def run_demo(
         "leak_windows": 3,
         "leak_threshold": 0.03,
         "sample_seconds": 1.0,
+        "sample_every": 10,  # a short run: more points for `stabmon report`
     }
     if run_dir is not None:
         overrides["run_dir"] = run_dir

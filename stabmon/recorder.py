@@ -29,7 +29,7 @@ from stabmon.detectors.leak import LeakDetector
 from stabmon.detectors.spike import Spike, SpikeDetector
 from stabmon.detectors.stall import StallReport
 from stabmon.errors import StabmonError
-from stabmon.export.event_log import EventLog
+from stabmon.export.event_log import EventLog, StepSampler
 from stabmon.log import LOGGER, LogLimiter
 from stabmon.probes.amp import ScaleTracker
 from stabmon.probes.grads import GradSummary
@@ -60,6 +60,7 @@ class Recorder:
         self._loss_spikes, self._grad_spikes = self._new_spike_detectors()
         self._leaks: dict[str, LeakDetector] = {}
         self._scale = ScaleTracker()
+        self._sampler = StepSampler(config.sample_every, readings, self.write)
 
     @property
     def global_step(self) -> int:
@@ -77,6 +78,7 @@ class Recorder:
         }
         readings.module_grad_norms = summary.group_norms
         readings.zero_grad_params = summary.zero_grad_params
+        self._sampler.grads(step, summary.total_norm, summary.group_norms)
         if summary.nonfinite:
             readings.nonfinite_grad_steps += 1
             names = offenders()
@@ -101,6 +103,7 @@ class Recorder:
     def loss(self, step: int, value: float) -> None:
         readings = self._readings
         readings.loss = value
+        self._sampler.loss(step, value)
         if not math.isfinite(value):
             readings.nonfinite_losses += 1
             self.anomaly(
@@ -249,9 +252,15 @@ class Recorder:
 
     # --- records ------------------------------------------------------------------------------
 
+    def flush_sample(self) -> None:
+        """Write the step sample still waiting for a value (at detach)."""
+        self._sampler.flush()
+
     def anomaly(self, kind: str, step: int, message: str, **details: Any) -> None:
         self._readings.count_anomaly(kind)
-        self.write("anomaly", kind=kind, step=step, epoch=self._readings.epoch, **details)
+        self.write(
+            "anomaly", kind=kind, step=step, epoch=self._readings.epoch, detail=message, **details
+        )
         self._limiter.limited(f"anomaly:{kind}", logging.WARNING, "stabmon: %s", message)
 
     def write(self, event: str, **fields: Any) -> None:

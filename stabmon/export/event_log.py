@@ -14,13 +14,14 @@ import math
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from stabmon.guard import Guard
+from stabmon.readings import Readings
 
-__all__ = ["EventLog", "to_json_safe"]
+__all__ = ["EventLog", "StepSampler", "to_json_safe"]
 
 _COMPONENT = "event_log"
 
@@ -75,3 +76,106 @@ def to_json_safe(value: Any) -> Any:
     if value is None or isinstance(value, (str, int, bool)):
         return value
     return str(value)
+
+
+class StepSampler:
+    """Builds one compact ``step_sample`` record every ``every`` steps, for ``stabmon report``.
+
+    Design: it is fed on the host, where read-back values arrive (the recorder's
+    ``grads`` and ``loss``), never in a hook, so the step itself does no extra
+    work; between samples a call is one comparison. A step's gradient norms and
+    its loss arrive separately (either first), so the record for the first step
+    at or past each multiple of ``every`` is written once both have come, or
+    when a later step's value arrives (a loop that observes no loss, or measures
+    gradients every few steps). Fields a step did not measure are the latest
+    readings. Step time and input wait are means over the steps since the last
+    sample, taken from the histograms' sums (no per-step work). Size is bounded:
+    module norms are at most ``max_modules`` groups.
+    """
+
+    def __init__(
+        self, every: int, readings: Readings, write: Callable[..., None], *, digits: int = 6
+    ) -> None:
+        self.every = every
+        self._readings = readings
+        self._write = write
+        self._digits = digits
+        self._next = 0
+        self._pending: dict[str, Any] | None = None
+        self._steps_seen = (0.0, 0.0)  # (count, sum) of the step-duration histogram
+        self._waits_seen = (0.0, 0.0)
+
+    def grads(self, step: int, total_norm: float, module_norms: Mapping[str, float]) -> None:
+        if self._pending is None and step < self._next:
+            return
+        pending = self._open(step)
+        if pending is not None:
+            pending["grad_norm"] = total_norm
+            pending["module_grad_norms"] = dict(module_norms)
+            if "loss" in pending:
+                self.flush()
+
+    def loss(self, step: int, value: float) -> None:
+        if self._pending is None and step < self._next:
+            return
+        pending = self._open(step)
+        if pending is not None:
+            pending["loss"] = value
+            if "grad_norm" in pending:
+                self.flush()
+
+    def flush(self) -> None:
+        """Write the pending sample, if any (also at detach, so the last one is kept)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        readings = self._readings
+        pending.setdefault("loss", readings.loss)
+        pending.setdefault("grad_norm", readings.grad_norm)
+        pending.setdefault("module_grad_norms", dict(readings.module_grad_norms))
+        pending["step_seconds"], self._steps_seen = _window_mean(
+            readings.step_duration.snapshot(), self._steps_seen
+        )
+        pending["data_wait_seconds"], self._waits_seen = _window_mean(
+            readings.data_wait.snapshot(), self._waits_seen
+        )
+        pending["epoch"] = readings.epoch
+        if readings.amp_loss_scale is not None:
+            pending["amp_loss_scale"] = readings.amp_loss_scale
+        if readings.device_utilization:
+            pending["gpu_utilization"] = dict(readings.device_utilization)
+        if readings.host_rss is not None:
+            pending["host_rss_bytes"] = readings.host_rss
+        self._write("step_sample", **_rounded(pending, self._digits))
+
+    def _open(self, step: int) -> dict[str, Any] | None:
+        pending = self._pending
+        if pending is not None and pending["step"] != step:
+            self.flush()
+            pending = None
+        if pending is None:
+            if step < self._next:
+                return None
+            pending = self._pending = {"step": step}
+            self._next = (step // self.every + 1) * self.every
+        return pending
+
+
+def _window_mean(
+    snapshot: tuple[list[tuple[str, float]], float], seen: tuple[float, float]
+) -> tuple[float | None, tuple[float, float]]:
+    """Mean of the observations since ``seen`` (a histogram's count and sum), and the new mark."""
+    buckets, total = snapshot
+    count = buckets[-1][1] if buckets else 0.0
+    delta = count - seen[0]
+    mean = (total - seen[1]) / delta if delta > 0 else None
+    return mean, (count, total)
+
+
+def _rounded(value: Any, digits: int) -> Any:
+    """Floats cut to ``digits`` significant digits: a plot needs no more, the log stays small."""
+    if isinstance(value, float) and math.isfinite(value) and value != 0.0:
+        return float(f"{value:.{digits}g}")
+    if isinstance(value, dict):
+        return {key: _rounded(item, digits) for key, item in value.items()}
+    return value
