@@ -1,4 +1,4 @@
-"""The ``stabmon`` command: ``demo``, ``daemon`` and ``check-config``.
+"""The ``stabmon`` command: ``demo``, ``daemon``, ``check-config``, ``env``, ``report``, ``status``.
 
 Errors are one line on stderr and exit code 2; nothing prints a traceback for
 a mistake the user can fix.
@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from stabmon import __version__
 from stabmon.config import load_config
@@ -59,7 +60,58 @@ def _parser() -> argparse.ArgumentParser:
     daemon.add_argument("--address", help="bind address (default 0.0.0.0)")
     daemon.add_argument("--run-dir", help="run directory to watch (default /var/tmp/stabmon)")
     daemon.add_argument("--interval", type=float, help="poll interval in seconds (default 5)")
+
+    report = commands.add_parser(
+        "report", help="write one self-contained HTML page about a run, from its event logs"
+    )
+    report.add_argument(
+        "run_dir", metavar="RUN_DIR",
+        help="<run_dir>/<run_id> (or one rank's event log, or the root: its latest run)",
+    )  # fmt: skip
+    report.add_argument("-o", "--output", default="report.html", help="default: report.html")
+    report.add_argument(
+        "--module-rank", type=int, metavar="RANK",
+        help="whose per-module gradient norms to plot (default: the lowest rank)",
+    )  # fmt: skip
+
+    status = commands.add_parser(
+        "status", help="scrape running exporters; one line per rank; exit 1 when any is unhealthy"
+    )
+    status.add_argument(
+        "urls", nargs="*", metavar="URL",
+        help="exporter URLs (default: those registered in the run directory)",
+    )  # fmt: skip
+    status.add_argument(
+        "--run-dir", help="run directory (default: $STABMON_DIR or /var/tmp/stabmon)"
+    )
+    status.add_argument("--run", help="only this run id's ranks")
+    status.add_argument("--timeout", type=float, default=5.0, help="seconds per scrape (default 5)")
     return parser
+
+
+def _report(args: argparse.Namespace) -> int:
+    from stabmon.report.html import write_report  # lazily: matplotlib is an optional extra
+
+    run_path, output = Path(args.run_dir), Path(args.output)
+    run = write_report(run_path, output, module_rank=args.module_rank)
+    for note in run.notes:
+        print(f"stabmon report: {note}")
+    print(f"stabmon report: {output} ({len(run.ranks)} rank(s) of run {run.run_id})")
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from stabmon.report.status import format_table, registered_urls, require_urls, scrape_status
+    from stabmon.rundir import DEFAULT_RUN_DIR
+
+    urls = list(args.urls)
+    if not urls:
+        root = Path(args.run_dir or os.environ.get("STABMON_DIR") or DEFAULT_RUN_DIR)
+        urls = registered_urls(root, args.run)
+        require_urls(urls, root)
+    statuses = scrape_status(urls, timeout=args.timeout)
+    print(format_table(statuses))
+    return 0 if all(status.healthy for status in statuses) else 1
 
 
 def _run_daemon(args: argparse.Namespace) -> int:
@@ -119,6 +171,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_daemon(args)
         if args.command == "env":
             return _print_environment(args.json)
+        if args.command == "report":
+            return _report(args)
+        if args.command == "status":
+            return _status(args)
         if args.command == "demo":
             from stabmon.demo import DemoPlan, run_demo
 

@@ -1,0 +1,217 @@
+"""Reading a run's event logs as they are: finished, still being written, or cut short.
+
+A run directory holds one log per process (``<run_dir>/<run_id>/rank-<rank>.events.jsonl``,
+see :mod:`stabmon.rundir`). A process killed mid-write leaves its last line
+without a newline; a process still running may be in the middle of one. Such a
+line, and any line that is not a JSON object, is skipped with a note the report
+shows, never an error. Reading takes what the files hold at that moment, so a
+report of a running run is a snapshot.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stabmon.errors import StabmonError
+from stabmon.rundir import ProcessRecord, boot_id, read_records, safe_component
+
+__all__ = ["RankLog", "Run", "find_run", "number", "read_log", "read_run"]
+
+_LOG_NAME = re.compile(r"^rank-(\d+)\.events\.jsonl$")
+
+
+@dataclass
+class RankLog:
+    """One process's event log: its records in order, and what could not be read."""
+
+    rank: int
+    path: Path
+    records: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    #: The process's run-directory record, if it is still there (running, or exited without
+    #: detaching); None once it detached.
+    registration: ProcessRecord | None = None
+
+    def of(self, event: str) -> list[dict[str, Any]]:
+        return [record for record in self.records if record.get("event") == event]
+
+    @property
+    def attach(self) -> dict[str, Any]:
+        """The first attach record (the environment fingerprint), or an empty mapping."""
+        attaches = self.of("attach")
+        return attaches[0] if attaches else {}
+
+    @property
+    def config(self) -> dict[str, Any]:
+        attaches = self.of("attach")
+        config = attaches[-1].get("config") if attaches else None
+        return config if isinstance(config, dict) else {}
+
+    @property
+    def last_step(self) -> int:
+        steps = [record["step"] for record in self.records if isinstance(record.get("step"), int)]
+        return max(steps, default=0)
+
+    @property
+    def state(self) -> str:
+        """finished, running, exited, crashed or vanished (killed, or the machine went down)."""
+        last_attach = max(
+            (i for i, r in enumerate(self.records) if r.get("event") == "attach"), default=-1
+        )
+        if any(r.get("event") == "detach" for r in self.records[last_attach + 1 :]):
+            return "finished"
+        record = self.registration
+        if record is not None and record.exit_status is not None:
+            return "crashed" if record.exit_status == "exception" else "exited"
+        if record is not None and _alive(record):
+            return "running"
+        return "vanished"
+
+
+@dataclass
+class Run:
+    """A run: its directory and one log per rank, lowest rank first."""
+
+    directory: Path
+    ranks: list[RankLog]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def run_id(self) -> str:
+        for log in self.ranks:
+            run = log.attach.get("run")
+            if isinstance(run, str):
+                return run
+        return self.directory.name
+
+    def anomalies(self) -> list[dict[str, Any]]:
+        """Every anomaly of every rank, in time order."""
+        found = [record for log in self.ranks for record in log.of("anomaly")]
+        return sorted(found, key=lambda record: number(record.get("time")) or 0.0)
+
+
+def find_run(path: Path) -> tuple[Path, list[Path], list[str]]:
+    """The run directory ``path`` names, its event logs, and notes on the choice made.
+
+    ``path`` may be one event log, a run's directory, or the run-directory root
+    (``/var/tmp/stabmon``), in which case the run written to last is taken.
+    """
+    if path.is_file():
+        return path.parent, [path], []
+    if not path.is_dir():
+        raise StabmonError(f"{path} is neither a run directory nor an event log; pass one")
+    logs = _logs_in(path)
+    if logs:
+        return path, logs, []
+    runs = [(max(log.stat().st_mtime for log in found), run, found)
+            for run in _subdirectories(path) if (found := _logs_in(run))]  # fmt: skip
+    if not runs:
+        raise StabmonError(
+            f"no event log (rank-<N>.events.jsonl) in {path} or in the runs under it; pass "
+            "<run_dir>/<run_id>, as printed by stabmon at attach"
+        )
+    runs.sort()
+    _, chosen, logs = runs[-1]
+    notes = []
+    if len(runs) > 1:
+        notes.append(f"{path} holds {len(runs)} runs; this report is of the latest, {chosen.name}")
+    return chosen, logs, notes
+
+
+def read_run(path: Path) -> Run:
+    """Read every rank's log of the run at ``path`` (see :func:`find_run`)."""
+    directory, logs, notes = find_run(path)
+    registrations = _registrations(directory)
+    ranks = []
+    for log_path in logs:
+        log = read_log(log_path)
+        log.registration = registrations.get(log.rank)
+        ranks.append(log)
+    ranks.sort(key=lambda log: log.rank)
+    return Run(directory, ranks, notes)
+
+
+def read_log(path: Path) -> RankLog:
+    """Every whole JSON record of ``path``; a cut-short or malformed line becomes a note."""
+    match = _LOG_NAME.match(path.name)
+    log = RankLog(rank=int(match.group(1)) if match else 0, path=path)
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    bad: list[int] = []
+    for index, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        last = index == len(lines)  # no newline after it: the writer had not finished it
+        try:
+            record = json.loads(line)
+        except (ValueError, UnicodeDecodeError):
+            record = None
+        if not isinstance(record, dict):
+            if last:
+                log.notes.append(
+                    f"{path.name}: the last line ({len(line)} bytes) is incomplete and was "
+                    "skipped: the process was writing it when it was read or when it stopped"
+                )
+            else:
+                bad.append(index)
+            continue
+        if last:
+            log.notes.append(
+                f"{path.name}: the last line has no newline (the process stopped while writing)"
+            )
+        log.records.append(record)
+    if bad:
+        shown = ", ".join(map(str, bad[:10])) + (" ..." if len(bad) > 10 else "")
+        log.notes.append(f"{path.name}: {len(bad)} malformed line(s) skipped (line {shown})")
+    return log
+
+
+def number(value: object) -> float | None:
+    """A record's number: floats, ints, and the strings the log writes for nan and inf."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str) and value in ("nan", "inf", "-inf"):
+        return float(value)
+    return None
+
+
+def _logs_in(directory: Path) -> list[Path]:
+    try:
+        return sorted(p for p in directory.iterdir() if _LOG_NAME.match(p.name) and p.is_file())
+    except OSError:
+        return []
+
+
+def _subdirectories(path: Path) -> Iterator[Path]:
+    try:
+        yield from (entry for entry in path.iterdir() if entry.is_dir())
+    except OSError:
+        return
+
+
+def _registrations(directory: Path) -> dict[int, ProcessRecord]:
+    records, _ = read_records(directory.parent)
+    return {
+        record.rank: record for record in records if safe_component(record.run) == directory.name
+    }
+
+
+def _alive(record: ProcessRecord) -> bool:
+    """Whether the registered process is still running on this machine (same boot)."""
+    if record.boot_id and record.boot_id != boot_id():
+        return False
+    try:
+        os.kill(record.pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process: alive
+    return True

@@ -1,0 +1,228 @@
+"""``stabmon status``: scrape running exporters and print one line per rank, for people and probes.
+
+Each URL is scraped once over HTTP and parsed with prometheus-client's parser;
+metric names come from :mod:`stabmon.contract`. Without URLs, the exporters
+registered in the run directory (``metrics_url`` of each live process record,
+see :mod:`stabmon.rundir`) are scraped. A rank is unhealthy when it is
+stalled, suspected of leaking memory, has seen a non-finite gradient or loss,
+or does not answer; ``stabmon status`` then exits 1, so it serves as a health
+check in scripts and Kubernetes probes.
+
+The step rate is the steps counted by the step-duration histogram divided by
+its sum: steps per second of training time, over the process's life.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from stabmon import contract
+from stabmon.errors import StabmonError
+from stabmon.rundir import ProcessRecord, boot_id, read_records, safe_component
+
+__all__ = ["RankStatus", "format_table", "registered_urls", "require_urls", "scrape_status"]
+
+_MAX_BYTES = 8 * 2**20
+
+Samples = list[tuple[str, dict[str, str], float]]
+
+
+@dataclass(frozen=True)
+class RankStatus:
+    """What one exporter says about its rank (``error`` set when it could not be scraped)."""
+
+    url: str
+    run: str = "?"
+    rank: str = "?"
+    steps: float | None = None
+    step_rate: float | None = None
+    last_step_age: float | None = None
+    grad_norm: float | None = None
+    nonfinite: float = 0.0
+    memory_bytes: float | None = None
+    memory_device: str = ""
+    drift: float | None = None
+    stalled: bool = False
+    leaking: tuple[str, ...] = ()
+    anomalies: float = 0.0
+    error: str | None = None
+
+    @property
+    def problems(self) -> list[str]:
+        found = []
+        if self.error is not None:
+            found.append("unreachable")
+        if self.stalled:
+            found.append("stalled")
+        if self.leaking:
+            found.append(f"leak on {','.join(self.leaking)}")
+        if self.nonfinite:
+            found.append("non-finite")
+        return found
+
+    @property
+    def healthy(self) -> bool:
+        return not self.problems
+
+
+def registered_urls(root: Path, run: str | None = None) -> list[str]:
+    """Metrics URLs of the live processes registered under ``root`` (a run dir root or one run)."""
+    records, _ = read_records(root)
+    if not records and any(root.glob("rank-*.json")):  # ``root`` is one run's directory
+        records = [r for r in read_records(root.parent)[0] if _in_directory(r, root)]
+    this_boot = boot_id()
+    urls = []
+    for record in sorted(records, key=lambda r: (r.run, r.rank)):
+        if run is not None and record.run != run:
+            continue
+        if record.exited_unix is not None or not record.metrics_url:
+            continue
+        if record.boot_id and this_boot and record.boot_id != this_boot:
+            continue  # from before a reboot: nothing serves there any more
+        urls.append(record.metrics_url)
+    return urls
+
+
+def scrape_status(
+    urls: Sequence[str],
+    *,
+    timeout: float = 5.0,
+    clock: Callable[[], float] = time.time,
+) -> list[RankStatus]:
+    """One status per URL; a URL that does not answer is a status with ``error`` set."""
+    statuses = []
+    for url in urls:
+        try:
+            samples = _scrape(url, timeout)
+        except (OSError, ValueError, urllib.error.URLError) as error:
+            reason = getattr(error, "reason", None) or error
+            statuses.append(RankStatus(url=url, error=f"{type(error).__name__}: {reason}"))
+            continue
+        statuses.extend(_statuses(url, samples, clock()))
+    return statuses
+
+
+def format_table(statuses: Sequence[RankStatus]) -> str:
+    """The compact table ``stabmon status`` prints, one line per rank."""
+    header = ("run", "rank", "steps", "steps/s", "last step", "grad norm", "nonfinite",
+              "memory", "drift", "stalled", "leak", "anomalies", "health")  # fmt: skip
+    rows = [header]
+    for status in statuses:
+        if status.error is not None:
+            rows.append(("?", "?", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-",
+                         f"UNREACHABLE {status.url}: {status.error}"))  # fmt: skip
+            continue
+        rows.append((
+            status.run,
+            status.rank,
+            _count(status.steps),
+            "-" if status.step_rate is None else f"{status.step_rate:.3g}",
+            "-" if status.last_step_age is None else f"{status.last_step_age:.1f}s ago",
+            "-" if status.grad_norm is None else f"{status.grad_norm:.4g}",
+            _count(status.nonfinite),
+            _memory(status),
+            "-" if status.drift is None else f"{status.drift:+.1%}",
+            "yes" if status.stalled else "no",
+            ",".join(status.leaking) or "no",
+            _count(status.anomalies),
+            "ok" if status.healthy else "UNHEALTHY: " + ", ".join(status.problems),
+        ))  # fmt: skip
+    widths = [max(len(row[i]) for row in rows if i < len(row) - 1) for i in range(len(header) - 1)]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row[:-1], widths, strict=True))
+        + "  "
+        + row[-1]
+        for row in rows
+    )
+
+
+def _scrape(url: str, timeout: float) -> Samples:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        body = response.read(_MAX_BYTES + 1)
+    if len(body) > _MAX_BYTES:
+        raise ValueError(f"more than {_MAX_BYTES} bytes: not a stabmon exporter")
+    return [
+        (sample.name, dict(sample.labels), sample.value)
+        for family in text_string_to_metric_families(body.decode("utf-8", "replace"))
+        for sample in family.samples
+    ]
+
+
+def _statuses(url: str, samples: Samples, now: float) -> list[RankStatus]:
+    """One status per (run, rank) found in one scrape (an exporter serves one rank)."""
+    keys = sorted({(labels.get("run", "?"), labels.get("rank", "?"))
+                   for name, labels, _ in samples if name == contract.STEPS.name})  # fmt: skip
+    if not keys:
+        return [RankStatus(url=url, error=f"no {contract.STEPS.name}: not a stabmon rank exporter")]
+    return [_status(url, run, rank, samples, now) for run, rank in keys]
+
+
+def _status(url: str, run: str, rank: str, samples: Samples, now: float) -> RankStatus:
+    mine = [
+        (n, lbl, v) for n, lbl, v in samples if lbl.get("run") == run and lbl.get("rank") == rank
+    ]
+
+    def one(name: str) -> float | None:
+        values = [v for n, _, v in mine if n == name]
+        return values[0] if values else None
+
+    def by(name: str, label: str) -> dict[str, float]:
+        return {lbl.get(label, ""): v for n, lbl, v in mine if n == name}
+
+    duration = contract.STEP_DURATION.name
+    count, total = one(f"{duration}_count"), one(f"{duration}_sum")
+    last_step = one(contract.LAST_STEP_TIMESTAMP.name)
+    devices = by(contract.DEVICE_MEMORY_ALLOCATED.name, "device")
+    memory_device, memory = max(devices.items(), key=lambda item: item[1], default=("", None))
+    if memory is None:
+        memory, memory_device = one(contract.HOST_MEMORY_RSS.name), "host"
+    drifts = {device: v for device, v in by(contract.MEMORY_DRIFT.name, "device").items()
+              if math.isfinite(v)}  # fmt: skip
+    leaks = by(contract.MEMORY_LEAK_SUSPECTED.name, "device")
+    return RankStatus(
+        url=url,
+        run=run,
+        rank=rank,
+        steps=one(contract.STEPS.name),
+        step_rate=count / total if count and total else None,
+        last_step_age=max(now - last_step, 0.0) if last_step else None,
+        grad_norm=one(contract.GRAD_NORM.name),
+        nonfinite=(one(contract.NONFINITE_GRAD_STEPS.name) or 0.0)
+        + (one(contract.NONFINITE_LOSS.name) or 0.0),
+        memory_bytes=memory,
+        memory_device=memory_device,
+        drift=max(drifts.values(), key=abs) if drifts else None,
+        stalled=bool(one(contract.STALLED.name)),
+        leaking=tuple(sorted(device for device, v in leaks.items() if v)),
+        anomalies=sum(by(contract.ANOMALIES.name, "kind").values()),
+    )
+
+
+def _in_directory(record: ProcessRecord, directory: Path) -> bool:
+    return safe_component(record.run) == directory.name
+
+
+def _count(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f}"
+
+
+def _memory(status: RankStatus) -> str:
+    if status.memory_bytes is None:
+        return "-"
+    return f"{status.memory_bytes / 2**20:,.0f}MiB {status.memory_device}".strip()
+
+
+def require_urls(urls: Sequence[str], root: Path) -> None:
+    if not urls:
+        raise StabmonError(
+            f"no running stabmon process is registered under {root}; pass exporter URLs "
+            "(stabmon status http://host:9400/metrics) or --run-dir"
+        )
