@@ -1,0 +1,59 @@
+"""The overhead benchmark runs end to end, cheaply: 2 rounds x a few steps of each variant."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import overhead  # noqa: E402 - bench/ is a directory of scripts, not a package
+from readme_block import BEGIN, END, replace_block  # noqa: E402
+from variants import CORE  # noqa: E402
+
+
+def test_overhead_benchmark_reports_every_variant_with_finite_ratios(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# Title\n\n{BEGIN}\nold numbers\n{END}\n\nafter\n")
+    output = tmp_path / "out.json"
+    argv = ["--rounds", "2", "--steps", "3", "--workloads", "tiny", "--no-peers",
+            "--steps-rss", "20", "--skip-exporter", "--json", str(output),
+            "--update-readme", str(readme)]  # fmt: skip
+    assert overhead.main(argv) == 0
+
+    report = json.loads(output.read_text())
+    assert {"torch", "torch_threads", "cpu_model", "logical_cpus"} <= set(report["header"])
+    (tiny,) = report["workloads"]
+    rows = {row["variant"]: row for row in tiny["rows"]}
+    assert set(rows) == set(CORE)
+    assert all(math.isfinite(row["ratio_median"]) and row["ratio_median"] > 0
+               for row in rows.values())  # fmt: skip
+    assert len(tiny["rounds"]) == 2 and report["rss"]["steps"] == 20
+    printed = capsys.readouterr().out
+    assert "stabmon_every10" in printed and "Targets:" in printed
+    text = readme.read_text()
+    assert "old numbers" not in text and text.endswith(f"{END}\n\nafter\n")
+    assert report["command"] in text and "stabmon_every10" in text
+
+
+def test_readme_block_is_refused_without_markers(tmp_path: Path) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text("no markers here\n")
+    with pytest.raises(ValueError, match="expected the markers"):
+        replace_block(readme, "numbers")
+    assert readme.read_text() == "no markers here\n"
+
+
+def test_overhead_benchmark_refuses_cuda_without_a_device(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    if overhead.torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    with pytest.raises(SystemExit):
+        overhead.parse_args(["--device", "cuda"])
+    assert "no CUDA device" in capsys.readouterr().err
