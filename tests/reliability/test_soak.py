@@ -2,7 +2,8 @@
 
 50,000 steps in epochs of 1,000, a NaN gradient, a loss spike and a stall in
 turn every 4,166 steps, one host-memory leak episode, the exporter scraped
-every second and the node daemon running: about 40 s on 2 cores. The full
+every second and the node daemon running: about 60 s on 2 cores (24 s of it the
+injected stalls), 90 s while the machine is busy with other tests. The full
 run (``--steps 1000000``) is the same command; README gives its figures.
 """
 
