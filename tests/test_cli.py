@@ -67,3 +67,16 @@ def test_daemon_on_a_taken_port_exits_2_with_one_line(tmp_path: Path) -> None:
                           "--run-dir", str(tmp_path))  # fmt: skip
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith("stabmon: error: could not bind")
+
+
+def test_report_of_a_missing_run_directory_exits_2_with_one_line(tmp_path: Path) -> None:
+    result = _stabmon("report", str(tmp_path / "absent"))
+    assert result.returncode == 2
+    assert result.stderr.startswith("stabmon: error:") and result.stderr.count("\n") == 1
+    assert "neither a run directory nor an event log" in result.stderr
+
+
+def test_status_with_a_bad_timeout_is_a_usage_error(tmp_path: Path) -> None:
+    result = _stabmon("status", "--timeout", "soon")
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "--timeout" in result.stderr

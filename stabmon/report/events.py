@@ -55,7 +55,10 @@ class RankLog:
 
     @property
     def last_step(self) -> int:
+        """The highest step recorded (the detach record and the heartbeat count steps done)."""
         steps = [record["step"] for record in self.records if isinstance(record.get("step"), int)]
+        if self.registration is not None:
+            steps.append(self.registration.steps)
         return max(steps, default=0)
 
     @property

@@ -112,7 +112,7 @@ def scrape_status(
 
 def format_table(statuses: Sequence[RankStatus]) -> str:
     """The compact table ``stabmon status`` prints, one line per rank."""
-    header = ("run", "rank", "steps", "steps/s", "last step", "grad norm", "nonfinite",
+    header = ("run", "rank", "steps", "steps/s", "step age", "grad norm", "nonfinite",
               "memory", "drift", "stalled", "leak", "anomalies", "health")  # fmt: skip
     rows = [header]
     for status in statuses:
@@ -125,7 +125,7 @@ def format_table(statuses: Sequence[RankStatus]) -> str:
             status.rank,
             _count(status.steps),
             "-" if status.step_rate is None else f"{status.step_rate:.3g}",
-            "-" if status.last_step_age is None else f"{status.last_step_age:.1f}s ago",
+            "-" if status.last_step_age is None else f"{status.last_step_age:.1f}s",
             "-" if status.grad_norm is None else f"{status.grad_norm:.4g}",
             _count(status.nonfinite),
             _memory(status),

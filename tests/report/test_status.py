@@ -1,0 +1,101 @@
+"""`stabmon status` against real exporters over HTTP: the table, and its exit code."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import torch
+from helpers import tiny_model, train_step
+from report_helpers import stabmon_cli
+
+import stabmon
+
+
+def _rows(stdout: str) -> list[str]:
+    return stdout.splitlines()[1:]
+
+
+def test_status_of_a_healthy_run_prints_its_rank_and_exits_0(tmp_path: Path) -> None:
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with stabmon.attach(
+        model, optimizer, port=0, address="127.0.0.1", run_dir=str(tmp_path), run_id="healthy"
+    ) as monitor:
+        for _ in range(25):
+            train_step(model, optimizer, monitor)
+
+        result = stabmon_cli("status", "--run-dir", str(tmp_path))
+
+    assert result.returncode == 0, result.stdout + result.stderr
+    header, *rows = result.stdout.splitlines()
+    for column in ("run", "rank", "steps", "steps/s", "step age", "grad norm", "nonfinite",
+                   "memory", "drift", "stalled", "leak", "anomalies", "health"):  # fmt: skip
+        assert column in header
+    assert len(rows) == 1
+    cells = rows[0].split()
+    assert cells[:3] == ["healthy", "0", "25"]
+    assert re.fullmatch(r"\d+\.\ds", cells[4])  # seconds since the last step
+    assert "MiB host" in rows[0] and rows[0].rstrip().endswith("ok")
+
+
+def test_status_exits_1_when_a_rank_saw_a_non_finite_gradient(tmp_path: Path) -> None:
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with stabmon.attach(
+        model, optimizer, port=0, address="127.0.0.1", run_dir=str(tmp_path), run_id="nan"
+    ) as monitor:
+        for step in range(10):
+            train_step(model, optimizer, monitor, nan_grad=step == 4)
+        url = monitor.metrics_url
+        assert url is not None
+
+        result = stabmon_cli("status", url)
+
+    assert result.returncode == 1, result.stdout + result.stderr
+    (row,) = _rows(result.stdout)
+    assert "UNHEALTHY: non-finite" in row
+    assert row.split()[6] == "1"  # the nonfinite column
+
+
+def test_status_exits_1_when_a_rank_is_stalled(tmp_path: Path) -> None:
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with stabmon.attach(
+        model, optimizer, port=0, address="127.0.0.1", run_dir=str(tmp_path), run_id="hung",
+        stall_seconds=0.3,
+    ) as monitor:  # fmt: skip
+        for _ in range(5):
+            train_step(model, optimizer, monitor)
+        deadline = time.monotonic() + 30
+        result = stabmon_cli("status", "--run-dir", str(tmp_path), "--run", "hung")
+        while "stalled" not in result.stdout.splitlines()[-1] and time.monotonic() < deadline:
+            time.sleep(0.2)  # the watchdog looks four times a second
+            result = stabmon_cli("status", "--run-dir", str(tmp_path), "--run", "hung")
+
+    assert result.returncode == 1, result.stdout + result.stderr
+    (row,) = _rows(result.stdout)
+    assert "UNHEALTHY: stalled" in row
+    assert row.split()[:3] == ["hung", "0", "5"]
+
+
+def test_status_of_an_exporter_that_does_not_answer_exits_1(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as listener:  # a port nobody serves once closed
+        listener.bind(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+
+    result = stabmon_cli("status", f"http://127.0.0.1:{port}/metrics", "--timeout", "2")
+
+    assert result.returncode == 1
+    assert "UNREACHABLE" in result.stdout
+
+
+def test_status_with_nothing_registered_exits_2_with_one_line(tmp_path: Path) -> None:
+    result = stabmon_cli("status", "--run-dir", str(tmp_path))
+
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1
+    assert "no running stabmon process is registered" in result.stderr
