@@ -112,7 +112,9 @@ class SpikeDetector:
             # A weight of 1/n makes the update below the plain running mean and variance.
             weight = 1.0 / (self._count + 1)
         else:
-            std = self._effective_std()
+            # _effective_std(), inlined: this runs for every loss and every gradient norm.
+            relative = REL_STD_FLOOR if self._log_scale else REL_STD_FLOOR * abs(self._mean)
+            std = max(math.sqrt(self._var), relative, ABS_STD_FLOOR)
             zscore = (x - self._mean) / std
             if zscore > self._threshold:
                 self._run += 1

@@ -207,14 +207,16 @@ class GradProbe:
         ``bincount`` sums each group separately, so a NaN stays in its own group
         (a product with an indicator matrix would spread ``0 * NaN`` to all).
         """
-        tensor_norms = list(values)
+        tensor_norms = values if type(values) is list else list(values)  # poll() hands a new list
         group_sq: list[float]
         if len(tensor_norms) <= _SMALL and self._placement_index is None:
             # A few tensors: plain Python beats numpy's per-call overhead.
             group_sq = [0.0] * len(self.groups)
+            total_sq = 0.0
             for group, norm in zip(self._group_list, tensor_norms, strict=True):
-                group_sq[group] += norm * norm
-            total_sq = sum(norm * norm for norm in tensor_norms)
+                square = norm * norm
+                group_sq[group] += square
+                total_sq += square  # NaN and Inf propagate: the non-finite check
             replicated_sq, sharded_sq = total_sq, 0.0
         else:
             norms = np.asarray(tensor_norms, dtype=np.float64)
@@ -240,7 +242,10 @@ class GradProbe:
             zero -= sum(tensor_norms[order] == 0.0 for order in self._empty_shards)
         return GradSummary(
             total_norm=_sqrt(total_sq),
-            group_norms={name: _sqrt(sq) for name, sq in zip(self.groups, group_sq, strict=True)},
+            group_norms={
+                name: math.sqrt(sq) if sq >= 0 else math.nan  # _sqrt, inlined: once per group
+                for name, sq in zip(self.groups, group_sq, strict=True)
+            },
             zero_grad_params=zero,
             nonfinite=not math.isfinite(total_sq),
             tensor_norms=tensor_norms,
