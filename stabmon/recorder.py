@@ -78,7 +78,8 @@ class Recorder:
         }
         readings.module_grad_norms = summary.group_norms
         readings.zero_grad_params = summary.zero_grad_params
-        self._sampler.grads(step, summary.total_norm, summary.group_norms)
+        if step >= self._sampler.due:  # between samples: this comparison is all
+            self._sampler.grads(step, summary.total_norm, summary.group_norms)
         if summary.nonfinite:
             readings.nonfinite_grad_steps += 1
             names = offenders()
@@ -103,7 +104,8 @@ class Recorder:
     def loss(self, step: int, value: float) -> None:
         readings = self._readings
         readings.loss = value
-        self._sampler.loss(step, value)
+        if step >= self._sampler.due:
+            self._sampler.loss(step, value)
         if not math.isfinite(value):
             readings.nonfinite_losses += 1
             self.anomaly(

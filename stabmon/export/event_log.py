@@ -100,13 +100,16 @@ class StepSampler:
         self._readings = readings
         self._write = write
         self._digits = digits
+        #: The first step whose values matter: the pending sample's, else the next sample's.
+        #: Callers on the hot path compare with it before calling (one comparison per step).
+        self.due = 0
         self._next = 0
         self._pending: dict[str, Any] | None = None
         self._steps_seen = (0.0, 0.0)  # (count, sum) of the step-duration histogram
         self._waits_seen = (0.0, 0.0)
 
     def grads(self, step: int, total_norm: float, module_norms: Mapping[str, float]) -> None:
-        if self._pending is None and step < self._next:
+        if step < self.due:
             return
         pending = self._open(step)
         if pending is not None:
@@ -116,7 +119,7 @@ class StepSampler:
                 self.flush()
 
     def loss(self, step: int, value: float) -> None:
-        if self._pending is None and step < self._next:
+        if step < self.due:
             return
         pending = self._open(step)
         if pending is not None:
@@ -127,6 +130,7 @@ class StepSampler:
     def flush(self) -> None:
         """Write the pending sample, if any (also at detach, so the last one is kept)."""
         pending, self._pending = self._pending, None
+        self.due = self._next
         if pending is None:
             return
         readings = self._readings
@@ -158,6 +162,7 @@ class StepSampler:
                 return None
             pending = self._pending = {"step": step}
             self._next = (step // self.every + 1) * self.every
+            self.due = step
         return pending
 
 

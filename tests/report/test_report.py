@@ -1,19 +1,36 @@
-"""`stabmon report` on real runs: sections, embedded plots, anomaly rows, partial and live logs."""
+"""`stabmon report` on real runs: sections, embedded plots, anomaly rows, partial and live logs.
+
+The page is also opened as a person would, in headless Chromium (Debian's
+``chromium``, ``make tools``): skipped without it on a developer machine, a
+failure in CI, as the promtool checks are. The screenshot is kept in
+``test-artifacts/report.png``.
+"""
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import subprocess
 import sys
 from html.parser import HTMLParser
 from pathlib import Path
 
+import pytest
 import torch
 from helpers import tiny_model, train_step
-from report_helpers import FaultyRun, stabmon_cli
+from report_helpers import FaultyRun, stabmon_cli, train_with_faults
 
 import stabmon
 from stabmon.report.html import SECTION_IDS
+
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
+
+
+@pytest.fixture(scope="module")
+def faulty_run(tmp_path_factory: pytest.TempPathFactory) -> FaultyRun:
+    """One real training with faults (a few seconds), shared by this module's tests."""
+    return train_with_faults(tmp_path_factory.mktemp("runs"))
 
 
 class _Page(HTMLParser):
@@ -213,3 +230,80 @@ def test_report_marks_anomalies_on_the_plots(faulty_run: FaultyRun, tmp_path: Pa
     for kind in ("nonfinite_grad", "grad_spike", "loss_spike", "stall", "memory_leak"):
         assert re.search(rf"<text[^>]*>{kind}</text>", text), kind
     assert "leak threshold, host, rank 0" in text
+
+
+def test_report_of_two_ranks_draws_a_line_per_rank_and_names_the_rank_of_each_anomaly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        model = tiny_model(seed=rank)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        with stabmon.attach(
+            model, optimizer, port=0, run_dir=str(tmp_path), run_id="pair", sample_every=5
+        ) as monitor:
+            for step in range(20):
+                train_step(model, optimizer, monitor, nan_grad=rank == 1 and step == 7)
+    output = tmp_path / "pair.html"
+
+    result = stabmon_cli("report", str(tmp_path / "pair"), "-o", str(output))
+
+    assert result.returncode == 0, result.stderr
+    page, text = _page(output)
+    assert "2 ranks" in text and "rank-1.events.jsonl" in text
+    for rank in (0, 1):
+        assert re.search(rf"<text[^>]*>global, rank {rank}</text>", text)
+    assert [(row[0], row[2], row[3]) for row in page.rows] == [("7", "1", "nonfinite_grad")]
+
+
+_FLAGS = (
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--enable-logging=stderr", "--v=0",
+)  # fmt: skip
+
+
+def _chromium() -> str:
+    for name in ("chromium", "chromium-browser"):
+        found = shutil.which(name)
+        if found:
+            return found
+    if os.environ.get("CI"):
+        pytest.fail("chromium is not installed; CI must run this check (make tools)")
+    pytest.skip("Requires: chromium (apt-get install chromium)")
+
+
+def _browse(chromium: str, profile: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [chromium, *_FLAGS, f"--user-data-dir={profile}", *args],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_report_opens_in_headless_chromium_with_every_section_and_no_console_error(
+    faulty_run: FaultyRun, tmp_path: Path
+) -> None:
+    chromium = _chromium()
+    report = tmp_path / "report.html"
+    assert stabmon_cli("report", str(faulty_run.directory), "-o", str(report)).returncode == 0
+    ARTIFACTS.mkdir(exist_ok=True)
+    screenshot = ARTIFACTS / "report.png"
+    screenshot.unlink(missing_ok=True)
+
+    dom = _browse(chromium, tmp_path / "profile-dom", "--dump-dom", report.as_uri())
+    shot = _browse(
+        chromium, tmp_path / "profile-shot", f"--screenshot={screenshot}",
+        "--window-size=1280,4000", report.as_uri(),
+    )  # fmt: skip
+
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    for section in SECTION_IDS:
+        assert f'id="{section}"' in dom.stdout, section
+    assert dom.stdout.count("<svg") >= 4
+    console = [line for line in dom.stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line]
+    assert console == []
+    assert shot.returncode == 0, shot.stderr[-2000:]
+    assert screenshot.stat().st_size > 50_000  # a rendered page, not a blank one
+    assert screenshot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
