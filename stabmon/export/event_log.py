@@ -1,4 +1,4 @@
-"""Anomalies and epoch summaries as JSON lines: nothing detected is lost while Prometheus is down.
+"""Anomalies, epoch summaries and step samples as JSON lines, kept while Prometheus is down.
 
 Each record is one ``os.write`` of a whole line to a file opened with
 ``O_APPEND``: a process killed at any moment leaves complete lines (at worst a
