@@ -34,7 +34,7 @@ deploy: $(STAMP)
 # The overhead benchmark with the peers users would use instead (Lightning's grad_norm, wandb.watch).
 bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[bench]'
-	$(BIN)/python bench/overhead.py
+	$(BIN)/python bench/overhead.py --update-readme
 
 demo: $(STAMP)
 	$(BIN)/stabmon demo
