@@ -42,8 +42,11 @@ class Context:
             os.environ.update(WANDB_MODE="offline", WANDB_DIR=str(wandb_dir), WANDB_SILENT="true")
             import wandb
 
+            # No system-metrics sampler: its process would load this 2-core machine during every
+            # variant's rounds, not only wandb's; gradient logging, which is measured, is unchanged.
+            settings = wandb.Settings(x_disable_stats=True, x_disable_machine_info=True)
             self._wandb_run = wandb.init(
-                project="stabmon-bench", dir=str(wandb_dir), mode="offline"
+                project="stabmon-bench", dir=str(wandb_dir), mode="offline", settings=settings
             )
         return self._wandb_run
 
