@@ -712,8 +712,7 @@ class Monitor:
                     if probe is None or len(values) != probe.packed_length:
                         continue  # measured before a layout rebuild: no longer readable
                     summary = probe.summarize(values)
-                    offenders = functools.partial(probe.nonfinite_offenders, summary)
-                    self._recorder.grads(tag.step, summary, offenders)
+                    self._recorder.grads(tag.step, summary, probe.nonfinite_offenders)
                     self._judge_dead(probe, tag.step, summary)
                 elif tag.kind == "loss":
                     self._recorder.loss(tag.step, values[0])

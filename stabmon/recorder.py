@@ -69,7 +69,11 @@ class Recorder:
 
     # --- per step -----------------------------------------------------------------------------
 
-    def grads(self, step: int, summary: GradSummary, offenders: Callable[[], list[str]]) -> None:
+    def grads(
+        self, step: int, summary: GradSummary, offenders: Callable[[GradSummary], list[str]]
+    ) -> None:
+        """One measured step's gradients; ``offenders(summary)`` names the non-finite ones
+        (called only then: it walks every norm)."""
         readings = self._readings
         readings.grad_norm = summary.total_norm
         readings.grad_norm_squared = {
@@ -82,7 +86,7 @@ class Recorder:
             self._sampler.grads(step, summary.total_norm, summary.group_norms)
         if summary.nonfinite:
             readings.nonfinite_grad_steps += 1
-            names = offenders()
+            names = offenders(summary)
             self.anomaly(
                 "nonfinite_grad",
                 step,

@@ -35,6 +35,9 @@ class DeadReport:
     revived: tuple[str, ...]
 
 
+_NOTHING_CHANGED = DeadReport((), ())
+
+
 class DeadGradients:
     """Follows which parameters' gradients have been zero for ``window`` measured steps.
 
@@ -57,7 +60,7 @@ class DeadGradients:
         """One measured step's per-tensor norms (``zero_count`` of them exactly 0.0)."""
         self._measured += 1
         if zero_count == 0 and not self._zero_since:
-            return DeadReport((), ())
+            return _NOTHING_CHANGED  # the usual step: nothing built
         zeros = (
             {index for index, norm in enumerate(tensor_norms) if norm == 0.0}
             if zero_count

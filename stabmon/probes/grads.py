@@ -74,9 +74,11 @@ class GradSample(NamedTuple):
     none_count: int
 
 
-@dataclass(frozen=True)
-class GradSummary:
-    """A measurement read back on the host."""
+class GradSummary(NamedTuple):
+    """A measurement read back on the host.
+
+    A named tuple for the reason GradSample is one: one is built every measured step.
+    """
 
     total_norm: float
     group_norms: dict[str, float]
@@ -314,6 +316,10 @@ class GradProbe:
         norm_dtype = torch.float64 if bucket.dtype == torch.float64 else torch.float32
         if index not in self._per_tensor_buckets:
             try:
+                if bucket.dtype == norm_dtype:
+                    # No dtype argument when it changes nothing: with one, the CPU kernel
+                    # takes a slower path (13.0 against 9.2 us for the tiny MLP's six tensors).
+                    return list(torch._foreach_norm(grads, 2.0))
                 return list(torch._foreach_norm(grads, 2.0, dtype=norm_dtype))
             except (RuntimeError, NotImplementedError):
                 if not any(grad.is_sparse for grad in grads):

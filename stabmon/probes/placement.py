@@ -121,19 +121,24 @@ class InputCheck:
 
     @property
     def expected(self) -> torch.device | None:
-        if self._anchor is None or self._anchor.device.type == "meta":
+        if self._anchor is None:
             return None
-        return self._anchor.device
+        device = self._anchor.device  # a new device object per read: read it once
+        return None if device.type == "meta" else device
 
     def check(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[Misplaced]:
         """Every misplaced tensor among ``args`` and ``kwargs`` (metadata only, no sync)."""
         expected = self.expected
         if expected is None:
             return []
-        if not kwargs and all(
-            isinstance(value, torch.Tensor) and value.device == expected for value in args
-        ):
-            return []  # the usual call, tensors on the model's device: no tree to walk per step
+        if not kwargs:
+            # The usual call, tensors on the model's device: no tree to walk per step. A loop,
+            # not all() over a generator: this runs at every forward.
+            for value in args:
+                if not (isinstance(value, torch.Tensor) and value.device == expected):
+                    break
+            else:
+                return []
         found: list[Misplaced] = []
         for path, tensor in _tensors(args, kwargs):
             if _misplaced(tensor, expected):
