@@ -309,6 +309,33 @@ def format_table(result: WorkloadResult) -> str:
     return "\n".join(lines)
 
 
+#: --breakdown: each part of stabmon's cost as the paired difference of two variants.
+BREAKDOWN_PARTS: tuple[tuple[str, str, str], ...] = (
+    ("PyTorch's hook dispatch (four no-op hooks)", "torch_hooks", "plain"),
+    ("stabmon's hook bodies (timing, input check, heartbeat)", "stabmon_hooks_only", "torch_hooks"),
+    ("gradient measurement and host-side judgement", "stabmon_no_observe", "stabmon_hooks_only"),
+    ("observe(loss)", "stabmon", "stabmon_no_observe"),
+    ("for comparison, the floor's fused read", "floor", "plain"),
+)
+
+
+def breakdown(result: WorkloadResult) -> list[tuple[str, float]]:
+    """Each part's added time per step: the median over rounds of the paired difference."""
+    return [
+        (part, statistics.median((r[a] - r[b]) / result.steps * 1e6 for r in result.rounds))
+        for part, a, b in BREAKDOWN_PARTS
+        if a in result.rounds[0] and b in result.rounds[0]
+    ]
+
+
+def format_breakdown(result: WorkloadResult) -> str:
+    parts = breakdown(result)
+    width = max(len(part) for part, _ in parts)
+    lines = [f"{result.name}: where stabmon's time goes (median of paired differences, us/step)"]
+    lines += [f"  {part:<{width}}  {added:>8.1f}" for part, added in parts]
+    return "\n".join(lines)
+
+
 def format_rss(result: dict[str, Any]) -> str:
     lines = [f"RSS: tiny + stabmon, {result['steps']} steps after {result['warmup_steps']} warm-up"]
     lines.append(f"RSS after warm-up  {result['rss_mb_after_warmup']:.1f} MB")
@@ -388,6 +415,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--no-peers", action="store_true", help="leave out Lightning's grad_norm and wandb.watch"
     )
     parser.add_argument(
+        "--breakdown", action="store_true",
+        help="add variants that split stabmon's cost into hook dispatch, hook bodies, gradient "
+        "measurement and observe(), and print each part",
+    )  # fmt: skip
+    parser.add_argument(
         "--steps-rss", type=int, metavar="N",
         help=f"steps of the RSS run (default {RSS_STEPS}, {QUICK_RSS_STEPS} with --quick)",
     )  # fmt: skip
@@ -419,7 +451,7 @@ def run(args: argparse.Namespace, command: str) -> tuple[dict[str, Any], str]:
     """Run the benchmark; return the report and its text, as printed."""
     torch.set_num_threads(args.threads)
     rounds = args.rounds or (QUICK_ROUNDS if args.quick else DEFAULT_ROUNDS)
-    variants, left_out = select(peers=not args.no_peers)
+    variants, left_out = select(peers=not args.no_peers, breakdown=args.breakdown)
     report: dict[str, Any] = {"command": command}
     out: list[str] = []
 
@@ -447,6 +479,8 @@ def run(args: argparse.Namespace, command: str) -> tuple[dict[str, Any], str]:
                 result = run_workload(name, variants, rounds, steps[name], args.seed, context)
                 report["workloads"].append(asdict(result))
                 emit("\n" + format_table(result))
+                if args.breakdown:
+                    emit("\n" + format_breakdown(result))
             emit("\n" + LEGEND)
             if not args.skip_rss:
                 rss_steps = args.steps_rss or (QUICK_RSS_STEPS if args.quick else RSS_STEPS)

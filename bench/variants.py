@@ -115,7 +115,9 @@ def internal_errors(monitor: stabmon.Monitor) -> int:
     )
 
 
-def _stabmon(workload: Workload, context: Context, **overrides: Any) -> Iterator[StepFn]:
+def _stabmon(
+    workload: Workload, context: Context, *, observe: bool = True, **overrides: Any
+) -> Iterator[StepFn]:
     monitor = stabmon.attach(
         workload.model,
         workload.optimizer,
@@ -125,7 +127,8 @@ def _stabmon(workload: Workload, context: Context, **overrides: Any) -> Iterator
         **overrides,
     )
     try:
-        yield step_fn(workload, after_step=lambda loss: monitor.observe(loss=loss))
+        after_step = (lambda loss: monitor.observe(loss=loss)) if observe else None
+        yield step_fn(workload, after_step=after_step)
         # A sync under set_sync_debug_mode("error"), or any other failure inside stabmon, is
         # contained and counted rather than raised: a benchmark of a broken monitor is void.
         errors = internal_errors(monitor)
@@ -145,6 +148,47 @@ def stabmon_default(workload: Workload, context: Context) -> Iterator[StepFn]:
 def stabmon_every10(workload: Workload, context: Context) -> Iterator[StepFn]:
     """As stabmon, with measure_every=10."""
     yield from _stabmon(workload, context, measure_every=10)
+
+
+# --- the breakdown of stabmon's cost (--breakdown) --------------------------------------------
+
+
+#: A measure_every no run reaches: step 0 is measured, then none.
+NEVER_AGAIN = 2**62
+
+
+def _no_op(*args: Any) -> None:
+    return None
+
+
+@contextlib.contextmanager
+def torch_hooks(workload: Workload, context: Context) -> Iterator[StepFn]:
+    """Plain with four no-op hooks where stabmon puts its own: PyTorch's hook dispatch alone."""
+    model, optimizer = workload.model, workload.optimizer
+    handles = [
+        model.register_forward_pre_hook(_no_op, with_kwargs=True),
+        model.register_forward_hook(_no_op),
+        optimizer.register_step_pre_hook(_no_op),
+        optimizer.register_step_post_hook(_no_op),
+    ]
+    try:
+        yield step_fn(workload)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
+def stabmon_hooks_only(workload: Workload, context: Context) -> Iterator[StepFn]:
+    """stabmon with no gradient measurement after the first step and no observe(): what its
+    hooks cost by themselves (phase timing, the input device check, the heartbeat)."""
+    yield from _stabmon(workload, context, observe=False, measure_every=NEVER_AGAIN)
+
+
+@contextlib.contextmanager
+def stabmon_no_observe(workload: Workload, context: Context) -> Iterator[StepFn]:
+    """stabmon with default config but no observe(loss): the loss's share by difference."""
+    yield from _stabmon(workload, context, observe=False)
 
 
 @contextlib.contextmanager
@@ -210,8 +254,14 @@ PEERS: dict[str, Variant] = {
     "wandb_watch_1": wandb_watch_1,
     "wandb_watch_1000": wandb_watch_1000,
 }
+#: Where stabmon's cost goes, by difference (overhead.py --breakdown).
+BREAKDOWN: dict[str, Variant] = {
+    "torch_hooks": torch_hooks,
+    "stabmon_hooks_only": stabmon_hooks_only,
+    "stabmon_no_observe": stabmon_no_observe,
+}
 #: Variants that must never synchronise with a CUDA device (checked in --device cuda runs).
-SYNC_FREE = frozenset({"plain", "floor", "stabmon", "stabmon_every10"})
+SYNC_FREE = frozenset({"plain", "floor", "stabmon", "stabmon_every10", *BREAKDOWN})
 
 
 def _installed(module: str) -> bool:
@@ -228,10 +278,11 @@ def peer_problems() -> dict[str, str]:
     return {name: f"{why} (pip install .[bench])" for name, why in problems.items()}
 
 
-def select(*, peers: bool) -> tuple[dict[str, Variant], dict[str, str]]:
+def select(*, peers: bool, breakdown: bool = False) -> tuple[dict[str, Variant], dict[str, str]]:
     """The variants to run and those left out, with the reason."""
+    extra = dict(BREAKDOWN) if breakdown else {}
     if not peers:
-        return dict(CORE), dict.fromkeys(PEERS, "left out (--no-peers)")
+        return {**CORE, **extra}, dict.fromkeys(PEERS, "left out (--no-peers)")
     problems = peer_problems()
-    chosen = {**CORE, **{name: v for name, v in PEERS.items() if name not in problems}}
+    chosen = {**CORE, **{name: v for name, v in PEERS.items() if name not in problems}, **extra}
     return chosen, problems

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import overhead  # noqa: E402 - bench/ is a directory of scripts, not a package
 from readme_block import BEGIN, END, replace_block  # noqa: E402
-from variants import CORE  # noqa: E402
+from variants import BREAKDOWN, CORE  # noqa: E402
 
 
 def test_overhead_benchmark_reports_every_variant_with_finite_ratios(
@@ -39,6 +40,39 @@ def test_overhead_benchmark_reports_every_variant_with_finite_ratios(
     text = readme.read_text()
     assert "old numbers" not in text and text.endswith(f"{END}\n\nafter\n")
     assert report["command"] in text and "stabmon_every10" in text
+
+
+def test_breakdown_runs_its_variants_and_prints_each_part(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["--rounds", "2", "--steps", "3", "--workloads", "tiny", "--no-peers",
+            "--skip-rss", "--skip-exporter", "--breakdown"]  # fmt: skip
+    assert overhead.main(argv) == 0
+    printed = capsys.readouterr().out
+    for name in BREAKDOWN:
+        assert f"\n{name} " in printed
+    for part, _, _ in overhead.BREAKDOWN_PARTS:
+        assert re.search(rf"^  {re.escape(part)} +-?\d+\.\d$", printed, re.MULTILINE), part
+
+
+def test_breakdown_parts_are_median_paired_differences_per_step() -> None:
+    # Three rounds of 1,000 steps; seconds chosen so each part's per-round difference is known.
+    rounds = [
+        {"plain": 1.000, "floor": 1.040, "torch_hooks": 1.010, "stabmon_hooks_only": 1.030,
+         "stabmon_no_observe": 1.080, "stabmon": 1.090},
+        {"plain": 2.000, "floor": 2.050, "torch_hooks": 2.008, "stabmon_hooks_only": 2.028,
+         "stabmon_no_observe": 2.068, "stabmon": 2.076},
+        {"plain": 1.500, "floor": 1.545, "torch_hooks": 1.512, "stabmon_hooks_only": 1.530,
+         "stabmon_no_observe": 1.590, "stabmon": 1.600},
+    ]  # fmt: skip
+    result = overhead.WorkloadResult(
+        name="tiny", description="", parameters=0, steps=1_000, rounds=rounds, orders=[], rows=[]
+    )
+    parts = dict(overhead.breakdown(result))
+    expected = {"torch_hooks": 10.0, "stabmon_hooks_only": 20.0, "stabmon_no_observe": 50.0,
+                "stabmon": 10.0, "floor": 45.0}  # fmt: skip
+    for part, variant, _ in overhead.BREAKDOWN_PARTS:
+        assert parts[part] == pytest.approx(expected[variant]), part
 
 
 def test_readme_block_is_refused_without_markers(tmp_path: Path) -> None:
