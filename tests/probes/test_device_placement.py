@@ -165,3 +165,34 @@ def test_off_mode_checks_nothing(attach: MonitorFactory) -> None:
     model.head.to_empty(device="cpu")
     model(_batch("meta"))
     assert _anomalies(monitor) == 0
+
+
+def test_a_local_rank_with_no_cuda_device_of_its_own_is_one_anomaly_at_attach(
+    attach: MonitorFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # torchrun started more ranks than this process sees GPUs. No GPU here: CUDA's two answers
+    # are faked, the model stays on the CPU, and everything else about the Monitor is real.
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    model = TwoInputs()
+    monitor = attach(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert _anomalies(monitor) == 1
+    assert monitor.event_log_path is not None
+    events = [json.loads(line) for line in Path(monitor.event_log_path).read_text().splitlines()]
+    (finding,) = [e for e in events if e.get("kind") == "device_mismatch"]
+    assert finding["what"] == "LOCAL_RANK"
+    assert "cuda:3 does not exist" in finding["detail"]
+    assert "CUDA_VISIBLE_DEVICES='0,1'" in finding["detail"]
+
+
+def test_a_local_rank_within_the_visible_devices_is_no_anomaly(
+    attach: MonitorFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    model = TwoInputs()
+    monitor = attach(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert _anomalies(monitor) == 0
