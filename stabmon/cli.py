@@ -116,6 +116,7 @@ def _status(args: argparse.Namespace) -> int:
 
 def _run_daemon(args: argparse.Namespace) -> int:
     from stabmon.daemon.app import DaemonApp  # lazily: the library never loads the daemon
+    from stabmon.export.exporter import Security
 
     overrides = {
         key: value
@@ -128,6 +129,10 @@ def _run_daemon(args: argparse.Namespace) -> int:
         if value is not None
     }
     config = load_config(args.config, overrides, env=os.environ)
+    problem = Security.from_config(config).problem()
+    if problem is not None:
+        where = f" in {args.config}" if args.config else ""
+        raise StabmonError(f"{problem}{where}; fix it, or remove it to serve plain HTTP")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     app = DaemonApp(config)
     if not app.start():

@@ -80,3 +80,16 @@ def test_status_with_a_bad_timeout_is_a_usage_error(tmp_path: Path) -> None:
     result = _stabmon("status", "--timeout", "soon")
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "--timeout" in result.stderr
+
+
+def test_daemon_with_an_unusable_tls_file_exits_2_naming_the_setting(tmp_path: Path) -> None:
+    config = tmp_path / "daemon.yaml"
+    config.write_text(f"tls_certfile: {tmp_path / 'absent.pem'}\n")
+    result = _stabmon("daemon", "--config", str(config), "--port", "0", "--address", "127.0.0.1",
+                      "--run-dir", str(tmp_path))  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1  # one line, and nothing served or logged before it
+    assert result.stderr.startswith(
+        f"stabmon: error: tls_certfile '{tmp_path / 'absent.pem'}' is not a readable file "
+        f"in {config}; fix it, or remove it to serve plain HTTP"
+    )

@@ -18,6 +18,7 @@ import base64
 import binascii
 import hmac
 import logging
+import os
 import socket
 import ssl
 import threading
@@ -77,6 +78,26 @@ class Security:
             tls_keyfile=config.tls_keyfile,
             basic_auth_file=config.basic_auth_file,
         )
+
+    def problem(self) -> str | None:
+        """Why these settings cannot serve, naming the setting; None when they can.
+
+        The daemon checks this before it starts, so a wrong path is a one-line error rather
+        than a daemon that serves nothing (a training process only logs it: training goes on).
+        """
+        for key in ("tls_certfile", "tls_keyfile", "basic_auth_file"):
+            path = getattr(self, key)
+            if path is not None and not (Path(path).is_file() and os.access(path, os.R_OK)):
+                return f"{key} {path!r} is not a readable file"
+        try:
+            self.ssl_context()
+        except (OSError, ValueError, ssl.SSLError) as error:
+            return f"tls_certfile/tls_keyfile cannot be used: {error}"
+        try:
+            self.expected_authorization()
+        except (OSError, ValueError) as error:  # UnicodeDecodeError is a ValueError
+            return f"basic_auth_file cannot be used: {error}"
+        return None
 
     def ssl_context(self) -> ssl.SSLContext | None:
         """The server context, or None for plain HTTP; raises OSError/ValueError when unusable."""
@@ -192,10 +213,9 @@ class Exporter:
         except (OSError, ValueError, ssl.SSLError) as error:
             self._fail(
                 "exporter:security",
-                "stabmon: not serving metrics: the exporter's TLS or basic-auth settings cannot "
-                "be used (%s); training goes on and the event log still records everything. "
-                "Fix tls_certfile, tls_keyfile or basic_auth_file.",
-                error,
+                "stabmon: not serving metrics: %s; training goes on and the event log still "
+                "records everything. Fix it, or remove it to serve plain HTTP.",
+                self._security.problem() or f"TLS or basic-auth settings cannot be used: {error}",
             )
             return False
         failures: list[str] = []

@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import stabmon
 from stabmon.export.collector import MAX_LABEL_CHARS
-from stabmon.export.exporter import candidate_ports
+from stabmon.export.exporter import Security, candidate_ports
 
 
 @pytest.fixture
@@ -275,9 +275,34 @@ def test_exporter_fails_closed_when_its_security_files_cannot_be_read(
     train_step(model, optimizer, monitor)
     assert monitor.metrics_url is None  # no plain or open endpoint instead
     assert monitor.state_dict()["step"] == 1
-    lines = [r for r in caplog.records if "not serving metrics" in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records if "not serving metrics" in r.getMessage()]
     assert len(lines) == 1
+    assert f"{setting} '{tmp_path / 'missing.pem'}' is not a readable file" in lines[0]
     assert _internal_errors(monitor, "exporter") == 1
+
+
+def test_security_problem_names_the_setting_and_is_none_for_usable_files(
+    tmp_path: Path, certificate: tuple[Path, Path]
+) -> None:
+    cert, key = certificate
+    credentials = tmp_path / "auth"
+    credentials.write_text("scraper:s3cret\n")
+    assert Security(tls_certfile=str(cert), tls_keyfile=str(key)).problem() is None
+    assert Security(basic_auth_file=str(credentials)).problem() is None
+    assert Security().problem() is None
+    assert Security(tls_keyfile=str(tmp_path)).problem() == (
+        f"tls_keyfile {str(tmp_path)!r} is not a readable file"  # a directory
+    )
+    not_a_certificate = Security(tls_certfile=str(key)).problem()  # a key is no certificate
+    assert not_a_certificate is not None
+    assert not_a_certificate.startswith("tls_certfile/tls_keyfile cannot be used:")
+    assert Security(tls_keyfile=str(key)).problem() == (
+        "tls_certfile/tls_keyfile cannot be used: tls_keyfile is set but tls_certfile is not"
+    )
+    credentials.write_text("no colon here\n")
+    assert Security(basic_auth_file=str(credentials)).problem() == (
+        f"basic_auth_file cannot be used: {credentials}: expected one line username:password"
+    )
 
 
 def test_long_and_hostile_module_names_are_escaped_and_bounded(attach: MonitorFactory) -> None:
