@@ -86,6 +86,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     status.add_argument("--run", help="only this run id's ranks")
     status.add_argument("--timeout", type=float, default=5.0, help="seconds per scrape (default 5)")
+    status.add_argument(
+        "--cafile", help="PEM certificate(s) to trust for https:// exporters (their tls_certfile)"
+    )
+    status.add_argument(
+        "--basic-auth-file", help="file whose first line is username:password (basic_auth_file)"
+    )
     return parser
 
 
@@ -101,15 +107,22 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from stabmon.report.status import format_table, registered_urls, require_urls, scrape_status
+    from stabmon.report.status import (
+        Credentials,
+        format_table,
+        registered_urls,
+        require_urls,
+        scrape_status,
+    )
     from stabmon.rundir import DEFAULT_RUN_DIR
 
+    credentials = Credentials.from_files(args.cafile, args.basic_auth_file)
     urls = list(args.urls)
     if not urls:
         root = Path(args.run_dir or os.environ.get("STABMON_DIR") or DEFAULT_RUN_DIR)
         urls = registered_urls(root, args.run)
         require_urls(urls, root)
-    statuses = scrape_status(urls, timeout=args.timeout)
+    statuses = scrape_status(urls, timeout=args.timeout, credentials=credentials)
     print(format_table(statuses))
     return 0 if all(status.healthy for status in statuses) else 1
 

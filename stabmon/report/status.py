@@ -1,9 +1,10 @@
 """``stabmon status``: scrape running exporters and print one line per rank, for people and probes.
 
-Each URL is scraped once over HTTP and parsed with prometheus-client's parser;
-metric names come from :mod:`stabmon.contract`. Without URLs, the exporters
-registered in the run directory (``metrics_url`` of each live process record,
-see :mod:`stabmon.rundir`) are scraped. A rank is unhealthy when it is
+Each URL is scraped once over HTTP, or HTTPS with ``--cafile`` and
+``--basic-auth-file`` for exporters that serve TLS and basic auth, and parsed
+with prometheus-client's parser; metric names come from :mod:`stabmon.contract`.
+Without URLs, the exporters registered in the run directory (``metrics_url`` of
+each live process record, see :mod:`stabmon.rundir`) are scraped. A rank is unhealthy when it is
 stalled, suspected of leaking memory, has seen a non-finite gradient or loss,
 or does not answer; ``stabmon status`` then exits 1, so it serves as a health
 check in scripts and Kubernetes probes.
@@ -15,6 +16,7 @@ its sum: steps per second of training time, over the process's life.
 from __future__ import annotations
 
 import math
+import ssl
 import time
 import urllib.error
 import urllib.request
@@ -26,9 +28,17 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from stabmon import contract
 from stabmon.errors import StabmonError
+from stabmon.export.exporter import Security
 from stabmon.rundir import ProcessRecord, boot_id, read_records, safe_component
 
-__all__ = ["RankStatus", "format_table", "registered_urls", "require_urls", "scrape_status"]
+__all__ = [
+    "Credentials",
+    "RankStatus",
+    "format_table",
+    "registered_urls",
+    "require_urls",
+    "scrape_status",
+]
 
 _MAX_BYTES = 8 * 2**20
 
@@ -91,17 +101,51 @@ def registered_urls(root: Path, run: str | None = None) -> list[str]:
     return urls
 
 
+@dataclass(frozen=True)
+class Credentials:
+    """How to reach exporters served with ``tls_certfile`` and ``basic_auth_file``."""
+
+    #: Trusts these certificates (the ranks' own ``tls_certfile`` when it is self-signed).
+    tls: ssl.SSLContext | None = None
+    #: The ``Authorization`` header value for basic auth.
+    authorization: bytes | None = None
+
+    @classmethod
+    def from_files(cls, cafile: str | None, basic_auth_file: str | None) -> Credentials:
+        """Read both files up front; raises :class:`StabmonError` naming the file and option."""
+        tls = None
+        if cafile is not None:
+            try:
+                tls = ssl.create_default_context(cafile=cafile)
+            except (OSError, ssl.SSLError) as error:
+                raise StabmonError(
+                    f"--cafile {cafile}: not a PEM certificate file that can be read ({error})"
+                ) from error
+        authorization = None
+        if basic_auth_file is not None:
+            try:
+                authorization = Security(basic_auth_file=basic_auth_file).expected_authorization()
+            except (OSError, ValueError) as error:
+                raise StabmonError(f"--basic-auth-file: {error}") from error
+        return cls(tls=tls, authorization=authorization)
+
+
 def scrape_status(
     urls: Sequence[str],
     *,
     timeout: float = 5.0,
+    credentials: Credentials = Credentials(),  # noqa: B008 - frozen, so one shared default is safe
     clock: Callable[[], float] = time.time,
 ) -> list[RankStatus]:
     """One status per URL; a URL that does not answer is a status with ``error`` set."""
     statuses = []
     for url in urls:
         try:
-            samples = _scrape(url, timeout)
+            samples = _scrape(url, timeout, credentials)
+        except urllib.error.HTTPError as error:  # before URLError, its base class
+            hint = " (see --basic-auth-file)" if error.code == 401 else ""
+            statuses.append(RankStatus(url=url, error=f"HTTP {error.code} {error.reason}{hint}"))
+            continue
         except (OSError, ValueError, urllib.error.URLError) as error:
             reason = getattr(error, "reason", None) or error
             statuses.append(RankStatus(url=url, error=f"{type(error).__name__}: {reason}"))
@@ -144,8 +188,11 @@ def format_table(statuses: Sequence[RankStatus]) -> str:
     )
 
 
-def _scrape(url: str, timeout: float) -> Samples:
-    with urllib.request.urlopen(url, timeout=timeout) as response:
+def _scrape(url: str, timeout: float, credentials: Credentials) -> Samples:
+    request = urllib.request.Request(url)
+    if credentials.authorization is not None:
+        request.add_header("Authorization", credentials.authorization.decode("ascii"))
+    with urllib.request.urlopen(request, timeout=timeout, context=credentials.tls) as response:
         body = response.read(_MAX_BYTES + 1)
     if len(body) > _MAX_BYTES:
         raise ValueError(f"more than {_MAX_BYTES} bytes: not a stabmon exporter")

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import base64
 import http.client
-import shutil
 import socket
 import ssl
-import subprocess
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -186,21 +184,6 @@ def _non_loopback_address() -> str | None:
             return None
         address = str(probe.getsockname()[0])
     return None if address.startswith("127.") else address
-
-
-@pytest.fixture
-def certificate(tmp_path: Path) -> tuple[Path, Path]:
-    """A self-signed certificate for 127.0.0.1, made here with the openssl command."""
-    if shutil.which("openssl") is None:
-        pytest.skip("Requires: the openssl command to make a test certificate")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
-         "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True, timeout=60,
-    )  # fmt: skip
-    return cert, key
 
 
 def _https_get(url: str, cafile: Path, authorization: str | None = None) -> tuple[int, str]:

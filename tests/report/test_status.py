@@ -99,3 +99,44 @@ def test_status_with_nothing_registered_exits_2_with_one_line(tmp_path: Path) ->
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1
     assert "no running stabmon process is registered" in result.stderr
+
+
+def test_status_reaches_an_exporter_behind_tls_and_basic_auth_with_its_files(
+    tmp_path: Path, certificate: tuple[Path, Path]
+) -> None:
+    cert, key = certificate
+    credentials = tmp_path / "scrape-auth"
+    credentials.write_text("scraper:s3cret\n")
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with stabmon.attach(
+        model, optimizer, port=0, address="127.0.0.1", run_dir=str(tmp_path / "runs"),
+        run_id="secure", tls_certfile=str(cert), tls_keyfile=str(key),
+        basic_auth_file=str(credentials),
+    ) as monitor:  # fmt: skip
+        for _ in range(5):
+            train_step(model, optimizer, monitor)
+        url = monitor.metrics_url
+        assert url is not None and url.startswith("https://127.0.0.1:")
+
+        plain = stabmon_cli("status", url)
+        secure = stabmon_cli("status", url, "--cafile", str(cert),
+                             "--basic-auth-file", str(credentials))  # fmt: skip
+        wrong = tmp_path / "wrong-auth"
+        wrong.write_text("scraper:guess\n")
+        refused = stabmon_cli("status", url, "--cafile", str(cert),
+                              "--basic-auth-file", str(wrong))  # fmt: skip
+
+    assert secure.returncode == 0, secure.stdout + secure.stderr
+    assert _rows(secure.stdout)[0].split()[:3] == ["secure", "0", "5"]
+    assert plain.returncode == 1 and "UNREACHABLE" in plain.stdout  # the certificate is not trusted
+    assert refused.returncode == 1
+    assert "HTTP 401 Unauthorized (see --basic-auth-file)" in refused.stdout
+
+
+def test_status_with_an_unreadable_cafile_exits_2_with_one_line(tmp_path: Path) -> None:
+    result = stabmon_cli("status", "https://127.0.0.1:1/metrics",
+                         "--cafile", str(tmp_path / "absent.pem"))  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1
+    assert result.stderr.startswith(f"stabmon: error: --cafile {tmp_path / 'absent.pem'}: ")
