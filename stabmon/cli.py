@@ -41,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--fast", action="store_true", help="the same story in a few seconds")
     demo.add_argument(
         "--serve", type=float, default=0.0, metavar="SECONDS",
-        help="keep serving the metrics this long after training",
+        help="keep serving the metrics this long after training (in phase 'serve': no stall)",
     )  # fmt: skip
 
     env = commands.add_parser(

@@ -119,7 +119,10 @@ def run_demo(
             )
         if serve_seconds > 0 and monitor.metrics_url:
             print(f"serving {monitor.metrics_url} for {serve_seconds:.0f} s more", file=out)
-            time.sleep(serve_seconds)
+            # Idle on purpose, in a named phase as a real loop's eval or checkpoint would be:
+            # its stall limit is phase_stall_seconds, so the wait is not reported as a stall.
+            with monitor.phase("serve"):
+                time.sleep(serve_seconds)
         events_path = monitor.event_log_path
     detected = read_anomalies(events_path)
     print(_summary(plan, detected, events_path), file=out)

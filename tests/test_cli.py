@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -93,3 +94,16 @@ def test_daemon_with_an_unusable_tls_file_exits_2_naming_the_setting(tmp_path: P
         f"stabmon: error: tls_certfile '{tmp_path / 'absent.pem'}' is not a readable file "
         f"in {config}; fix it, or remove it to serve plain HTTP"
     )
+
+
+def test_demo_serving_after_training_is_not_reported_as_a_stall(tmp_path: Path) -> None:
+    # --fast stalls once on purpose (2 s against a 0.8 s limit); serving 3 s after the last
+    # step, idle in the "serve" phase, must not add a second stall.
+    result = _stabmon("demo", "--fast", "--port", "0", "--run-dir", str(tmp_path), "--serve", "3",
+                      timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "for 3 s more" in result.stdout
+    events_path = result.stdout.rsplit("event log: ", 1)[1].split()[0]
+    events = [json.loads(line) for line in Path(events_path).read_text().splitlines()]
+    stalls = [e for e in events if e.get("event") == "anomaly" and e.get("kind") == "stall"]
+    assert len(stalls) == 1 and stalls[0]["step"] < 400  # the injected one, during training
