@@ -1,10 +1,14 @@
-"""Helpers the tests import: tiny models, a training step, real scrapes, event-log reads."""
+"""Helpers the tests import: tiny models, a training step, real scrapes, event-log reads,
+and processes that announce their URL."""
 
 from __future__ import annotations
 
 import ctypes
 import json
+import subprocess
+import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +75,44 @@ def value(
     matches = [v for (n, lbl), v in samples.items() if n == name and set(labels.items()) <= lbl]
     assert len(matches) <= 1, f"{name}{labels} matches {len(matches)} samples"
     return matches[0] if matches else None
+
+
+def unique_value(
+    samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str
+) -> float | None:
+    """As :func:`value`, but None rather than an error when several samples match (a rank
+    restarted: its dead and its new process both report for a while)."""
+    found = [v for (n, lbl), v in samples.items() if n == name and set(labels.items()) <= lbl]
+    return found[0] if len(found) == 1 else None
+
+
+def scrape_until(
+    url: str,
+    predicate: Callable[[dict[tuple[str, frozenset[tuple[str, str]]], float]], bool],
+    timeout: float = 15.0,
+) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """Scrape ``url`` every 0.2 s until ``predicate`` holds; the last scrape in the error."""
+    deadline = time.monotonic() + timeout
+    while True:
+        samples = scrape(url)
+        if predicate(samples):
+            return samples
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s; last scrape: {samples}")
+        time.sleep(0.2)
+
+
+def start_announcing(args: list[str]) -> tuple[subprocess.Popen[str], str]:
+    """Start a process that prints one line announcing its URL; return it and the URL.
+
+    It runs in a session of its own: the ``processes`` fixture kills the whole group,
+    data loader workers included.
+    """
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert process.stdout is not None
+    line = process.stdout.readline().strip()
+    assert line, f"{args[1:3]} exited before announcing itself (code {process.poll()})"
+    return process, line.rsplit(" ", 1)[1]
 
 
 def events(path: Path | None) -> list[dict[str, Any]]:

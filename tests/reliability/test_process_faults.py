@@ -10,7 +10,6 @@ and rank while the daemon watches.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import subprocess
@@ -20,19 +19,13 @@ from pathlib import Path
 
 import pytest
 from helpers import events, scrape, value
+from helpers import scrape_until as until
+from helpers import start_announcing as start
+from helpers import unique_value as get
 
 pytestmark = pytest.mark.slow
 
 _INTEGRATION = Path(__file__).parents[1] / "integration"
-_spec = importlib.util.spec_from_file_location(
-    "daemon_process_helpers", _INTEGRATION / "test_daemon_processes.py"
-)
-assert _spec is not None and _spec.loader is not None
-_helpers = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_helpers)
-_start, _until, _get = _helpers._start, _helpers._until, _helpers._get
-processes = _helpers.processes  # the fixture: every started process group is killed after
-
 TRAINEE = _INTEGRATION / "trainee.py"
 
 
@@ -61,19 +54,19 @@ def _wait_steps(url: str, at_least: float, timeout: float = 30.0) -> float:
 def test_trainee_killed_mid_run_and_restarted_leaves_whole_records_and_the_daemon_follows(
     tmp_path: Path, processes: list[subprocess.Popen[str]]
 ) -> None:
-    daemon, daemon_url = _start(_daemon(tmp_path))
-    first, first_url = _start(_trainee(tmp_path, "--nan-at-step", "5"))
+    daemon, daemon_url = start(_daemon(tmp_path))
+    first, first_url = start(_trainee(tmp_path, "--nan-at-step", "5"))
     processes += [daemon, first]
-    _until(daemon_url, lambda s: _get(s, "stabmon_process_up", pid=str(first.pid)) == 1)
+    until(daemon_url, lambda s: get(s, "stabmon_process_up", pid=str(first.pid)) == 1)
     _wait_steps(first_url, 40)  # mid-run: past the NaN, between epoch records
 
     os.kill(first.pid, signal.SIGKILL)
     first.wait(10)
-    _until(daemon_url, lambda s: _get(s, "stabmon_process_up", pid=str(first.pid)) == 0)
+    until(daemon_url, lambda s: get(s, "stabmon_process_up", pid=str(first.pid)) == 0)
 
-    second, second_url = _start(_trainee(tmp_path))
+    second, second_url = start(_trainee(tmp_path))
     processes.append(second)
-    samples = _until(daemon_url, lambda s: _get(s, "stabmon_process_up", pid=str(second.pid)) == 1)
+    samples = until(daemon_url, lambda s: get(s, "stabmon_process_up", pid=str(second.pid)) == 1)
     up = [v for (n, labels), v in samples.items() if n == "stabmon_process_up"]
     assert up == [1.0]  # the rank's record now names the new process only
     assert _wait_steps(second_url, 5) >= 5  # the new process's own counters start from 0
@@ -97,10 +90,10 @@ def test_trainee_killed_mid_run_and_restarted_leaves_whole_records_and_the_daemo
 def test_daemon_killed_and_restarted_leaves_training_running_and_finds_it_again(
     tmp_path: Path, processes: list[subprocess.Popen[str]]
 ) -> None:
-    trainee, trainee_url = _start(_trainee(tmp_path))
-    first, first_url = _start(_daemon(tmp_path))
+    trainee, trainee_url = start(_trainee(tmp_path))
+    first, first_url = start(_daemon(tmp_path))
     processes += [trainee, first]
-    _until(first_url, lambda s: _get(s, "stabmon_process_up", pid=str(trainee.pid)) == 1)
+    until(first_url, lambda s: get(s, "stabmon_process_up", pid=str(trainee.pid)) == 1)
 
     os.killpg(first.pid, signal.SIGKILL)
     first.wait(10)
@@ -108,13 +101,13 @@ def test_daemon_killed_and_restarted_leaves_training_running_and_finds_it_again(
     after = _wait_steps(trainee_url, before + 20)  # training never noticed
     assert trainee.poll() is None and after > before
 
-    second, second_url = _start(_daemon(tmp_path))
+    second, second_url = start(_daemon(tmp_path))
     processes.append(second)
-    samples = _until(
+    samples = until(
         second_url,
         lambda s: (
-            _get(s, "stabmon_process_up", pid=str(trainee.pid)) == 1
-            and (_get(s, "stabmon_heartbeat_age_seconds", rank="0") or 99) < 5
+            get(s, "stabmon_process_up", pid=str(trainee.pid)) == 1
+            and (get(s, "stabmon_heartbeat_age_seconds", rank="0") or 99) < 5
         ),
     )
-    assert _get(samples, "stabmon_process_up", rank="0", run="job") == 1
+    assert get(samples, "stabmon_process_up", rank="0", run="job") == 1
