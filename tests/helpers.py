@@ -72,7 +72,7 @@ def value(
     samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str
 ) -> float | None:
     """The one sample called ``name`` whose labels include ``labels``; None when absent."""
-    matches = [v for (n, lbl), v in samples.items() if n == name and set(labels.items()) <= lbl]
+    matches = _matching(samples, name, labels)
     assert len(matches) <= 1, f"{name}{labels} matches {len(matches)} samples"
     return matches[0] if matches else None
 
@@ -82,8 +82,14 @@ def unique_value(
 ) -> float | None:
     """As :func:`value`, but None rather than an error when several samples match (a rank
     restarted: its dead and its new process both report for a while)."""
-    found = [v for (n, lbl), v in samples.items() if n == name and set(labels.items()) <= lbl]
-    return found[0] if len(found) == 1 else None
+    matches = _matching(samples, name, labels)
+    return matches[0] if len(matches) == 1 else None
+
+
+def _matching(
+    samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, labels: dict[str, str]
+) -> list[float]:
+    return [v for (n, lbl), v in samples.items() if n == name and set(labels.items()) <= lbl]
 
 
 def scrape_until(

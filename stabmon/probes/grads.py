@@ -100,6 +100,9 @@ class _Bucket:
     positions: tuple[int, ...]
     device: torch.device
     dtype: torch.dtype
+    #: The dtype norms are computed in: fp64 for fp64 gradients, else fp32 (fp16/bf16 would
+    #: overflow). Fixed with the layout, so the hot path only compares it.
+    norm_dtype: torch.dtype
 
 
 class GradProbe:
@@ -313,7 +316,7 @@ class GradProbe:
 
     def _bucket_norms(self, index: int, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         bucket = self._buckets[index]
-        norm_dtype = torch.float64 if bucket.dtype == torch.float64 else torch.float32
+        norm_dtype = bucket.norm_dtype
         if index not in self._per_tensor_buckets:
             try:
                 if bucket.dtype == norm_dtype:
@@ -384,7 +387,12 @@ def _bucket(params: Sequence[torch.Tensor]) -> tuple[_Bucket, ...]:
     for position, param in enumerate(params):
         positions.setdefault((param.device, param.dtype), []).append(position)
     return tuple(
-        _Bucket(positions=tuple(items), device=device, dtype=dtype)
+        _Bucket(
+            positions=tuple(items),
+            device=device,
+            dtype=dtype,
+            norm_dtype=torch.float64 if dtype == torch.float64 else torch.float32,
+        )
         for (device, dtype), items in positions.items()
     )
 

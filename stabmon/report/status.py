@@ -4,10 +4,10 @@ Each URL is scraped once over HTTP, or HTTPS with ``--cafile`` and
 ``--basic-auth-file`` for exporters that serve TLS and basic auth, and parsed
 with prometheus-client's parser; metric names come from :mod:`stabmon.contract`.
 Without URLs, the exporters registered in the run directory (``metrics_url`` of
-each live process record, see :mod:`stabmon.rundir`) are scraped. A rank is unhealthy when it is
-stalled, suspected of leaking memory, has seen a non-finite gradient or loss,
-or does not answer; ``stabmon status`` then exits 1, so it serves as a health
-check in scripts and Kubernetes probes.
+each live process record, see :mod:`stabmon.rundir`) are scraped. A rank is
+unhealthy when it is stalled, suspected of leaking memory, has seen a
+non-finite gradient or loss, or does not answer; ``stabmon status`` then exits
+1, so it serves as a health check in scripts and Kubernetes probes.
 
 The step rate is the steps counted by the step-duration histogram divided by
 its sum: steps per second of training time, over the process's life.

@@ -167,15 +167,21 @@ def test_off_mode_checks_nothing(attach: MonitorFactory) -> None:
     assert _anomalies(monitor) == 0
 
 
+@pytest.fixture
+def two_visible_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA's two answers the LOCAL_RANK check reads, faked: available, two devices. No GPU
+    here: the model stays on the CPU, and everything else about the Monitor is real."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+
+
+@pytest.mark.usefixtures("two_visible_gpus")
 def test_a_local_rank_with_no_cuda_device_of_its_own_is_one_anomaly_at_attach(
     attach: MonitorFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # torchrun started more ranks than this process sees GPUs. No GPU here: CUDA's two answers
-    # are faked, the model stays on the CPU, and everything else about the Monitor is real.
+    # torchrun started more ranks than this process sees GPUs.
     monkeypatch.setenv("LOCAL_RANK", "3")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     model = TwoInputs()
     monitor = attach(model, torch.optim.SGD(model.parameters(), lr=0.1))
     assert _anomalies(monitor) == 1
@@ -187,12 +193,11 @@ def test_a_local_rank_with_no_cuda_device_of_its_own_is_one_anomaly_at_attach(
     assert "CUDA_VISIBLE_DEVICES='0,1'" in finding["detail"]
 
 
+@pytest.mark.usefixtures("two_visible_gpus")
 def test_a_local_rank_within_the_visible_devices_is_no_anomaly(
     attach: MonitorFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("LOCAL_RANK", "1")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     model = TwoInputs()
     monitor = attach(model, torch.optim.SGD(model.parameters(), lr=0.1))
     assert _anomalies(monitor) == 0
