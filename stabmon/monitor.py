@@ -55,7 +55,7 @@ from stabmon.probes.environment import (
     environment_record,
     process_identity,
 )
-from stabmon.probes.grads import GradProbe, GradSample, GradSummary
+from stabmon.probes.grads import GradLayout, GradProbe, GradSample, GradSummary
 from stabmon.probes.identity import cuda_identities, driver_version, local_rank_problem
 from stabmon.probes.loader import WorkerWatch, loader_problem
 from stabmon.probes.memory import HostMemory, MemorySampler, cuda_devices
@@ -224,7 +224,7 @@ class Monitor:
             cfg.memory_snapshot_steps, self._paths.run_directory, self.rank
         )
         self._dead: DeadGradients | None = None
-        self._dead_layout: tuple[int, int] = (0, -1)
+        self._dead_layout: GradLayout | None = None  # the layout self._dead was built for
         self._param_signature = _param_signature(optimizer)
         self._measure_every = cfg.measure_every
         self._window_steps = cfg.window_steps
@@ -462,12 +462,13 @@ class Monitor:
         Losses observed inside a named phase (``with mon.phase("eval")``) are
         evaluation losses and are left out of the training loss series.
         """
-        if loss is None or self._detached or self._timer.in_named_phase:
+        timer = self._timer
+        if loss is None or self._detached or timer.in_named_phase:
             return
         try:
             step = self._recorder.global_step
-            in_iteration = self._timer.in_iteration
-            if not self._timer.forward_seen:
+            in_iteration = timer.in_iteration
+            if not timer.forward_seen:
                 # Hooks inside a compiled forward never fire: a loop that observes before its
                 # optimizer step makes its first observe() before the first step.
                 if self._observes_before_step is None:
@@ -724,16 +725,16 @@ class Monitor:
     def _judge_dead(self, probe: GradProbe, step: int, summary: GradSummary) -> None:
         """Feed the dead-branch detector; a new layout (model moved, params changed) restarts it."""
         dead = self._dead
-        layout = self._dead_layout
-        if dead is None or layout[1] != probe.layout_version or layout[0] != id(probe):
+        if dead is None or self._dead_layout is not summary.layout:
             empty = set(probe.empty_shards)
             names = [n for i, n in enumerate(probe.packed_names) if i not in empty]
             groups = [g for i, g in enumerate(probe.packed_groups) if i not in empty]
-            dead = DeadGradients(names, groups, self.config.dead_grad_steps)
-            self._dead, self._dead_layout = dead, (id(probe), probe.layout_version)
+            dead = self._dead = DeadGradients(names, groups, self.config.dead_grad_steps)
+            self._dead_layout = summary.layout
         norms = summary.tensor_norms
-        if probe.empty_shards:
-            empty = set(probe.empty_shards)
+        empty_shards = probe.empty_shards
+        if empty_shards:
+            empty = set(empty_shards)
             norms = [n for i, n in enumerate(norms) if i not in empty]
         report = dead.update(norms, summary.zero_grad_params)
         if report.newly_dead or report.revived or not self._readings.dead_grad_params:

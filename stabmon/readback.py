@@ -55,8 +55,14 @@ class Readback(Generic[Tag]):
         self._free: dict[tuple[int, torch.dtype], list[_Slot]] = {}
         self.dropped = 0
 
-    def submit(self, tag: Tag, values: torch.Tensor) -> None:
-        """Start reading ``values`` (a 1-D tensor) back to the host; returns at once."""
+    def submit(self, tag: Tag, values: torch.Tensor | list[float]) -> None:
+        """Start reading ``values`` (a 1-D tensor) back to the host; returns at once.
+
+        A list is values already on the host: ready at the next poll, like a CPU tensor.
+        """
+        if isinstance(values, list):
+            self._ready.append((tag, values))
+            return
         if values.is_cpu:  # a flag read; `.device.type` builds a device object every step
             # Host memory already: reading it is no device synchronisation.
             self._ready.append((tag, values.tolist()))

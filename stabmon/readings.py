@@ -16,10 +16,11 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from stabmon.contract import ANOMALY_KINDS, PHASES
 
-__all__ = ["DEFAULT_SECONDS_BUCKETS", "DeviceMemory", "Histogram", "Readings"]
+__all__ = ["DEFAULT_SECONDS_BUCKETS", "DeviceMemory", "GradReading", "Histogram", "Readings"]
 
 #: Step and wait buckets from 1 ms to 10 min: fast CPU steps to slow large-model steps.
 DEFAULT_SECONDS_BUCKETS: tuple[float, ...] = (
@@ -56,6 +57,27 @@ class Histogram:
         return sum(self._counts)
 
 
+class GradReading(Protocol):
+    """A measured step's gradients (:class:`stabmon.probes.grads.GradSummary`).
+
+    The total and the zero count are plain numbers; the sums per module group and
+    per placement are computed when read, so the training thread stores one
+    reference per step and a scrape pays for the sums.
+    """
+
+    @property
+    def total_norm(self) -> float: ...
+
+    @property
+    def zero_grad_params(self) -> int: ...
+
+    @property
+    def group_norms(self) -> dict[str, float]: ...
+
+    @property
+    def placement_squares(self) -> tuple[float, float]: ...
+
+
 @dataclass
 class DeviceMemory:
     """Allocator figures of one device, in bytes."""
@@ -84,13 +106,11 @@ class Readings:
 
     #: Label values of stabmon_device_info, one mapping per CUDA device (set at attach).
     device_info: list[dict[str, str]] = field(default_factory=list)
-    grad_norm: float | None = None
-    #: Squared norms by placement ("replicated", "sharded"); empty before the first measurement.
-    grad_norm_squared: dict[str, float] = field(default_factory=dict)
-    module_grad_norms: dict[str, float] = field(default_factory=dict)
+    #: The last measured gradients, replaced whole at each measured step (one store); the
+    #: figures below are derived from it when read.
+    grads: GradReading | None = None
     nonfinite_grad_steps: int = 0
     nonfinite_losses: int = 0
-    zero_grad_params: int | None = None
     #: Dead parameters per module group (see stabmon.detectors.dead); empty before measuring.
     dead_grad_params: dict[str, int] = field(default_factory=dict)
     loss: float | None = None
@@ -111,6 +131,32 @@ class Readings:
     device_phase_seconds: dict[str, float] = field(default_factory=dict)
     device_utilization: dict[str, float] = field(default_factory=dict)
     device_step_duration: Histogram = field(default_factory=Histogram)
+
+    @property
+    def grad_norm(self) -> float | None:
+        grads = self.grads
+        return None if grads is None else grads.total_norm
+
+    @property
+    def zero_grad_params(self) -> int | None:
+        grads = self.grads
+        return None if grads is None else grads.zero_grad_params
+
+    @property
+    def module_grad_norms(self) -> dict[str, float]:
+        """Norm per module group; empty before the first measurement."""
+        grads = self.grads
+        return {} if grads is None else grads.group_norms
+
+    @property
+    def grad_norm_squared(self) -> dict[str, float]:
+        """Squared norms by placement ("replicated", "sharded"); empty before the first
+        measurement."""
+        grads = self.grads
+        if grads is None:
+            return {}
+        replicated, sharded = grads.placement_squares
+        return {"replicated": replicated, "sharded": sharded}
 
     def add_phase_time(self, phase: str, seconds: float) -> None:
         self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + seconds

@@ -74,18 +74,11 @@ class Recorder:
     ) -> None:
         """One measured step's gradients; ``offenders(summary)`` names the non-finite ones
         (called only then: it walks every norm)."""
-        readings = self._readings
-        readings.grad_norm = summary.total_norm
-        readings.grad_norm_squared = {
-            "replicated": summary.replicated_sq,
-            "sharded": summary.sharded_sq,
-        }
-        readings.module_grad_norms = summary.group_norms
-        readings.zero_grad_params = summary.zero_grad_params
+        self._readings.grads = summary  # group sums are computed when a scrape reads them
         if step >= self._sampler.due:  # between samples: this comparison is all
             self._sampler.grads(step, summary.total_norm, summary.group_norms)
         if summary.nonfinite:
-            readings.nonfinite_grad_steps += 1
+            self._readings.nonfinite_grad_steps += 1
             names = offenders(summary)
             self.anomaly(
                 "nonfinite_grad",
@@ -97,13 +90,9 @@ class Recorder:
                 modules=sorted({name.rsplit(".", 1)[0] for name in names}),
             )
             return
-        self._spike(
-            "grad_spike",
-            "gradient norm",
-            "grad_norm",
-            step,
-            self._grad_spikes.update(summary.total_norm),
-        )
+        spike = self._grad_spikes.update(summary.total_norm)
+        if spike is not None:
+            self._spike("grad_spike", "gradient norm", "grad_norm", step, spike)
 
     def loss(self, step: int, value: float) -> None:
         readings = self._readings
@@ -116,10 +105,12 @@ class Recorder:
                 "nonfinite_loss", step, f"non-finite loss {value} at step {step}", loss=value
             )
             return
-        self._spike("loss_spike", "loss", "loss", step, self._loss_spikes.update(value))
+        spike = self._loss_spikes.update(value)
+        if spike is not None:
+            self._spike("loss_spike", "loss", "loss", step, spike)
 
-    def _spike(self, kind: str, what: str, field: str, step: int, spike: Spike | None) -> None:
-        if spike is None or spike.run_length != 1:  # one incident, one anomaly
+    def _spike(self, kind: str, what: str, field: str, step: int, spike: Spike) -> None:
+        if spike.run_length != 1:  # one incident, one anomaly
             return
         self.anomaly(
             kind,

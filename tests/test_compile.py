@@ -181,6 +181,17 @@ def test_stabmon_hooks_cause_no_graph_break_when_breaks_are_allowed(
     assert value(scrape(monitor.metrics_url), "stabmon_steps_total") == 2
 
 
+def test_non_strict_export_of_an_attached_model_is_no_training_forward(
+    attach: MonitorFactory,
+) -> None:
+    model = Net()
+    monitor = attach(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    torch.export.export(model, (_batch(0),), strict=False)  # runs the hooks, eagerly, tracing
+    samples = scrape(monitor.metrics_url)
+    assert value(samples, "stabmon_phase_seconds_total", phase="forward") == 0
+    assert value(samples, "stabmon_internal_errors_total", component="hooks") == 0
+
+
 def test_graph_break_checks_see_a_break_inside_a_forward_hook() -> None:
     def breaking_hook(module: torch.nn.Module, args: Any) -> None:
         torch._dynamo.graph_break()

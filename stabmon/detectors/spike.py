@@ -37,6 +37,7 @@ REL_STD_FLOOR = 1e-3
 # Keeps the z-score finite for a series that sits at exactly zero.
 ABS_STD_FLOOR = 1e-12
 
+_INF = math.inf
 _STATE_KEYS = frozenset({"count", "mean", "var"})
 
 
@@ -104,32 +105,53 @@ class SpikeDetector:
         deviations above the mean, else None. Non-finite values (and values <= 0 when
         log_scale) are ignored: the state does not change and the result is None.
         """
-        if not math.isfinite(value) or (self._log_scale and value <= 0):
-            return None
-        x = math.log(value) if self._log_scale else float(value)
-        spike = None
-        if self._count < self._warmup:
-            # A weight of 1/n makes the update below the plain running mean and variance.
-            weight = 1.0 / (self._count + 1)
+        if self._log_scale:
+            if not 0.0 < value < _INF:  # NaN fails every comparison
+                return None
+            x = math.log(value)
+        elif -_INF < value < _INF:
+            x = value
         else:
-            # _effective_std(), inlined: this runs for every loss and every gradient norm.
-            relative = REL_STD_FLOOR if self._log_scale else REL_STD_FLOOR * abs(self._mean)
-            std = max(math.sqrt(self._var), relative, ABS_STD_FLOOR)
-            zscore = (x - self._mean) / std
-            if zscore > self._threshold:
+            return None
+        # Comparisons and locals rather than max() and attribute round trips: this runs for
+        # every loss and every gradient norm.
+        mean = self._mean
+        count = self._count
+        spike = None
+        if count < self._warmup:
+            # A weight of 1/n makes the update below the plain running mean and variance.
+            weight = 1.0 / (count + 1)
+        else:
+            # _effective_std(), inlined.
+            std = math.sqrt(self._var)
+            relative = REL_STD_FLOOR if self._log_scale else REL_STD_FLOOR * abs(mean)
+            if std < relative:
+                std = relative
+            if std < ABS_STD_FLOOR:
+                std = ABS_STD_FLOOR
+            zscore = (x - mean) / std
+            threshold = self._threshold
+            if zscore > threshold:
                 self._run += 1
-                mean = math.exp(self._mean) if self._log_scale else self._mean
-                spike = Spike(value=float(value), zscore=zscore, mean=mean, run_length=self._run)
+                spike = Spike(
+                    value=float(value),
+                    zscore=zscore,
+                    mean=math.exp(mean) if self._log_scale else mean,
+                    run_length=self._run,
+                )
             else:
                 self._run = 0
-            bound = self._threshold * std
-            x = min(max(x, self._mean - bound), self._mean + bound)
+            bound = threshold * std
+            if x > mean + bound:
+                x = mean + bound
+            elif x < mean - bound:
+                x = mean - bound
             weight = self._alpha
-        diff = x - self._mean
+        diff = x - mean
         increment = weight * diff
-        self._mean += increment
+        self._mean = mean + increment
         self._var = (1.0 - weight) * (self._var + diff * increment)
-        self._count += 1
+        self._count = count + 1
         return spike
 
     def state_dict(self) -> dict[str, float | int]:

@@ -4,15 +4,18 @@
 launch per (device, dtype) bucket, and one ``stack`` packs them into a 1-D
 tensor: that is all the device does, the floor of reading every gradient once.
 Everything else is reduced on the host from those per-tensor norms when they
-are read back a step later (one asynchronous copy of a few bytes per tensor):
-squared norms summed per module group and in total (numpy, fp64), all-zero
-gradients counted, and the non-finite check, which needs no pass of its own: a
-NaN or Inf anywhere makes the total NaN or Inf. Each launch costs the host a
-few microseconds of dispatch; doing the sums on the device cost five more
-launches per step for a handful of numbers. Half-precision gradients are normed
-in fp32 and the sums run in fp64, so a large but finite norm cannot overflow
-into a false "non-finite". This module knows nothing of hooks, threads or
-metrics: tensors in, numbers out.
+are read back a step later (one asynchronous copy of a few bytes per tensor).
+Every step needs only the total, for the spike and non-finite checks, and the
+count of all-zero gradients: one ``math.hypot`` and one ``list.count``, both in
+C. The non-finite check needs no pass of its own: a NaN or Inf anywhere makes
+the total NaN or Inf. Sums per module group and per placement are computed
+when somebody reads them (a scrape, a step sample), from the last step's norms
+and the :class:`GradLayout`: most steps nobody does. Each device launch costs
+the host a few microseconds of dispatch; doing the sums on the device cost five
+more launches per step for a handful of numbers. Half-precision gradients are
+normed in fp32 and the host sums run in fp64 (``hypot`` rescales, so a large
+but finite norm cannot overflow into a false "non-finite"). This module knows
+nothing of hooks, threads or metrics: tensors in, numbers out.
 
 Sharded parameters (FSDP2's ``fully_shard`` and tensor parallelism: DTensors with
 a ``Shard`` placement; FSDP1's flat parameters) hold only this rank's shard of
@@ -36,10 +39,13 @@ from typing import Any, NamedTuple, cast
 import numpy as np
 import torch
 
-__all__ = ["GradProbe", "GradSample", "GradSummary", "Packed", "group_name"]
+__all__ = ["GradLayout", "GradProbe", "GradSample", "GradSummary", "Packed", "group_name"]
 
-#: Up to this many tensors, the host sums run in plain Python (numpy's call overhead is larger).
+#: Up to this many tensors, the group sums run in plain Python (numpy's call overhead is larger).
 _SMALL = 64
+#: Up to this many CPU tensors, their norms are read one by one rather than stacked first: a
+#: ``stack`` costs the host as much as reading about 16 zero-dimensional tensors (callgrind).
+_READ_UNSTACKED = 16
 #: Label of the module group that collects parameters beyond ``max_modules`` groups.
 OTHER_GROUP = "other"
 #: Label of parameters that sit directly on the root module (``bias`` rather than ``fc.bias``).
@@ -69,28 +75,94 @@ class GradSample(NamedTuple):
     tuple is the cheapest immutable record to build.
     """
 
-    packed: torch.Tensor
+    #: The per-tensor norms: a 1-D device tensor, or already host floats (a few CPU tensors).
+    packed: torch.Tensor | list[float]
     #: Gradients that were None (they are measured as zero placeholders).
     none_count: int
+
+
+class GradLayout:
+    """How the per-tensor norms of one probe layout add up to module groups and placements.
+
+    Built once per layout and never changed, so a summary can carry it to a
+    reader on another thread (the exporter's scrape): the sums are computed
+    there, when read, rather than at every step.
+    """
+
+    def __init__(
+        self,
+        groups: tuple[str, ...],
+        group_of: Sequence[int],
+        placement_index: np.ndarray[Any, Any] | None,
+        placement_weights: np.ndarray[Any, Any] | None,
+    ) -> None:
+        """``group_of[i]`` is the group of the i-th packed norm; ``placement_index[i]`` is 1
+        for a sharded gradient (None: nothing is sharded), weighted by ``placement_weights``."""
+        self.groups = groups
+        self._group_of = tuple(group_of)
+        self._group_index = np.array(group_of, dtype=np.intp)
+        self._placement_index = placement_index
+        self._placement_weights = placement_weights
+
+    def group_norms(self, tensor_norms: Sequence[float]) -> dict[str, float]:
+        """The L2 norm of each module group; a NaN stays in its own group.
+
+        ``bincount`` sums each group separately (a product with an indicator matrix
+        would spread ``0 * NaN`` to every group).
+        """
+        group_sq: list[float]
+        if len(tensor_norms) <= _SMALL:  # a few tensors: plain Python beats numpy's overhead
+            group_sq = [0.0] * len(self.groups)
+            for group, norm in zip(self._group_of, tensor_norms, strict=True):
+                group_sq[group] += norm * norm
+        else:
+            norms = np.asarray(tensor_norms, dtype=np.float64)
+            group_sq = np.bincount(
+                self._group_index, weights=norms * norms, minlength=len(self.groups)
+            ).tolist()
+        return {name: _sqrt(sq) for name, sq in zip(self.groups, group_sq, strict=True)}
+
+    def placement_squares(self, tensor_norms: Sequence[float]) -> tuple[float, float]:
+        """``(replicated, sharded)`` squared norms: this rank's share of the sharded part.
+
+        Without sharding everything is replicated: every rank holds the whole gradient.
+        """
+        if self._placement_index is None:
+            total = math.fsum(norm * norm for norm in tensor_norms)
+            return total, 0.0
+        norms = np.asarray(tensor_norms, dtype=np.float64)
+        squares = norms * norms
+        if self._placement_weights is not None:
+            squares = squares * self._placement_weights
+        replicated, sharded = np.bincount(self._placement_index, weights=squares, minlength=2)
+        return float(replicated), float(sharded)
 
 
 class GradSummary(NamedTuple):
     """A measurement read back on the host.
 
-    A named tuple for the reason GradSample is one: one is built every measured step.
+    A named tuple for the reason GradSample is one: one is built every measured
+    step. It holds what every step needs (the total and the zero count); group
+    and placement sums are properties, computed from ``layout`` when read.
     """
 
     total_norm: float
-    group_norms: dict[str, float]
     #: Trainable tensors whose gradient was None or all zero.
     zero_grad_params: int
     nonfinite: bool
     tensor_norms: list[float]
-    #: This rank's share of the squared norm of sharded gradients: its shards' squared norm
-    #: divided by how many ranks hold the same shard (0.0 without sharding).
-    sharded_sq: float = 0.0
-    #: Squared norm of the gradients every rank holds whole (all of them without sharding).
-    replicated_sq: float = 0.0
+    layout: GradLayout
+
+    @property
+    def group_norms(self) -> dict[str, float]:
+        return self.layout.group_norms(self.tensor_norms)
+
+    @property
+    def placement_squares(self) -> tuple[float, float]:
+        """``(replicated, sharded)``: the squared norm of the gradients every rank holds whole
+        (all of them without sharding), and this rank's share of the squared norm of sharded
+        ones, its shards' squared norm divided by how many ranks hold the same shard."""
+        return self.layout.placement_squares(self.tensor_norms)
 
 
 @dataclass(frozen=True)
@@ -136,6 +208,9 @@ class GradProbe:
         )
         # Buckets whose fused launch failed on sparse gradients: normed per tensor from then on.
         self._per_tensor_buckets: set[int] = set()
+        # Whether some gradient was ever None (unused parameters usually stay so): from then on
+        # each step counts them and measures them as zero placeholders.
+        self._none_seen = False
         self._build()
 
     @property
@@ -165,7 +240,7 @@ class GradProbe:
     @property
     def sharded(self) -> bool:
         """Whether some parameter is sharded across ranks (FSDP, tensor parallelism)."""
-        return bool(self._placement_index is not None)
+        return self._sharded
 
     def trainable_changed(self) -> bool:
         """Whether a candidate parameter was frozen or unfrozen since the probe was built."""
@@ -180,6 +255,16 @@ class GradProbe:
             grad = grads[position]
             if grad is not None:
                 grads[position] = grad.to_local()  # type: ignore[attr-defined]
+        if not self._none_seen:
+            # Every gradient has been present so far (the usual case): no count, and a None
+            # appearing now makes the fused launch refuse the list, which switches to counting.
+            try:
+                packed = self._pack(grads)  # type: ignore[arg-type]  # a None raises: below
+                return GradSample(packed=packed, none_count=0)
+            except (TypeError, AttributeError):  # per-tensor (sparse) norms meet None.is_sparse
+                if not any(grad is None for grad in grads):
+                    raise
+                self._none_seen = True
         # A comprehension, not `None in grads` (which would call Tensor.__eq__) nor a generator.
         none_count = len(grads) - len([grad for grad in grads if grad is not None])
         if none_count == len(grads):
@@ -193,70 +278,38 @@ class GradProbe:
             if none_count
             else grads,
         )
+        return GradSample(packed=self._pack(present), none_count=none_count)
+
+    def _pack(self, grads: list[torch.Tensor]) -> torch.Tensor | list[float]:
+        """The per-tensor norms of ``grads`` (one per parameter, none None) as one 1-D tensor,
+        or as host floats when a few CPU tensors are read directly (no device to wait for)."""
         if len(self._buckets) == 1:  # then every parameter is on self.device already
-            packed = torch.stack(self._bucket_norms(0, present))
-        else:
-            packed = torch.cat(
-                [
-                    torch.stack(
-                        self._bucket_norms(index, [present[p] for p in bucket.positions])
-                    ).to(self.device, self._norm_dtype, non_blocking=True)
-                    for index, bucket in enumerate(self._buckets)
-                ]
-            )
-        return GradSample(packed=packed, none_count=none_count)
+            norms = self._bucket_norms(0, grads)
+            if self._read_unstacked:
+                # 0-d CPU tensors: host memory already, and tolist() of one is a float.
+                return [norm.tolist() for norm in norms]  # type: ignore[misc]
+            return torch.stack(norms)
+        return torch.cat(
+            [
+                torch.stack(self._bucket_norms(index, [grads[p] for p in bucket.positions])).to(
+                    self.device, self._norm_dtype, non_blocking=True
+                )
+                for index, bucket in enumerate(self._buckets)
+            ]
+        )
 
     def summarize(self, values: Sequence[float]) -> GradSummary:
-        """Turn read-back per-tensor norms into host numbers (numpy, fp64).
+        """Turn read-back per-tensor norms into the numbers every step needs.
 
-        ``bincount`` sums each group separately, so a NaN stays in its own group
-        (a product with an indicator matrix would spread ``0 * NaN`` to all).
+        ``math.hypot`` is the total norm in one C call: a NaN makes it NaN, an Inf
+        makes it Inf (even beside a NaN), so ``nonfinite`` is a check of the total.
         """
         tensor_norms = values if type(values) is list else list(values)  # poll() hands a new list
-        group_sq: list[float]
-        if len(tensor_norms) <= _SMALL and self._placement_index is None:
-            # A few tensors: plain Python beats numpy's per-call overhead.
-            group_sq = [0.0] * len(self.groups)
-            total_sq = 0.0
-            for group, norm in zip(self._group_list, tensor_norms, strict=True):
-                square = norm * norm
-                group_sq[group] += square
-                total_sq += square  # NaN and Inf propagate: the non-finite check
-            replicated_sq, sharded_sq = total_sq, 0.0
-        else:
-            norms = np.asarray(tensor_norms, dtype=np.float64)
-            squares = norms * norms
-            group_sq = np.bincount(
-                self._group_index, weights=squares, minlength=len(self.groups)
-            ).tolist()
-            total_sq = float(squares.sum())  # NaN and Inf propagate: the non-finite check
-            if self._placement_index is not None:
-                shares = (
-                    squares
-                    if self._placement_weights is None
-                    else squares * self._placement_weights
-                )
-                replicated_sq, sharded_sq = (
-                    float(x)
-                    for x in np.bincount(self._placement_index, weights=shares, minlength=2)
-                )
-            else:
-                replicated_sq, sharded_sq = total_sq, 0.0
+        total = math.hypot(*tensor_norms)
         zero = tensor_norms.count(0.0)  # None gradients are zero placeholders
         if self._empty_shards:  # a rank whose shard of a small tensor is empty holds no gradient
             zero -= sum(tensor_norms[order] == 0.0 for order in self._empty_shards)
-        return GradSummary(
-            total_norm=_sqrt(total_sq),
-            group_norms={
-                name: math.sqrt(sq) if sq >= 0 else math.nan  # _sqrt, inlined: once per group
-                for name, sq in zip(self.groups, group_sq, strict=True)
-            },
-            zero_grad_params=zero,
-            nonfinite=not math.isfinite(total_sq),
-            tensor_norms=tensor_norms,
-            sharded_sq=sharded_sq,
-            replicated_sq=replicated_sq,
-        )
+        return GradSummary(total, zero, not math.isfinite(total), tensor_norms, self.layout)
 
     def nonfinite_offenders(self, summary: GradSummary, limit: int = 5) -> list[str]:
         """Names of the first parameters whose gradient norm is NaN or Inf (slow path)."""
@@ -270,9 +323,13 @@ class GradProbe:
 
     def _build(self) -> None:
         """Buckets, zero placeholders and the group index for where the parameters are now."""
-        self.layout_version = getattr(self, "layout_version", -1) + 1
         self._buckets = _bucket(self._params)
         self.device: torch.device = self._params[0].device if self._params else torch.device("cpu")
+        self._read_unstacked = (
+            len(self._buckets) == 1
+            and self.device.type == "cpu"
+            and len(self._params) <= _READ_UNSTACKED
+        )
         self._placed_as = (self.device, self._params[0].dtype if self._params else None)
         # Order of the per-tensor norms in the packed result: bucket order.
         self._order: tuple[int, ...] = tuple(
@@ -286,16 +343,16 @@ class GradProbe:
         # Several buckets are concatenated in one dtype: fp64 only if some gradient is fp64.
         any_fp64 = any(bucket.dtype == torch.float64 for bucket in self._buckets)
         self._norm_dtype = torch.float64 if any_fp64 else torch.float32
-        self._group_list = [self._group_of[p] for p in self._order]
-        self._group_index = np.array(self._group_list, dtype=np.intp)
         sharded = [_is_sharded(self._params[p]) for p in self._order]
         self._distributed_positions = tuple(
             position for position, param in enumerate(self._params) if _is_dtensor(param)
         )
-        self._placement_index = np.array(sharded, dtype=np.intp) if any(sharded) else None
         # A shard held by r replicas (HSDP, tensor parallel x data parallel) is summed r times
         # over the ranks: each rank exports its share, 1/r of its squared norm.
-        self._placement_weights = (
+        self.layout = GradLayout(
+            self.groups,
+            [self._group_of[p] for p in self._order],
+            np.array(sharded, dtype=np.intp) if any(sharded) else None,
             np.array(
                 [
                     1.0 / _replicas(self._params[p]) if s else 1.0
@@ -303,8 +360,9 @@ class GradProbe:
                 ]
             )
             if any(sharded)
-            else None
+            else None,
         )
+        self._sharded = any(sharded)
         self._empty_shards = tuple(
             order
             for order, position in enumerate(self._order)

@@ -30,12 +30,10 @@ class SnapshotRecorder:
         self._rank = rank
         self._memory = memory
         self._until: int | None = None
+        #: Between start() and the dump: an attribute, read at every step by the Monitor.
+        self.recording = False
         self._device = ""
         self.done = False
-
-    @property
-    def recording(self) -> bool:
-        return self._until is not None
 
     def start(self, device: str, step: int) -> bool:
         """Begin recording (once per process); False when off, done or already recording."""
@@ -44,6 +42,7 @@ class SnapshotRecorder:
         self._cuda_memory()._record_memory_history(max_entries=MAX_ENTRIES)
         self._until = step + self._steps
         self._device = device
+        self.recording = True
         return True
 
     def step(self, step: int) -> tuple[str, Path] | None:
@@ -52,7 +51,7 @@ class SnapshotRecorder:
             return None
         memory = self._cuda_memory()
         path = self._directory / f"rank-{self._rank}.memory-snapshot-step{step}.pickle"
-        self._until, self.done = None, True
+        self._until, self.done, self.recording = None, True, False
         try:
             self._directory.mkdir(parents=True, exist_ok=True)
             memory._dump_snapshot(str(path))

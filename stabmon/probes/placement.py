@@ -107,6 +107,10 @@ def audit(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[Misp
     return findings
 
 
+#: What a check that found nothing returns (never appended to): nothing is built per forward.
+_NONE_FOUND: list[Misplaced] = []
+
+
 class InputCheck:
     """Finds forward arguments on another device than the model's parameters.
 
@@ -119,18 +123,12 @@ class InputCheck:
         single = model_device(named_params) is not None
         self._anchor = named_params[0][1] if single and named_params else None
 
-    @property
-    def expected(self) -> torch.device | None:
-        if self._anchor is None:
-            return None
-        device = self._anchor.device  # a new device object per read: read it once
-        return None if device.type == "meta" else device
-
     def check(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[Misplaced]:
         """Every misplaced tensor among ``args`` and ``kwargs`` (metadata only, no sync)."""
-        expected = self.expected
-        if expected is None:
-            return []
+        anchor = self._anchor
+        if anchor is None or anchor.is_meta:  # a flag; `device.type` formats a string per read
+            return _NONE_FOUND
+        expected = anchor.device  # a new device object per read: read it once
         if not kwargs:
             # The usual call, tensors on the model's device: no tree to walk per step. A loop,
             # not all() over a generator: this runs at every forward.
@@ -138,7 +136,7 @@ class InputCheck:
                 if not (isinstance(value, torch.Tensor) and value.device == expected):
                     break
             else:
-                return []
+                return _NONE_FOUND
         found: list[Misplaced] = []
         for path, tensor in _tensors(args, kwargs):
             if _misplaced(tensor, expected):
@@ -173,8 +171,10 @@ class PlacementWatch:
             self._found(finding)
 
     def inputs(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
-        for finding in self._inputs.check(args, kwargs):
-            self._found(finding)
+        found = self._inputs.check(args, kwargs)
+        if found:
+            for finding in found:
+                self._found(finding)
 
     def _found(self, finding: Misplaced) -> None:
         if self.mode == "raise":

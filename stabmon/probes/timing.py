@@ -1,8 +1,8 @@
 """Where the loop's wall time goes: phases, step duration and input wait.
 
 The four hook boundaries (forward start and end on the root module, optimizer
-step start and end) cut the loop into phases; the time between two boundaries
-goes to the phase the loop was in:
+step start and end; see :mod:`stabmon.hooks`) cut the loop into phases; the
+time between two boundaries goes to the phase the loop was in:
 
     step end ──data_wait──▶ forward start ──forward──▶ forward end ──backward──▶
     optimizer start ──optimizer──▶ step end
@@ -70,21 +70,20 @@ class LoopTimer:
         self.in_iteration = False
         #: Whether a training forward was ever seen; never, when the forward runs compiled.
         self.forward_seen = False
+        #: Inside ``mon.phase(...)``: an attribute, not a property, for observe() on every step.
+        self.in_named_phase = False
 
     @property
     def phase(self) -> str:
         return self._named[-1] if self._named else self._state
 
-    @property
-    def in_named_phase(self) -> bool:
-        return bool(self._named)
-
     def track_loader(self) -> None:
         """From now on input wait is timed around the loader's ``next()`` (``track()``)."""
         self._loader_tracked = True
 
-    # The four boundaries below run every step: they add to ``phase_seconds`` in place
-    # rather than through ``Readings.add_phase_time``, one Python call fewer each.
+    # The four boundaries below run every step: they add to ``phase_seconds`` in place rather
+    # than through ``Readings.add_phase_time``, and enter the next phase inline rather than
+    # through ``_enter``, one Python call fewer each.
 
     def forward_start(self) -> None:
         if self._named:
@@ -99,7 +98,11 @@ class LoopTimer:
         self.forward_seen = True
         phases = self._phases
         phases[state] = phases.get(state, 0.0) + elapsed
-        self._enter(_FORWARD, now)
+        self._state = self._heartbeat.phase = _FORWARD
+        self._mark = now
+        self._loader_seconds = 0.0
+        if self._device_mark is not None:
+            self._device_mark(_FORWARD, False)
 
     def forward_end(self) -> None:
         if self._named:
@@ -108,7 +111,11 @@ class LoopTimer:
         state = self._state
         phases = self._phases
         phases[state] = phases.get(state, 0.0) + (now - self._mark)
-        self._enter(_BACKWARD, now)
+        self._state = self._heartbeat.phase = _BACKWARD
+        self._mark = now
+        self._loader_seconds = 0.0
+        if self._device_mark is not None:
+            self._device_mark(_BACKWARD, False)
 
     def optimizer_start(self) -> None:
         if self._named:
@@ -125,16 +132,22 @@ class LoopTimer:
         else:
             phases = self._phases
             phases[self._state] = phases.get(self._state, 0.0) + elapsed
-        self._enter(_OPTIMIZER, now)
+        self._state = self._heartbeat.phase = _OPTIMIZER
+        self._mark = now
+        self._loader_seconds = 0.0
+        if self._device_mark is not None:
+            self._device_mark(_OPTIMIZER, False)
 
     def optimizer_end(self) -> None:
         """A step completed: count it, beat the heartbeat, start the next data wait."""
         now = self._clock()
         readings = self._readings
-        if not self._named:
+        named = self._named
+        if not named:
             phases = self._phases
             phases[self._state] = phases.get(self._state, 0.0) + (now - self._mark)
-        step_seconds = None if self._last_step_end is None else now - self._last_step_end
+        last = self._last_step_end
+        step_seconds = None if last is None else now - last
         if step_seconds is not None:
             readings.step_duration.observe(step_seconds)
         self._last_step_end = now
@@ -142,8 +155,12 @@ class LoopTimer:
         readings.last_step_unix = time.time()
         self._heartbeat.beat(self._monotonic(), step_seconds)
         self.in_iteration = False
-        if not self._named:
-            self._enter(_DATA_WAIT, now, step_end=True)
+        if not named:
+            self._state = self._heartbeat.phase = _DATA_WAIT
+            self._mark = now
+            self._loader_seconds = 0.0
+            if self._device_mark is not None:
+                self._device_mark(_DATA_WAIT, True)
 
     def loader_wait(self, seconds: float) -> None:
         """Input wait measured around the loader's ``next()`` by ``track()``."""
@@ -167,6 +184,7 @@ class LoopTimer:
         else:
             self._readings.add_phase_time(self._state, now - self._mark)
         self._named.append(name)
+        self.in_named_phase = True
         self._mark = now
         self._loader_seconds = 0.0
         self._heartbeat.progress(self._monotonic())
@@ -179,6 +197,7 @@ class LoopTimer:
         now = self._clock()
         if self._named:
             self._readings.add_phase_time(self._named.pop(), now - self._mark)
+        self.in_named_phase = bool(self._named)
         self._mark = now
         self._loader_seconds = 0.0
         self._heartbeat.progress(self._monotonic())  # silence is measured from the phase's end

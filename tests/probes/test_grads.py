@@ -25,6 +25,10 @@ def _measure(probe: GradProbe):  # type: ignore[no-untyped-def]
     return probe.summarize(values)
 
 
+def _host(packed: torch.Tensor | list[float]) -> list[float]:
+    return packed if isinstance(packed, list) else packed.tolist()
+
+
 def _backward(model: torch.nn.Module, inputs: torch.Tensor) -> None:
     model(inputs).pow(2).sum().backward()
 
@@ -180,11 +184,35 @@ def test_grad_probe_keeps_one_fixed_layout_as_missing_gradients_vary() -> None:
             param.grad = None if i == missing else torch.full((2,), float(i + 1))
         sample = probe.measure()
         assert sample is not None and sample.none_count == 1
-        sizes.add(sample.packed.numel())
+        sizes.add(len(_host(sample.packed)))
         summary = _measure(probe)
         assert summary.zero_grad_params == 1
         assert summary.group_norms[f"expert{missing}"] == 0.0
     assert len(sizes) == 1
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_grad_probe_measures_a_gradient_that_turns_none_after_steps_with_all_present(
+    sparse: bool,
+) -> None:
+    embedding = torch.nn.Embedding(4, 2, sparse=sparse)
+    head = torch.nn.Linear(2, 1)
+    probe = GradProbe([("embedding.weight", embedding.weight), *_named_with(head, "head")])
+    for _ in range(3):  # every gradient present: the fused path without counting
+        head(embedding(torch.tensor([1, 2]))).sum().backward()
+        summary = _measure(probe)
+        assert summary.zero_grad_params == 0
+        embedding.zero_grad(), head.zero_grad()
+    head(torch.ones(1, 2)).sum().backward()  # the embedding is unused this step: its grad is None
+    summary = _measure(probe)
+    assert summary.zero_grad_params == 1
+    assert summary.group_norms["embedding"] == 0.0
+    expected = get_total_norm([head.weight.grad, head.bias.grad])
+    assert summary.total_norm == pytest.approx(float(expected), rel=1e-6)
+
+
+def _named_with(module: torch.nn.Module, prefix: str) -> list[tuple[str, torch.Tensor]]:
+    return [(f"{prefix}.{name}", param) for name, param in module.named_parameters()]
 
 
 def test_grad_probe_follows_parameters_moved_after_it_was_built() -> None:
@@ -207,7 +235,7 @@ def test_grad_probe_keeps_clean_module_norms_finite_when_one_module_is_nan() -> 
     assert math.isnan(summary.group_norms["decoder"])
 
 
-@pytest.mark.parametrize("layers", [3, 40])  # the plain-Python sums, and numpy's beyond 64 tensors
+@pytest.mark.parametrize("layers", [3, 40])  # 6 norms read one by one; 80 stacked, numpy sums
 def test_host_sums_match_torch_and_keep_a_nan_in_its_own_group(layers: int) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(layers)))
@@ -215,7 +243,7 @@ def test_host_sums_match_torch_and_keep_a_nan_in_its_own_group(layers: int) -> N
     probe = GradProbe(list(model.named_parameters()), max_modules=1024)
     sample = probe.measure()
     assert sample is not None
-    summary = probe.summarize(sample.packed.tolist())
+    summary = probe.summarize(_host(sample.packed))
     expected = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
     assert summary.total_norm == pytest.approx(float(expected), rel=1e-6)
     for index, layer in enumerate(model):
@@ -225,7 +253,7 @@ def test_host_sums_match_torch_and_keep_a_nan_in_its_own_group(layers: int) -> N
     model[1].weight.grad[0, 0] = float("nan")
     sample = probe.measure()
     assert sample is not None
-    poisoned = probe.summarize(sample.packed.tolist())
+    poisoned = probe.summarize(_host(sample.packed))
     assert poisoned.nonfinite and math.isnan(poisoned.total_norm)
     assert math.isnan(poisoned.group_norms["1"])
     assert all(math.isfinite(norm) for group, norm in poisoned.group_norms.items() if group != "1")
