@@ -75,6 +75,22 @@ def test_breakdown_parts_are_median_paired_differences_per_step() -> None:
         assert parts[part] == pytest.approx(expected[variant]), part
 
 
+def test_python_us_is_the_median_paired_difference_and_ignores_one_slowed_round() -> None:
+    # 1,000 steps per round: stabmon - floor is 20, 25 and 30 us; the third round's plain and
+    # floor segments were slowed by a neighbour, which a difference of medians would not cancel.
+    rounds = [
+        {"plain": 1.000, "floor": 1.050, "stabmon": 1.070},
+        {"plain": 1.000, "floor": 1.040, "stabmon": 1.065},
+        {"plain": 3.000, "floor": 3.100, "stabmon": 3.130},
+    ]
+    assert overhead.python_us(rounds, 1_000) == pytest.approx(25.0)
+    report = {"workloads": [{"name": "tiny", "rounds": rounds, "steps": 1_000, "rows": [
+        {"variant": "stabmon", "added_us_median": 70.0},
+        {"variant": "floor", "added_us_median": 50.0},
+    ]}]}  # fmt: skip
+    assert "stabmon - floor: 25.0 us (target <= 30 us): met" in overhead.format_targets(report)
+
+
 def test_readme_block_is_refused_without_markers(tmp_path: Path) -> None:
     readme = tmp_path / "README.md"
     readme.write_text("no markers here\n")
