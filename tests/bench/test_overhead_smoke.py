@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import overhead  # noqa: E402 - bench/ is a directory of scripts, not a package
+import instructions  # noqa: E402 - bench/ is a directory of scripts, not a package
+import overhead  # noqa: E402
 from readme_block import BEGIN, END, replace_block  # noqa: E402
 from variants import BREAKDOWN, CORE  # noqa: E402
 
@@ -89,6 +90,15 @@ def test_python_us_is_the_median_paired_difference_and_ignores_one_slowed_round(
         {"variant": "floor", "added_us_median": 50.0},
     ]}]}  # fmt: skip
     assert "stabmon - floor: 25.0 us (target <= 30 us): met" in overhead.format_targets(report)
+
+
+def test_instruction_count_refuses_an_unknown_variant_naming_the_known_ones(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert instructions.main(["stabmon", "no_such_variant"]) == 2
+    printed = capsys.readouterr().out
+    assert "unknown variant(s) no_such_variant" in printed
+    assert "stabmon_hooks_only" in printed  # the breakdown's variants can be counted too
 
 
 def test_readme_block_is_refused_without_markers(tmp_path: Path) -> None:
