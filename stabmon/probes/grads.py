@@ -3,6 +3,7 @@
 ``torch._foreach_norm`` gives the L2 norm of each gradient tensor in one fused
 launch per (device, dtype) bucket, and one ``stack`` packs them into a 1-D
 tensor: that is all the device does, the floor of reading every gradient once.
+(A few CPU tensors skip the stack: their norms are host memory, read one by one.)
 Everything else is reduced on the host from those per-tensor norms when they
 are read back a step later (one asynchronous copy of a few bytes per tensor).
 Every step needs only the total, for the spike and non-finite checks, and the
@@ -69,7 +70,7 @@ def group_name(param_name: str, depth: int) -> str:
 
 
 class GradSample(NamedTuple):
-    """A measurement in flight: the packed device tensor and what the host needs to read it.
+    """A measurement in flight: the packed norms and what the host needs to read them.
 
     A named tuple, not a frozen dataclass: one is built every measured step, and a
     tuple is the cheapest immutable record to build.
