@@ -122,7 +122,8 @@ class SpikeDetector:
             # A weight of 1/n makes the update below the plain running mean and variance.
             weight = 1.0 / (count + 1)
         else:
-            # _effective_std(), inlined.
+            # The running standard deviation, floored. In log space a difference already is a
+            # ratio, so the relative floor applies as is.
             std = math.sqrt(self._var)
             relative = REL_STD_FLOOR if self._log_scale else REL_STD_FLOOR * abs(mean)
             if std < relative:
@@ -178,11 +179,6 @@ class SpikeDetector:
         self._count = count
         self._mean = float(mean)
         self._var = float(var)
-
-    def _effective_std(self) -> float:
-        # In log space a difference already is a ratio, so the relative floor applies as is.
-        relative = REL_STD_FLOOR if self._log_scale else REL_STD_FLOOR * abs(self._mean)
-        return max(math.sqrt(self._var), relative, ABS_STD_FLOOR)
 
 
 def _is_int(value: object) -> TypeGuard[int]:

@@ -107,10 +107,6 @@ def audit(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[Misp
     return findings
 
 
-#: What a check that found nothing returns (never appended to): nothing is built per forward.
-_NONE_FOUND: list[Misplaced] = []
-
-
 class InputCheck:
     """Finds forward arguments on another device than the model's parameters.
 
@@ -127,7 +123,7 @@ class InputCheck:
         """Every misplaced tensor among ``args`` and ``kwargs`` (metadata only, no sync)."""
         anchor = self._anchor
         if anchor is None or anchor.is_meta:  # a flag; `device.type` formats a string per read
-            return _NONE_FOUND
+            return []
         expected = anchor.device  # a new device object per read: read it once
         if not kwargs:
             # The usual call, tensors on the model's device: no tree to walk per step. A loop,
@@ -136,7 +132,7 @@ class InputCheck:
                 if not (isinstance(value, torch.Tensor) and value.device == expected):
                     break
             else:
-                return _NONE_FOUND
+                return []
         found: list[Misplaced] = []
         for path, tensor in _tensors(args, kwargs):
             if _misplaced(tensor, expected):
