@@ -83,15 +83,21 @@ T = TypeVar("T")
 MAX_NAMED_PHASES = 16
 _PHASE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 _RESERVED_PHASES = frozenset((*PHASES, STARTUP_PHASE))
+#: Builds a named tuple in C, without the Python ``__new__`` that NamedTuple generates.
+_tuple_new = tuple.__new__
 
 
 # Named tuples, not frozen dataclasses: one is built per measured step.
 class _GradTag(NamedTuple):
+    """Built with ``_tuple_new`` on the hot path (see :class:`GradSample`)."""
+
     step: int
     sample: GradSample
 
 
 class _ValueTag(NamedTuple):
+    """Built with ``_tuple_new`` on the hot path (see :class:`GradSample`)."""
+
     kind: Literal["loss", "scale"]
     step: int
 
@@ -253,7 +259,9 @@ class Monitor:
             DeviceTimer(self._readings, record=recorder_for(devices[0])) if devices else None
         )
         self._workers = WorkerWatch(self._recorder.worker_died)
-        self._heartbeat = Heartbeat()
+        # One clock for the loop timer, the heartbeat and the watchdog: the timer's reading at
+        # a step's end is the beat.
+        self._heartbeat = Heartbeat(time.perf_counter)
         self._timer = LoopTimer(
             self._readings,
             self._heartbeat,
@@ -286,6 +294,7 @@ class Monitor:
             phase_stall_seconds=cfg.phase_stall_seconds,
             on_stall=self._recorder.stalled,
             on_recover=self._recorder.resumed,
+            clock=time.perf_counter,
         )
         poll = min(0.25, cfg.stall_seconds / 4) if cfg.stall_seconds else 0.25
         self._resources.threads = [
@@ -474,16 +483,15 @@ class Monitor:
                 if self._observes_before_step is None:
                     self._observes_before_step = self._readings.steps == 0
                 in_iteration = self._observes_before_step
-            if not in_iteration:
-                step = max(step - 1, 0)  # observed after the step it belongs to
+            if not in_iteration and step:
+                step -= 1  # observed after the step it belongs to
             if isinstance(loss, torch.Tensor):
                 value = loss if loss.numel() == 1 else loss.detach().float().mean()
                 if value.is_cpu:
                     self._recorder.loss(step, value.item())  # host memory: no device to wait for
                 else:
-                    self._readback.submit(
-                        _ValueTag("loss", step), value.detach().reshape(1).double()
-                    )
+                    tag = _tuple_new(_ValueTag, ("loss", step))
+                    self._readback.submit(tag, value.detach().reshape(1).double())
             else:
                 self._recorder.loss(step, float(loss))
         except Exception as error:  # never break training
@@ -607,7 +615,9 @@ class Monitor:
         placement = self._placement
         if placement is not None:
             try:
-                placement.inputs(args, kwargs)
+                misplaced = placement.misplaced_inputs(args, kwargs)
+                if misplaced:
+                    placement.report_inputs(misplaced)
             except DeviceMismatchError:
                 raise  # device_check: raise asked for it, before PyTorch's vaguer error
             except Exception as error:
@@ -655,7 +665,8 @@ class Monitor:
                 probe = self._grads = _build_grad_probe(self._model, optimizer, self.config)
             sample = probe.measure()
             if sample is not None:
-                self._readback.submit(_GradTag(self._recorder.global_step, sample), sample.packed)
+                tag = _tuple_new(_GradTag, (self._recorder.global_step, sample))
+                self._readback.submit(tag, sample.packed)
         except Exception as error:
             self._guard.record("grads", error)
 

@@ -117,6 +117,7 @@ class SpikeDetector:
         # every loss and every gradient norm.
         mean = self._mean
         count = self._count
+        diff = x - mean
         spike = None
         if count < self._warmup:
             # A weight of 1/n makes the update below the plain running mean and variance.
@@ -130,7 +131,7 @@ class SpikeDetector:
                 std = relative
             if std < ABS_STD_FLOOR:
                 std = ABS_STD_FLOOR
-            zscore = (x - mean) / std
+            zscore = diff / std
             threshold = self._threshold
             if zscore > threshold:
                 self._run += 1
@@ -140,15 +141,12 @@ class SpikeDetector:
                     mean=math.exp(mean) if self._log_scale else mean,
                     run_length=self._run,
                 )
+                diff = threshold * std  # enters the statistics clamped to mean + threshold*std
             else:
                 self._run = 0
-            bound = threshold * std
-            if x > mean + bound:
-                x = mean + bound
-            elif x < mean - bound:
-                x = mean - bound
+                if zscore < -threshold:
+                    diff = -threshold * std
             weight = self._alpha
-        diff = x - mean
         increment = weight * diff
         self._mean = mean + increment
         self._var = (1.0 - weight) * (self._var + diff * increment)

@@ -44,7 +44,7 @@ class Heartbeat:
     """Last progress of the training loop; written by the training thread only."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        #: Last progress (monotonic): a step end, or a named phase's start or end.
+        #: Last progress, on ``clock``: a step end, or a named phase's start or end.
         self.last_beat: float = clock()
         self.phase: str = STARTUP_PHASE
         self.named_phase: bool = False
@@ -54,7 +54,7 @@ class Heartbeat:
         self._cursor = 0
 
     def beat(self, now: float, step_seconds: float | None) -> None:
-        """A step completed at ``now`` (monotonic), ``step_seconds`` after the previous one."""
+        """A step completed at ``now`` (on ``clock``), ``step_seconds`` after the previous one."""
         self.last_beat = now
         self.steps += 1
         if step_seconds is not None:

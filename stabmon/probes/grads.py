@@ -47,6 +47,8 @@ _SMALL = 64
 #: Up to this many CPU tensors, their norms are read one by one rather than stacked first: a
 #: ``stack`` costs the host as much as reading about 16 zero-dimensional tensors (callgrind).
 _READ_UNSTACKED = 16
+#: Builds a named tuple in C, without the Python ``__new__`` that NamedTuple generates.
+_tuple_new = tuple.__new__
 #: Label of the module group that collects parameters beyond ``max_modules`` groups.
 OTHER_GROUP = "other"
 #: Label of parameters that sit directly on the root module (``bias`` rather than ``fc.bias``).
@@ -73,7 +75,8 @@ class GradSample(NamedTuple):
     """A measurement in flight: the packed norms and what the host needs to read them.
 
     A named tuple, not a frozen dataclass: one is built every measured step, and a
-    tuple is the cheapest immutable record to build.
+    tuple is the cheapest immutable record to build. The hot path builds it with
+    ``tuple.__new__``: NamedTuple's generated ``__new__`` is one more Python call.
     """
 
     #: The per-tensor norms: a 1-D device tensor, or already host floats (a few CPU tensors).
@@ -142,8 +145,8 @@ class GradLayout:
 class GradSummary(NamedTuple):
     """A measurement read back on the host.
 
-    A named tuple for the reason GradSample is one: one is built every measured
-    step. It holds what every step needs (the total and the zero count); group
+    A named tuple for the reason GradSample is one (and built the same way): one is
+    built every measured step. It holds what every step needs (the total and the zero count); group
     and placement sums are properties, computed from ``layout`` when read.
     """
 
@@ -219,11 +222,6 @@ class GradProbe:
         return self._params
 
     @property
-    def packed_length(self) -> int:
-        """Length of every packed result of this layout."""
-        return self._packed_length
-
-    @property
     def packed_names(self) -> tuple[str, ...]:
         """Parameter names in the order of the per-tensor norms of a packed result."""
         return tuple(self.names[position] for position in self._order)
@@ -232,11 +230,6 @@ class GradProbe:
     def packed_groups(self) -> tuple[str, ...]:
         """Module group of each per-tensor norm of a packed result."""
         return tuple(self.groups[self._group_of[position]] for position in self._order)
-
-    @property
-    def empty_shards(self) -> tuple[int, ...]:
-        """Packed positions of sharded parameters of which this rank holds nothing."""
-        return self._empty_shards
 
     @property
     def sharded(self) -> bool:
@@ -261,7 +254,7 @@ class GradProbe:
             # appearing now makes the fused launch refuse the list, which switches to counting.
             try:
                 packed = self._pack(grads)  # type: ignore[arg-type]  # a None raises: below
-                return GradSample(packed=packed, none_count=0)
+                return _tuple_new(GradSample, (packed, 0))
             except (TypeError, AttributeError):  # per-tensor (sparse) norms meet None.is_sparse
                 if not any(grad is None for grad in grads):
                     raise
@@ -279,7 +272,7 @@ class GradProbe:
             if none_count
             else grads,
         )
-        return GradSample(packed=self._pack(present), none_count=none_count)
+        return _tuple_new(GradSample, (self._pack(present), none_count))
 
     def _pack(self, grads: list[torch.Tensor]) -> torch.Tensor | list[float]:
         """The per-tensor norms of ``grads`` (one per parameter, none None) as one 1-D tensor,
@@ -308,9 +301,11 @@ class GradProbe:
         tensor_norms = values if type(values) is list else list(values)  # poll() hands a new list
         total = math.hypot(*tensor_norms)
         zero = tensor_norms.count(0.0)  # None gradients are zero placeholders
-        if self._empty_shards:  # a rank whose shard of a small tensor is empty holds no gradient
-            zero -= sum(tensor_norms[order] == 0.0 for order in self._empty_shards)
-        return GradSummary(total, zero, not math.isfinite(total), tensor_norms, self.layout)
+        if self.empty_shards:  # a rank whose shard of a small tensor is empty holds no gradient
+            zero -= sum(tensor_norms[order] == 0.0 for order in self.empty_shards)
+        return _tuple_new(
+            GradSummary, (total, zero, not math.isfinite(total), tensor_norms, self.layout)
+        )
 
     def nonfinite_offenders(self, summary: GradSummary, limit: int = 5) -> list[str]:
         """Names of the first parameters whose gradient norm is NaN or Inf (slow path)."""
@@ -364,12 +359,15 @@ class GradProbe:
             else None,
         )
         self._sharded = any(sharded)
-        self._empty_shards = tuple(
+        # Attributes, not properties: the host reads both at every measured step.
+        #: Packed positions of sharded parameters of which this rank holds nothing.
+        self.empty_shards: tuple[int, ...] = tuple(
             order
             for order, position in enumerate(self._order)
             if sharded[order] and _local_numel(self._params[position]) == 0
         )
-        self._packed_length = Packed.length(
+        #: Length of every packed result of this layout.
+        self.packed_length = Packed.length(
             len(self.groups), len(self._params), sharded=any(sharded)
         )
 

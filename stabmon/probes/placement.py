@@ -23,7 +23,7 @@ parallelism; set ``device_check: off`` when that is on purpose).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -158,7 +158,10 @@ class PlacementWatch:
         report: Callable[[Misplaced], None],
     ) -> None:
         self.mode = mode
-        self._inputs = InputCheck(named_params)
+        #: ``misplaced_inputs(args, kwargs)``: the misplaced tensors among a forward's
+        #: arguments, for :meth:`report_inputs`. The check itself rather than a method that
+        #: calls it: it runs at every forward.
+        self.misplaced_inputs = InputCheck(named_params).check
         self._report = report
         self._seen: set[tuple[str, str, str]] = set()
 
@@ -166,11 +169,10 @@ class PlacementWatch:
         for finding in audit(model, optimizer):
             self._found(finding)
 
-    def inputs(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
-        found = self._inputs.check(args, kwargs)
-        if found:
-            for finding in found:
-                self._found(finding)
+    def report_inputs(self, findings: Iterable[Misplaced]) -> None:
+        """Report findings of :attr:`misplaced_inputs` (or raise, in raise mode)."""
+        for finding in findings:
+            self._found(finding)
 
     def _found(self, finding: Misplaced) -> None:
         if self.mode == "raise":

@@ -47,7 +47,6 @@ class LoopTimer:
         heartbeat: Heartbeat,
         *,
         clock: Callable[[], float] = time.perf_counter,
-        monotonic: Callable[[], float] = time.monotonic,
         device_mark: Callable[[str, bool], None] | None = None,
     ) -> None:
         self._readings = readings
@@ -56,8 +55,8 @@ class LoopTimer:
         #: ended (CUDA-event timing), if set.
         self._device_mark = device_mark
         self._heartbeat = heartbeat
+        # Also the heartbeat's clock: its beats are this clock's readings (one read a step).
         self._clock = clock
-        self._monotonic = monotonic
         self._state = _DATA_WAIT
         self._mark = clock()
         #: Input wait timed by ``track()`` since ``_mark``: all that is known of a compiled forward.
@@ -153,7 +152,7 @@ class LoopTimer:
         self._last_step_end = now
         readings.steps += 1
         readings.last_step_unix = time.time()
-        self._heartbeat.beat(self._monotonic(), step_seconds)
+        self._heartbeat.beat(now, step_seconds)
         self.in_iteration = False
         if not named:
             self._state = self._heartbeat.phase = _DATA_WAIT
@@ -187,7 +186,7 @@ class LoopTimer:
         self.in_named_phase = True
         self._mark = now
         self._loader_seconds = 0.0
-        self._heartbeat.progress(self._monotonic())
+        self._heartbeat.progress(now)
         if self._device_mark is not None:
             self._device_mark(name, False)
         self._heartbeat.phase = name
@@ -200,7 +199,7 @@ class LoopTimer:
         self.in_named_phase = bool(self._named)
         self._mark = now
         self._loader_seconds = 0.0
-        self._heartbeat.progress(self._monotonic())  # silence is measured from the phase's end
+        self._heartbeat.progress(now)  # silence is measured from the phase's end
         if self._device_mark is not None:
             self._device_mark(self._named[-1] if self._named else _DATA_WAIT, False)
         if self._named:
