@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import math
 import re
+import statistics
 import sys
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -14,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import instructions  # noqa: E402 - bench/ is a directory of scripts, not a package
 import overhead  # noqa: E402
 from readme_block import BEGIN, END, replace_block  # noqa: E402
-from variants import BREAKDOWN, CORE  # noqa: E402
+from variants import BREAKDOWN, CORE, Context  # noqa: E402
 
 
 def test_overhead_benchmark_reports_every_variant_with_finite_ratios(
@@ -24,7 +29,7 @@ def test_overhead_benchmark_reports_every_variant_with_finite_ratios(
     readme.write_text(f"# Title\n\n{BEGIN}\nold numbers\n{END}\n\nafter\n")
     output = tmp_path / "out.json"
     argv = ["--rounds", "2", "--steps", "3", "--workloads", "tiny", "--no-peers",
-            "--steps-rss", "20", "--skip-exporter", "--json", str(output),
+            "--steps-rss", "20", "--skip-exporter", "--block-pairs", "2", "--json", str(output),
             "--update-readme", str(readme)]  # fmt: skip
     assert overhead.main(argv) == 0
 
@@ -36,6 +41,7 @@ def test_overhead_benchmark_reports_every_variant_with_finite_ratios(
     assert all(math.isfinite(row["ratio_median"]) and row["ratio_median"] > 0
                for row in rows.values())  # fmt: skip
     assert len(tiny["rounds"]) == 2 and report["rss"]["steps"] == 20
+    assert report["own_python"]["pairs"] == 2 and math.isfinite(report["own_python"]["median_us"])
     printed = capsys.readouterr().out
     assert "stabmon_every10" in printed and "Targets:" in printed
     text = readme.read_text()
@@ -47,7 +53,7 @@ def test_breakdown_runs_its_variants_and_prints_each_part(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     argv = ["--rounds", "2", "--steps", "3", "--workloads", "tiny", "--no-peers",
-            "--skip-rss", "--skip-exporter", "--breakdown"]  # fmt: skip
+            "--skip-rss", "--skip-exporter", "--skip-own-python", "--breakdown"]  # fmt: skip
     assert overhead.main(argv) == 0
     printed = capsys.readouterr().out
     for name in BREAKDOWN:
@@ -88,8 +94,33 @@ def test_python_us_is_the_median_paired_difference_and_ignores_one_slowed_round(
     report = {"workloads": [{"name": "tiny", "rounds": rounds, "steps": 1_000, "rows": [
         {"variant": "stabmon", "added_us_median": 70.0},
         {"variant": "floor", "added_us_median": 50.0},
-    ]}]}  # fmt: skip
-    assert "stabmon - floor: 25.0 us (target <= 30 us): met" in overhead.format_targets(report)
+    ]}], "own_python": {"median_us": 31.5}}  # fmt: skip
+    targets = overhead.format_targets(report)
+    assert "stabmon - floor, the median over rounds: 25.0 us" in targets
+    assert "in interleaved blocks: 31.5 us (target <= 30 us): NOT met" in targets
+
+
+@contextlib.contextmanager
+def _spinning(extra_us: float, workload: object, context: object) -> Iterator[Callable[..., None]]:
+    """A step that does nothing but spin for ``extra_us``."""
+
+    def step(batch: object) -> None:
+        deadline = time.perf_counter() + extra_us / 1e6
+        while time.perf_counter() < deadline:
+            pass
+
+    yield step
+
+
+def test_interleaved_difference_measures_the_second_variant_minus_the_first(
+    tmp_path: Path,
+) -> None:
+    slow, fast = functools.partial(_spinning, 400.0), functools.partial(_spinning, 100.0)
+    differences = overhead.interleaved_difference(
+        "tiny", fast, slow, 0, Context(tmp_path), pairs=6, block_steps=4
+    )
+    assert len(differences) == 6
+    assert 200.0 < statistics.median(differences) < 450.0  # 300 us, give or take a busy machine
 
 
 def test_instruction_count_refuses_an_unknown_variant_naming_the_known_ones(
