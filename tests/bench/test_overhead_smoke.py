@@ -41,7 +41,11 @@ def test_overhead_benchmark_reports_every_variant_with_finite_ratios(
     assert all(math.isfinite(row["ratio_median"]) and row["ratio_median"] > 0
                for row in rows.values())  # fmt: skip
     assert len(tiny["rounds"]) == 2 and report["rss"]["steps"] == 20
-    assert report["own_python"]["pairs"] == 2 and math.isfinite(report["own_python"]["median_us"])
+    (interleaved,) = report["interleaved"]
+    assert interleaved["pairs"] == 2 and interleaved["block_steps"] == overhead.BLOCK_STEPS["tiny"]
+    assert (
+        math.isfinite(interleaved["difference_us"]["median"]) and interleaved["ratio"]["median"] > 0
+    )
     printed = capsys.readouterr().out
     assert "stabmon_every10" in printed and "Targets:" in printed
     text = readme.read_text()
@@ -53,7 +57,7 @@ def test_breakdown_runs_its_variants_and_prints_each_part(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     argv = ["--rounds", "2", "--steps", "3", "--workloads", "tiny", "--no-peers",
-            "--skip-rss", "--skip-exporter", "--skip-own-python", "--breakdown"]  # fmt: skip
+            "--skip-rss", "--skip-exporter", "--skip-interleaved", "--breakdown"]  # fmt: skip
     assert overhead.main(argv) == 0
     printed = capsys.readouterr().out
     for name in BREAKDOWN:
@@ -94,10 +98,14 @@ def test_python_us_is_the_median_paired_difference_and_ignores_one_slowed_round(
     report = {"workloads": [{"name": "tiny", "rounds": rounds, "steps": 1_000, "rows": [
         {"variant": "stabmon", "added_us_median": 70.0},
         {"variant": "floor", "added_us_median": 50.0},
-    ]}], "own_python": {"median_us": 31.5}}  # fmt: skip
+    ]}], "interleaved": [
+        {"workload": "tiny", "difference_us": {"median": 31.5}, "ratio": {"median": 1.07}},
+        {"workload": "convnet", "difference_us": {"median": 40.0}, "ratio": {"median": 1.001}},
+    ]}  # fmt: skip
     targets = overhead.format_targets(report)
     assert "stabmon - floor, the median over rounds: 25.0 us" in targets
     assert "in interleaved blocks: 31.5 us (target <= 30 us): NOT met" in targets
+    assert "convnet: stabmon / floor in interleaved blocks 1.001 (target <= 1.05): met" in targets
 
 
 @contextlib.contextmanager
@@ -112,15 +120,14 @@ def _spinning(extra_us: float, workload: object, context: object) -> Iterator[Ca
     yield step
 
 
-def test_interleaved_difference_measures_the_second_variant_minus_the_first(
-    tmp_path: Path,
-) -> None:
+def test_interleaved_blocks_time_each_variant_per_step_side_by_side(tmp_path: Path) -> None:
     slow, fast = functools.partial(_spinning, 400.0), functools.partial(_spinning, 100.0)
-    differences = overhead.interleaved_difference(
+    times = overhead.interleaved_blocks(
         "tiny", fast, slow, 0, Context(tmp_path), pairs=6, block_steps=4
     )
-    assert len(differences) == 6
-    assert 200.0 < statistics.median(differences) < 450.0  # 300 us, give or take a busy machine
+    assert len(times) == 6
+    difference_us = statistics.median((second - first) * 1e6 for first, second in times)
+    assert 200.0 < difference_us < 450.0  # 300 us, give or take a busy machine
 
 
 def test_instruction_count_refuses_an_unknown_variant_naming_the_known_ones(
