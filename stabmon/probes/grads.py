@@ -145,9 +145,10 @@ class GradLayout:
 class GradSummary(NamedTuple):
     """A measurement read back on the host.
 
-    A named tuple for the reason GradSample is one (and built the same way): one is
-    built every measured step. It holds what every step needs (the total and the zero count); group
-    and placement sums are properties, computed from ``layout`` when read.
+    A named tuple for the reason GradSample is one (and built the same way): one
+    is built every measured step. It holds what every step needs (the total and
+    the zero count); group and placement sums are properties, computed from
+    ``layout`` when read.
     """
 
     total_norm: float
