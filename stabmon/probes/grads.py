@@ -341,6 +341,7 @@ class GradProbe:
         any_fp64 = any(bucket.dtype == torch.float64 for bucket in self._buckets)
         self._norm_dtype = torch.float64 if any_fp64 else torch.float32
         sharded = [_is_sharded(self._params[p]) for p in self._order]
+        self._sharded = any(sharded)
         self._distributed_positions = tuple(
             position for position, param in enumerate(self._params) if _is_dtensor(param)
         )
@@ -349,17 +350,16 @@ class GradProbe:
         self.layout = GradLayout(
             self.groups,
             [self._group_of[p] for p in self._order],
-            np.array(sharded, dtype=np.intp) if any(sharded) else None,
+            np.array(sharded, dtype=np.intp) if self._sharded else None,
             np.array(
                 [
                     1.0 / _replicas(self._params[p]) if s else 1.0
                     for p, s in zip(self._order, sharded, strict=True)
                 ]
             )
-            if any(sharded)
+            if self._sharded
             else None,
         )
-        self._sharded = any(sharded)
         # Attributes, not properties: the host reads both at every measured step.
         #: Packed positions of sharded parameters of which this rank holds nothing.
         self.empty_shards: tuple[int, ...] = tuple(
@@ -369,7 +369,7 @@ class GradProbe:
         )
         #: Length of every packed result of this layout.
         self.packed_length = Packed.length(
-            len(self.groups), len(self._params), sharded=any(sharded)
+            len(self.groups), len(self._params), sharded=self._sharded
         )
 
     def _bucket_norms(self, index: int, grads: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -210,13 +210,14 @@ class LoopTimer:
             self._state = _DATA_WAIT
             self._heartbeat.phase = _DATA_WAIT
 
-    def _enter(self, state: str, now: float, *, step_end: bool = False) -> None:
+    def _enter(self, state: str, now: float) -> None:
+        """Enter ``state`` at ``now``; the per-step boundaries above do the same inline."""
         self._state = state
         self._mark = now
         self._loader_seconds = 0.0
         self._heartbeat.phase = state
         if self._device_mark is not None:
-            self._device_mark(state, step_end)
+            self._device_mark(state, False)
 
 
 def timed_iteration(
