@@ -194,6 +194,16 @@ class Config(_Section):
         default=1,
         metadata=_meta("Measure gradients every N optimizer steps.", ge=1),
     )
+    judge_seconds: float = field(
+        default=0.05,
+        metadata=_meta(
+            "Longest wait before measured gradients and losses are checked (non-finite values, "
+            "spikes, dead gradients) and exported: checked in batches, fast steps share the "
+            "host-side work. 0 checks each result as soon as it is on the host. Epoch ends, "
+            "named phases, state_dict(), detach() and interpreter exit check everything waiting.",
+            ge=0,
+        ),
+    )
     module_depth: int = field(
         default=1,
         metadata=_meta("Module-name depth of gradient-norm groups (1 = top-level children).", ge=1),

@@ -7,10 +7,12 @@ to :meth:`Readback.submit` with a tag. For a CUDA tensor, ``submit`` starts a
 ``non_blocking`` copy into a pinned host buffer on the current stream and
 records a CUDA event after it; nothing waits. :meth:`Readback.poll`, called at
 the next step boundary, hands back every result whose event has completed
-(``Event.query()`` never blocks), oldest first, so values arrive in step order,
-typically one step after they were submitted. CPU tensors are already on the
-host: they complete at once. Other device types (MPS, XPU) fall back to a
-blocking copy, which is documented as not sync-free.
+(``Event.query()`` never blocks), in the order they were submitted, typically
+one step after. CPU tensors and host values are ready at once, or, submitted
+behind a copy still in flight, as soon as it is. Other device types (MPS, XPU)
+fall back to a blocking copy, which is documented as not sync-free.
+:meth:`Readback.collect` does the device half alone (buffers come back every
+step) for a caller that takes the results in batches.
 
 Only the training thread calls ``submit`` and ``poll``. Pinned buffers and
 events are pooled per size, so a long run allocates nothing per step. If the
@@ -42,7 +44,10 @@ class _Slot:
 @dataclass
 class _Pending(Generic[Tag]):
     tag: Tag
-    slot: _Slot
+    slot: _Slot | None
+    #: Host values queued behind copies still in flight (``slot`` is then None): results keep
+    #: the order they were submitted in.
+    values: list[float] | None = None
 
 
 class Readback(Generic[Tag]):
@@ -55,43 +60,70 @@ class Readback(Generic[Tag]):
         self._free: dict[tuple[int, torch.dtype], list[_Slot]] = {}
         self.dropped = 0
 
-    def submit(self, tag: Tag, values: torch.Tensor | list[float]) -> None:
+    def submit(self, tag: Tag, values: torch.Tensor | list[float]) -> int:
         """Start reading ``values`` (a 1-D tensor) back to the host; returns at once.
 
-        A list is values already on the host: ready at the next poll, like a CPU tensor.
+        A list is values already on the host: ready at the next poll, like a CPU tensor,
+        unless device copies submitted before it are still in flight (it then waits its
+        turn). Returns how many results are ready for :meth:`poll`.
         """
-        if isinstance(values, list):
-            self._ready.append((tag, values))
-            return
-        if values.is_cpu:  # a flag read; `.device.type` builds a device object every step
-            # Host memory already: reading it is no device synchronisation.
-            self._ready.append((tag, values.tolist()))
-            return
-        if not values.is_cuda:
-            self._ready.append((tag, values.to("cpu").tolist()))  # blocking fallback, see docstring
-            return
+        host: list[float]
+        if isinstance(values, torch.Tensor):
+            if values.is_cpu:  # a flag read; `.device.type` builds a device object every step
+                host = values.tolist()  # host memory already: no device synchronisation
+            elif not values.is_cuda:
+                host = values.to("cpu").tolist()  # blocking fallback, see the docstring
+            else:
+                self._copy(tag, values)
+                return len(self._ready)
+        else:
+            host = values
+        if self._pending:
+            self._pending.append(_Pending(tag, None, host))
+        else:
+            self._ready.append((tag, host))
+        return len(self._ready)
+
+    def _copy(self, tag: Tag, values: torch.Tensor) -> None:
         slot = self._take_slot(values)
         slot.host.copy_(values, non_blocking=True)
         # The copy runs on the source device's stream, which need not be the current device's.
         slot.event.record(torch.cuda.current_stream(values.device))
         self._pending.append(_Pending(tag, slot))
         if len(self._pending) > self._max_pending:
-            self._release(self._pending.popleft().slot)
+            oldest = self._pending.popleft().slot
+            if oldest is not None:
+                self._release(oldest)
             self.dropped += 1
+
+    def collect(self) -> int:
+        """Read every completed copy into host memory, freeing its buffer; never blocks.
+
+        Returns how many results are ready for :meth:`poll`. Called every step, so
+        device buffers are recycled at once even when results are handed over in batches.
+        """
+        pending = self._pending
+        ready = self._ready
+        while pending:
+            slot = pending[0].slot
+            if slot is None:  # host values queued behind copies: their turn has come
+                done = pending.popleft()
+                ready.append((done.tag, done.values))  # type: ignore[arg-type]  # set with slot None
+                continue
+            if not slot.event.query():  # type: ignore[no-untyped-call]  # unannotated in torch
+                break
+            ready.append((pending.popleft().tag, slot.host.tolist()))  # pinned, copy done
+            self._release(slot)
+        return len(ready)
 
     def poll(self) -> list[tuple[Tag, list[float]]]:
         """Every completed result, oldest first; never blocks."""
+        if self._pending:
+            self.collect()
         ready = self._ready
-        if not self._pending:
-            if ready:
-                self._ready = []
-            return ready  # nothing pending: no event to query, no list to allocate
-        self._ready = []
-        while self._pending and self._pending[0].slot.event.query():  # type: ignore[no-untyped-call]  # unannotated in torch
-            done = self._pending.popleft()
-            ready.append((done.tag, done.slot.host.tolist()))  # pinned host memory, copy finished
-            self._release(done.slot)
-        return ready
+        if ready:
+            self._ready = []
+        return ready  # empty: the same list, none allocated
 
     def drain(self, timeout: float = 1.0) -> list[tuple[Tag, list[float]]]:
         """Wait up to ``timeout`` seconds for pending results; return what completed.

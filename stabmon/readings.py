@@ -56,6 +56,10 @@ class Histogram:
     def count(self) -> int:
         return sum(self._counts)
 
+    def totals(self) -> tuple[float, float]:
+        """Observations so far and their sum: a mark to take means between."""
+        return float(sum(self._counts)), self._sum
+
 
 class GradReading(Protocol):
     """A measured step's gradients (:class:`stabmon.probes.grads.GradSummary`).

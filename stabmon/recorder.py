@@ -60,7 +60,8 @@ class Recorder:
         self._loss_spikes, self._grad_spikes = self._new_spike_detectors()
         self._leaks: dict[str, LeakDetector] = {}
         self._scale = ScaleTracker()
-        self._sampler = StepSampler(config.sample_every, readings, self.write)
+        #: step_sample records; the Monitor closes their step-time windows at step ends.
+        self.sampler = StepSampler(config.sample_every, readings, self.write)
 
     @property
     def global_step(self) -> int:
@@ -75,8 +76,8 @@ class Recorder:
         """One measured step's gradients; ``offenders(summary)`` names the non-finite ones
         (called only then: it walks every norm)."""
         self._readings.grads = summary  # group sums are computed when a scrape reads them
-        if step >= self._sampler.due:  # between samples: this comparison is all
-            self._sampler.grads(step, summary.total_norm, summary.group_norms)
+        if step >= self.sampler.due:  # between samples: this comparison is all
+            self.sampler.grads(step, summary.total_norm, summary.group_norms)
         if summary.nonfinite:
             self._readings.nonfinite_grad_steps += 1
             names = offenders(summary)
@@ -97,8 +98,8 @@ class Recorder:
     def loss(self, step: int, value: float) -> None:
         readings = self._readings
         readings.loss = value
-        if step >= self._sampler.due:
-            self._sampler.loss(step, value)
+        if step >= self.sampler.due:
+            self.sampler.loss(step, value)
         if not math.isfinite(value):
             readings.nonfinite_losses += 1
             self.anomaly(
@@ -251,7 +252,7 @@ class Recorder:
 
     def flush_sample(self) -> None:
         """Write the step sample still waiting for a value (at detach)."""
-        self._sampler.flush()
+        self.sampler.flush()
 
     def anomaly(self, kind: str, step: int, message: str, **details: Any) -> None:
         self._readings.count_anomaly(kind)

@@ -11,6 +11,7 @@ not count a break inside a module hook, so it cannot stand alone.)
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -28,6 +29,12 @@ Forward = Callable[[torch.Tensor], torch.Tensor]
 MODES = ("attach-then-compile", "compile-then-attach", "compile-in-place", "in-place-then-attach")
 # Importing inductor defines TorchScript classes, which warn in torch 2.13; not stabmon's warning.
 INDUCTOR_IMPORT_WARNING = "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"
+
+
+@pytest.fixture
+def attach(attach: MonitorFactory) -> MonitorFactory:
+    """Tests here compare what is exported after each step: each result judged at once."""
+    return functools.partial(attach, judge_seconds=0)
 
 
 class Net(torch.nn.Module):

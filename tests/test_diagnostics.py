@@ -50,7 +50,7 @@ def test_a_loss_branch_whose_gradient_is_always_zero_is_reported_by_module(
 ) -> None:
     model = TwoHeads()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    monitor = attach(model, optimizer, dead_grad_steps=5)
+    monitor = attach(model, optimizer, dead_grad_steps=5, judge_seconds=0)
     for _ in range(4):
         _train(model, optimizer, monitor, aux_weight=0.0)
     samples = scrape(monitor.metrics_url)
@@ -76,7 +76,7 @@ def test_gradient_norms_under_grad_scaler_are_unscaled(attach: MonitorFactory) -
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
-    monitor = attach(model, optimizer, scaler=scaler)
+    monitor = attach(model, optimizer, scaler=scaler, judge_seconds=0)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = model(torch.randn(4, 8)).float().pow(2).mean()
     scaler.scale(loss).backward()
@@ -96,7 +96,7 @@ def test_a_run_of_skipped_amp_steps_is_one_nonfinite_anomaly(attach: MonitorFact
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-    monitor = attach(model, optimizer, scaler=scaler, amp_skip_run=3)
+    monitor = attach(model, optimizer, scaler=scaler, amp_skip_run=3, judge_seconds=0)
 
     def iteration(poison: bool) -> None:
         loss = model(torch.randn(2, 4)).pow(2).mean()

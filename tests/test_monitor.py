@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -112,12 +114,12 @@ def test_grad_norm_metric_equals_get_total_norm(attach: MonitorFactory) -> None:
     assert sum(n**2 for n in module_norms) ** 0.5 == pytest.approx(expected, rel=1e-5)
 
 
-def test_nan_at_step_k_is_logged_at_step_k_and_counted_within_one_step(
+def test_nan_at_step_k_is_logged_at_step_k_and_counted_within_one_step_at_judge_seconds_0(
     attach: MonitorFactory,
 ) -> None:
     model = tiny_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: a NaN never reaches weights
-    monitor = attach(model, optimizer)
+    monitor = attach(model, optimizer, judge_seconds=0)
     for step in range(8):
         train_step(model, optimizer, monitor, nan_grad=step == 5)
         counted = value(scrape(monitor.metrics_url), "stabmon_nonfinite_grad_steps_total")
@@ -128,9 +130,90 @@ def test_nan_at_step_k_is_logged_at_step_k_and_counted_within_one_step(
     assert value(scrape(monitor.metrics_url), "stabmon_anomalies_total", kind="nonfinite_grad") == 1
 
 
+def test_results_wait_up_to_judge_seconds_and_an_epoch_end_judges_them(
+    attach: MonitorFactory,
+) -> None:
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    monitor = attach(model, optimizer, judge_seconds=3600)
+    train_step(model, optimizer, monitor)
+    assert value(scrape(monitor.metrics_url), "stabmon_grad_norm") is not None  # first: at once
+    for step in range(1, 6):
+        train_step(model, optimizer, monitor, nan_grad=step == 3)
+    assert value(scrape(monitor.metrics_url), "stabmon_nonfinite_grad_steps_total") == 0  # waiting
+
+    monitor.epoch_end()
+
+    assert value(scrape(monitor.metrics_url), "stabmon_nonfinite_grad_steps_total") == 1
+    anomalies = [e for e in events(monitor.event_log_path) if e["event"] == "anomaly"]
+    assert [(e["kind"], e["step"]) for e in anomalies] == [("nonfinite_grad", 3)]
+
+
+def test_results_are_judged_at_the_first_step_end_judge_seconds_after_the_last(
+    attach: MonitorFactory,
+) -> None:
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    monitor = attach(model, optimizer, judge_seconds=2.0)
+    train_step(model, optimizer, monitor)  # judged at once, the first
+    train_step(model, optimizer, monitor, nan_grad=True)
+    assert value(scrape(monitor.metrics_url), "stabmon_nonfinite_grad_steps_total") == 0
+    time.sleep(2.1)
+    assert value(scrape(monitor.metrics_url), "stabmon_nonfinite_grad_steps_total") == 0  # no step
+
+    train_step(model, optimizer, monitor)
+
+    assert value(scrape(monitor.metrics_url), "stabmon_nonfinite_grad_steps_total") == 1
+
+
+def test_at_most_max_waiting_results_wait_however_short_the_steps(
+    attach: MonitorFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(stabmon.monitor, "MAX_WAITING_RESULTS", 6)
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    monitor = attach(model, optimizer, judge_seconds=3600)
+    counted = []
+    for step in range(12):
+        train_step(model, optimizer, monitor, nan_grad=step == 1)
+        counted.append(value(scrape(monitor.metrics_url), "stabmon_nonfinite_grad_steps_total"))
+    # Two results a step (gradients, loss): six wait by the end of step 3, and are judged.
+    assert counted == [0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1]
+
+
+def test_interpreter_exit_judges_the_results_still_waiting(tmp_path: Path) -> None:
+    """A run that dies on its own NaN check: the NaN that explains the crash is in the log."""
+    script = f"""
+import torch, stabmon
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+monitor = stabmon.attach(model, optimizer, port=0, run_dir={str(tmp_path)!r}, run_id="crash",
+                         judge_seconds=3600)
+for step in range(5):
+    loss = model(torch.randn(2, 4)).pow(2).mean() * (float("nan") if step == 4 else 1.0)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    monitor.observe(loss=loss)
+    if not torch.isfinite(loss):
+        raise RuntimeError("loss diverged")
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 1 and "loss diverged" in result.stderr
+    log = next(tmp_path.glob("crash/**/*.jsonl"))
+    anomalies = [e for e in events(log) if e["event"] == "anomaly"]
+    assert [(e["kind"], e["step"]) for e in anomalies] == [
+        ("nonfinite_grad", 4),
+        ("nonfinite_loss", 4),
+    ]
+
+
 def test_non_finite_loss_is_counted_and_exported(attach: MonitorFactory) -> None:
     model = tiny_model()
-    monitor = attach(model, _sgd(model))
+    monitor = attach(model, _sgd(model), judge_seconds=0)
     monitor.observe(loss=1.5)
     monitor.observe(loss=torch.tensor(float("inf")))
     samples = scrape(monitor.metrics_url)
@@ -141,7 +224,7 @@ def test_non_finite_loss_is_counted_and_exported(attach: MonitorFactory) -> None
 
 def test_loss_spike_is_detected_after_warmup(attach: MonitorFactory) -> None:
     model = tiny_model()
-    monitor = attach(model, _sgd(model), spike_warmup_steps=20)
+    monitor = attach(model, _sgd(model), spike_warmup_steps=20, judge_seconds=0)
     for step in range(60):
         monitor.observe(loss=1.0 + 0.01 * (step % 3))
     monitor.observe(loss=25.0)
@@ -153,7 +236,7 @@ def test_loss_spike_is_detected_after_warmup(attach: MonitorFactory) -> None:
 def test_grad_spike_is_detected(attach: MonitorFactory) -> None:
     model = tiny_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    monitor = attach(model, optimizer, spike_warmup_steps=20)
+    monitor = attach(model, optimizer, spike_warmup_steps=20, judge_seconds=0)
     torch.manual_seed(0)
     for step in range(40):
         loss = model(torch.randn(16, 8)).pow(2).mean() * (1000.0 if step == 35 else 1.0)
@@ -178,7 +261,7 @@ def test_zero_grad_params_counts_parameters_without_gradient(attach: MonitorFact
 def test_measure_every_measures_only_every_nth_step(attach: MonitorFactory) -> None:
     model = tiny_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    monitor = attach(model, optimizer, measure_every=3)
+    monitor = attach(model, optimizer, measure_every=3, judge_seconds=0)
     for step in range(7):
         train_step(model, optimizer, monitor, nan_grad=step in (1, 2, 3, 6))  # 3 and 6 measured
     assert value(scrape(monitor.metrics_url), "stabmon_nonfinite_grad_steps_total") == 2
@@ -428,7 +511,7 @@ def test_grad_scaler_scale_and_skipped_steps(attach: MonitorFactory) -> None:
     model = tiny_model()
     optimizer = _sgd(model)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-    monitor = attach(model, optimizer, scaler=scaler)
+    monitor = attach(model, optimizer, scaler=scaler, judge_seconds=0)
     for step in range(4):
         loss = model(torch.randn(4, 8)).pow(2).mean()
         scaler.scale(loss).backward()
@@ -649,7 +732,7 @@ def test_parameter_groups_added_mid_run_are_measured(attach: MonitorFactory) -> 
     backbone, head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
     model = torch.nn.Sequential(backbone, head)
     optimizer = torch.optim.SGD(head.parameters(), lr=0.1)
-    monitor = attach(model, optimizer)
+    monitor = attach(model, optimizer, judge_seconds=0)
     model(torch.randn(2, 8)).sum().backward()
     optimizer.step()
     optimizer.zero_grad()
@@ -675,6 +758,7 @@ def test_long_gradient_accumulation_with_amp_loses_no_measurement(attach: Monito
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad()
+    monitor.epoch_end()  # judges everything waiting
     samples = scrape(monitor.metrics_url)
     assert value(samples, "stabmon_amp_skipped_steps_total") == 1
     assert value(samples, "stabmon_steps_total") == 2

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stabmon.readback import Readback
+from stabmon.readback import Readback, _Pending, _Slot
 
 
 def test_readback_returns_cpu_results_in_submission_order() -> None:
@@ -23,6 +23,38 @@ def test_readback_drain_returns_everything() -> None:
     readback.submit(1, torch.tensor([float("nan")]))
     ((tag, values),) = readback.drain()
     assert tag == 1 and values[0] != values[0]
+
+
+class _Event:
+    """A CUDA event stand-in whose completion the test decides."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_host_values_wait_their_turn_behind_a_device_copy_in_flight(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    event = _Event()
+
+    def copy_in_flight(self: Readback[str], tag: str, values: torch.Tensor) -> None:
+        self._pending.append(_Pending(tag, _Slot(values.clone(), event)))  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Readback, "_copy", copy_in_flight)
+    readback: Readback[str] = Readback()
+    readback._copy("grads 5", torch.tensor([1.0]))  # a CUDA copy, started and not finished
+    assert readback.submit("loss 5", [2.0]) == 0  # host value: ready, but not before the copy
+    assert readback.submit("loss 6", torch.tensor([3.0])) == 0  # a CPU tensor likewise
+    assert readback.collect() == 0 and readback.poll() == []
+
+    event.done = True
+
+    assert readback.collect() == 3
+    assert readback.poll() == [("grads 5", [1.0]), ("loss 5", [2.0]), ("loss 6", [3.0])]
+    assert readback.pending == 0
 
 
 @pytest.mark.gpu

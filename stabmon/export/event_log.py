@@ -24,6 +24,9 @@ from stabmon.readings import Readings
 __all__ = ["EventLog", "StepSampler", "to_json_safe"]
 
 _COMPONENT = "event_log"
+#: Window marks kept for samples not yet written; when they are full the Monitor judges what
+#: waits (a batch of results then spans at most this many sample windows).
+MAX_MARKS = 64
 
 
 class EventLog:
@@ -88,9 +91,11 @@ class StepSampler:
     at or past each multiple of ``every`` is written once both have come, or
     when a later step's value arrives (a loop that observes no loss, or measures
     gradients every few steps). Fields a step did not measure are the latest
-    readings. Step time and input wait are means over the steps since the last
-    sample, taken from the histograms' sums (no per-step work). Size is bounded:
-    module norms are at most ``max_modules`` groups.
+    readings. Step time and input wait are means over the steps of the sample's
+    window (``every`` steps), from the histograms' sums marked when the window's
+    first step ends (:meth:`close_window`, one comparison per step on the hot
+    path): values are judged in batches, so a record may be written many steps
+    after its step. Size is bounded: module norms are at most ``max_modules`` groups.
     """
 
     def __init__(
@@ -105,7 +110,13 @@ class StepSampler:
         self.due = 0
         self._next = 0
         self._pending: dict[str, Any] | None = None
-        self._steps_seen = (0.0, 0.0)  # (count, sum) of the step-duration histogram
+        #: The global step whose end closes the next window: callers compare with it at each
+        #: step end and then call :meth:`close_window`.
+        self.window_due = 0
+        # Window number -> (count, sum) of the step-duration and input-wait histograms when its
+        # first step ended; a few windows at most wait for their samples.
+        self._marks: dict[int, tuple[tuple[float, float], tuple[float, float]]] = {}
+        self._steps_seen = (0.0, 0.0)  # the marks the last sample's means ended at
         self._waits_seen = (0.0, 0.0)
 
     def grads(self, step: int, total_norm: float, module_norms: Mapping[str, float]) -> None:
@@ -127,6 +138,19 @@ class StepSampler:
             if "grad_norm" in pending:
                 self.flush()
 
+    def close_window(self, step: int) -> bool:
+        """Global step ``step`` just ended, the first to end in its window: mark the sums.
+
+        Returns True when the marks are full: the caller should judge what waits now.
+        """
+        readings = self._readings
+        window = step // self.every
+        self._marks[window] = (readings.step_duration.totals(), readings.data_wait.totals())
+        if len(self._marks) > MAX_MARKS:
+            del self._marks[min(self._marks)]  # its sample: no step time rather than a wrong one
+        self.window_due = (window + 1) * self.every
+        return len(self._marks) >= MAX_MARKS
+
     def flush(self) -> None:
         """Write the pending sample, if any (also at detach, so the last one is kept)."""
         pending, self._pending = self._pending, None
@@ -137,12 +161,17 @@ class StepSampler:
         pending.setdefault("loss", readings.loss)
         pending.setdefault("grad_norm", readings.grad_norm)
         pending.setdefault("module_grad_norms", dict(readings.module_grad_norms))
-        pending["step_seconds"], self._steps_seen = _window_mean(
-            readings.step_duration.snapshot(), self._steps_seen
-        )
-        pending["data_wait_seconds"], self._waits_seen = _window_mean(
-            readings.data_wait.snapshot(), self._waits_seen
-        )
+        window = pending["step"] // self.every
+        mark = self._marks.pop(window, None)
+        for older in [number for number in self._marks if number < window]:
+            del self._marks[older]
+        if mark is None and not self._marks:  # the step has not ended (a loss observed in it)
+            mark = (readings.step_duration.totals(), readings.data_wait.totals())
+        if mark is None:  # its mark was dropped: no figure rather than a later window's
+            pending["step_seconds"] = pending["data_wait_seconds"] = None
+        else:
+            pending["step_seconds"], self._steps_seen = _window_mean(mark[0], self._steps_seen)
+            pending["data_wait_seconds"], self._waits_seen = _window_mean(mark[1], self._waits_seen)
         pending["epoch"] = readings.epoch
         if readings.amp_loss_scale is not None:
             pending["amp_loss_scale"] = readings.amp_loss_scale
@@ -167,14 +196,13 @@ class StepSampler:
 
 
 def _window_mean(
-    snapshot: tuple[list[tuple[str, float]], float], seen: tuple[float, float]
+    totals: tuple[float, float], seen: tuple[float, float]
 ) -> tuple[float | None, tuple[float, float]]:
-    """Mean of the observations since ``seen`` (a histogram's count and sum), and the new mark."""
-    buckets, total = snapshot
-    count = buckets[-1][1] if buckets else 0.0
+    """Mean of the observations between two marks (a histogram's count and sum), and the mark."""
+    count, total = totals
     delta = count - seen[0]
     mean = (total - seen[1]) / delta if delta > 0 else None
-    return mean, (count, total)
+    return mean, totals
 
 
 def _rounded(value: Any, digits: int) -> Any:

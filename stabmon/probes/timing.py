@@ -57,6 +57,8 @@ class LoopTimer:
         self._heartbeat = heartbeat
         # Also the heartbeat's clock: its beats are this clock's readings (one read a step).
         self._clock = clock
+        #: The loop clock, for callers that keep time with the boundaries' readings.
+        self.clock = clock
         self._state = _DATA_WAIT
         self._mark = clock()
         #: Input wait timed by ``track()`` since ``_mark``: all that is known of a compiled forward.
@@ -137,8 +139,11 @@ class LoopTimer:
         if self._device_mark is not None:
             self._device_mark(_OPTIMIZER, False)
 
-    def optimizer_end(self) -> None:
-        """A step completed: count it, beat the heartbeat, start the next data wait."""
+    def optimizer_end(self) -> float:
+        """A step completed: count it, beat the heartbeat, start the next data wait.
+
+        Returns the step's end on the loop clock (one clock read serves the caller too).
+        """
         now = self._clock()
         readings = self._readings
         named = self._named
@@ -160,6 +165,7 @@ class LoopTimer:
             self._loader_seconds = 0.0
             if self._device_mark is not None:
                 self._device_mark(_DATA_WAIT, True)
+        return now
 
     def loader_wait(self, seconds: float) -> None:
         """Input wait measured around the loader's ``next()`` by ``track()``."""

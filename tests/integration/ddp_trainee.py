@@ -71,7 +71,7 @@ def main() -> None:
                 fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    monitor = stabmon.attach(model, optimizer, sample_seconds=0.2)
+    monitor = stabmon.attach(model, optimizer, sample_seconds=0.2, judge_seconds=0)
     print(f"ready {monitor.metrics_url}", flush=True)
     try:
         for step in range(args.steps):

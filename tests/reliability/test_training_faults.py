@@ -64,7 +64,7 @@ def test_forward_returning_unusual_types_is_measured_without_an_exception(
 ) -> None:
     model = Shaped(kind)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    monitor = attach(model, optimizer)
+    monitor = attach(model, optimizer, judge_seconds=0)
     for _ in range(3):
         model(torch.randn(4, 8))
         assert model.last is not None

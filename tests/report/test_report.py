@@ -141,7 +141,7 @@ def test_report_reads_a_run_that_is_still_going(tmp_path: Path) -> None:
     output = tmp_path / "live.html"
     with stabmon.attach(
         model, optimizer, port=0, address="127.0.0.1", run_dir=str(tmp_path), run_id="live",
-        sample_every=5,
+        sample_every=5, judge_seconds=0,  # the report reads the log mid-run
     ) as monitor:  # fmt: skip
         for _ in range(40):
             train_step(model, optimizer, monitor)

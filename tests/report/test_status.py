@@ -44,8 +44,9 @@ def test_status_exits_1_when_a_rank_saw_a_non_finite_gradient(tmp_path: Path) ->
     model = tiny_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     with stabmon.attach(
-        model, optimizer, port=0, address="127.0.0.1", run_dir=str(tmp_path), run_id="nan"
-    ) as monitor:
+        model, optimizer, port=0, address="127.0.0.1", run_dir=str(tmp_path), run_id="nan",
+        judge_seconds=0,  # status scrapes mid-run
+    ) as monitor:  # fmt: skip
         for step in range(10):
             train_step(model, optimizer, monitor, nan_grad=step == 4)
         url = monitor.metrics_url

@@ -15,14 +15,16 @@ def _samples(monitor: stabmon.Monitor) -> list[dict[str, object]]:
     return [r for r in events(monitor.event_log_path) if r["event"] == "step_sample"]
 
 
+@pytest.mark.parametrize("judge_seconds", [0, 3600])  # each step at its end; all at detach
 def test_step_sample_is_written_every_sample_every_steps_with_that_steps_loss(
-    tmp_path: Path,
+    tmp_path: Path, judge_seconds: float
 ) -> None:
     model = tiny_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     with stabmon.attach(
-        model, optimizer, port=0, run_dir=str(tmp_path), run_id="r", sample_every=10
-    ) as monitor:
+        model, optimizer, port=0, run_dir=str(tmp_path), run_id="r", sample_every=10,
+        judge_seconds=judge_seconds,
+    ) as monitor:  # fmt: skip
         losses = [train_step(model, optimizer, monitor).item() for _ in range(35)]
 
     samples = _samples(monitor)
@@ -87,3 +89,19 @@ def test_step_sample_size_is_bounded_by_max_modules(tmp_path: Path) -> None:
     assert len(lines) == 2
     assert all(len(line) < 2048 for line in lines)
     assert len(events(monitor.event_log_path)[-2]["module_grad_norms"]) <= 33  # 32 and "other"
+
+
+def test_step_samples_keep_their_own_step_times_when_many_windows_wait(tmp_path: Path) -> None:
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with stabmon.attach(
+        model, optimizer, port=0, run_dir=str(tmp_path), run_id="r", sample_every=1,
+        judge_seconds=3600,  # only full window marks (and detach) make it judge
+    ) as monitor:  # fmt: skip
+        for _ in range(200):
+            train_step(model, optimizer, monitor)
+
+    samples = _samples(monitor)
+
+    assert [sample["step"] for sample in samples] == list(range(200))
+    assert all(isinstance(s["step_seconds"], float) and s["step_seconds"] > 0 for s in samples[1:])
