@@ -16,8 +16,8 @@ Instructions are not time: Python code runs at a lower rate per instruction
 than PyTorch's kernels, and cold code lower still, so use this to compare changes,
 and ``overhead.py`` for what a step costs. Batching does not show here: stabmon
 judges read-back results in batches at most ``judge_seconds`` apart, which under
-valgrind's slowdown is every step or two; in real time that batching saves about
-28 us a step on the tiny MLP while it executes slightly more instructions.
+valgrind's slowdown is every step or two; in real time the batching saves time
+(``overhead.py`` measures it) while it executes slightly more instructions.
 """
 
 from __future__ import annotations

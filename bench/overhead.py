@@ -39,7 +39,16 @@ from typing import Any
 import psutil
 import torch
 from readme_block import replace_block
-from variants import SYNC_FREE, Context, Variant, floor, plain, select, stabmon_default
+from variants import (
+    SYNC_FREE,
+    Context,
+    Variant,
+    floor,
+    plain,
+    select,
+    stabmon_default,
+    stabmon_judge_each,
+)
 from workloads import (
     CPU_WORKLOADS,
     GPU_WORKLOADS,
@@ -193,6 +202,22 @@ def run_interleaved(name: str, pairs: int, seed: int, context: Context) -> dict[
         "block_steps": block_steps,
         "difference_us": _median_p10_p90(differences),
         "ratio": _median_p10_p90(ratios),
+    }
+
+
+def run_judging(pairs: int, seed: int, context: Context) -> dict[str, Any]:
+    """On tiny: stabmon judging each result at once (judge_seconds 0) against the default's
+    batches, in interleaved blocks: what judging in batches saves a step."""
+    block_steps = BLOCK_STEPS["tiny"]
+    times = interleaved_blocks(
+        "tiny", stabmon_default, stabmon_judge_each, seed, context, pairs=pairs,
+        block_steps=block_steps,
+    )  # fmt: skip
+    return {
+        "workload": "tiny",
+        "pairs": pairs,
+        "block_steps": block_steps,
+        "difference_us": _median_p10_p90([(each - batched) * 1e6 for batched, each in times]),
     }
 
 
@@ -450,6 +475,15 @@ def format_interleaved(results: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def format_judging(result: dict[str, Any]) -> str:
+    d = result["difference_us"]
+    return (
+        f"tiny, judging each result at once (judge_seconds 0) - in batches (default), same "
+        f"blocks, {result['pairs']} pairs: {d['median']:.1f} us per step "
+        f"[{d['p10']:.1f}, {d['p90']:.1f}]"
+    )
+
+
 def _verdict(met: bool) -> str:
     return "met" if met else "NOT met"
 
@@ -622,6 +656,13 @@ def run(args: argparse.Namespace, command: str) -> tuple[dict[str, Any], str]:
                     print(f"  {name}: {pairs} interleaved block pairs", file=sys.stderr, flush=True)
                     report["interleaved"].append(run_interleaved(name, pairs, args.seed, context))
                 emit("\n" + format_interleaved(report["interleaved"]))
+                if "tiny" in args.workloads:
+                    pairs = args.block_pairs or (
+                        QUICK_BLOCK_PAIRS if args.quick else BLOCK_PAIRS["tiny"]
+                    )
+                    print(f"  tiny: {pairs} judging block pairs", file=sys.stderr, flush=True)
+                    report["judging"] = run_judging(pairs, args.seed, context)
+                    emit(format_judging(report["judging"]))
             if not args.skip_rss:
                 rss_steps = args.steps_rss or (QUICK_RSS_STEPS if args.quick else RSS_STEPS)
                 print(f"  RSS run: {rss_steps} tiny steps", file=sys.stderr, flush=True)

@@ -150,6 +150,13 @@ def stabmon_every10(workload: Workload, context: Context) -> Iterator[StepFn]:
     yield from _stabmon(workload, context, measure_every=10)
 
 
+@contextlib.contextmanager
+def stabmon_judge_each(workload: Workload, context: Context) -> Iterator[StepFn]:
+    """As stabmon, judging each result as soon as it is on the host (judge_seconds=0), rather
+    than in batches: what the batching saves."""
+    yield from _stabmon(workload, context, judge_seconds=0)
+
+
 # --- the breakdown of stabmon's cost (--breakdown) --------------------------------------------
 
 

@@ -235,8 +235,8 @@ class Monitor:
         self._sampler = self._recorder.sampler
         self._readback: Readback[_GradTag | _ValueTag] = Readback()
         # Results are judged in batches, at most judge_seconds apart on the loop clock: the
-        # host-side work then runs with warm caches, about 28 us a step less on the tiny MLP
-        # of bench/overhead.py than with judge_seconds 0. The first result is judged at once.
+        # host-side work then runs with warm caches (bench/overhead.py measures the saving
+        # against judge_seconds 0 on its tiny MLP). The first result is judged at once.
         self._judge_seconds = cfg.judge_seconds
         self._judged_at = -float("inf")
         self._resources.judge_at_exit = functools.partial(_judge_at_exit, weakref.ref(self))

@@ -46,8 +46,11 @@ def test_overhead_benchmark_reports_every_variant_with_finite_ratios(
     assert (
         math.isfinite(interleaved["difference_us"]["median"]) and interleaved["ratio"]["median"] > 0
     )
+    judging = report["judging"]
+    assert judging["pairs"] == 2 and math.isfinite(judging["difference_us"]["median"])
     printed = capsys.readouterr().out
     assert "stabmon_every10" in printed and "Targets:" in printed
+    assert "judging each result at once (judge_seconds 0) - in batches" in printed
     text = readme.read_text()
     assert "old numbers" not in text and text.endswith(f"{END}\n\nafter\n")
     assert report["command"] in text and "stabmon_every10" in text
