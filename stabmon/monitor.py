@@ -8,6 +8,12 @@
 ``judge_seconds`` apart (the host-side work then runs warm). Every hook body
 runs under the guard: nothing raised inside stabmon reaches the training loop.
 
+Results would also wait while the loop is quiet (a hang, an evaluation, a
+debugger), so a background thread judges them then: the NaN that explains a
+stall is recorded with it. One lock (``_judging``) serialises every use of the
+readback queue and of the judging code between the two threads: three
+uncontended acquisitions a step, about 0.1 us each.
+
 Resources (hooks, threads, the HTTP server, the event log) live in one bundle
 closed by ``detach()``, or by a finalizer if the Monitor is dropped without
 it; nothing a thread or a hook holds refers back to the Monitor.
@@ -22,6 +28,7 @@ import logging
 import os
 import re
 import socket
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -87,6 +94,9 @@ _RESERVED_PHASES = frozenset((*PHASES, STARTUP_PHASE))
 #: Read-back results waiting to be judged, at most, however short the steps (bounded memory);
 #: the config's judge_seconds bounds their wait in time.
 MAX_WAITING_RESULTS = 512
+#: How often the judge thread looks for results waiting in a quiet loop (no step end for
+#: ``judge_seconds``): a hang, an evaluation without ``phase()``, a debugger.
+QUIET_POLL_SECONDS = 0.25
 #: Builds a named tuple in C, without the Python ``__new__`` that NamedTuple generates.
 _tuple_new = tuple.__new__
 
@@ -94,9 +104,14 @@ _tuple_new = tuple.__new__
 # Named tuples, not frozen dataclasses: one is built per measured step.
 class _GradTag(NamedTuple):
     """Built with ``_tuple_new`` on the hot path (see :class:`~stabmon.probes.grads.GradSample`).
-    It holds no tensor: results wait to be judged in batches, a tensor would wait with them."""
+
+    It carries the probe that measured the step, whose layout reads the values even when
+    a newer probe has replaced it while they waited, and no tensor: results wait to be
+    judged in batches, and a tensor would wait with them.
+    """
 
     step: int
+    probe: GradProbe
 
 
 class _ValueTag(NamedTuple):
@@ -239,8 +254,10 @@ class Monitor:
         # against judge_seconds 0 on its tiny MLP). The first result is judged at once.
         self._judge_seconds = cfg.judge_seconds
         self._judged_at = -float("inf")
-        self._resources.judge_at_exit = functools.partial(_judge_at_exit, weakref.ref(self))
-        atexit.register(self._resources.judge_at_exit)
+        # Held around every use of the readback queue, the judging code and the sample
+        # windows: by the training thread's hooks, and by the judge thread in a quiet loop.
+        self._judging = threading.Lock()
+        self._pid = os.getpid()  # a forked child inherits the Monitor, not the run
         self._grads: GradProbe | None = None
         self._snapshots = SnapshotRecorder(
             cfg.memory_snapshot_steps, self._paths.run_directory, self.rank
@@ -304,6 +321,10 @@ class Monitor:
                     self._resources.exporter = exporter
 
         self._register(probe)
+        # After _register's exit hook: atexit runs them last in, first out, so the waiting
+        # results are judged before the record says how the process ended.
+        self._resources.judge_at_exit = functools.partial(_judge_at_exit, weakref.ref(self))
+        atexit.register(self._resources.judge_at_exit)
         watchdog = StallWatchdog(
             self._heartbeat,
             stall_seconds=cfg.stall_seconds,
@@ -316,6 +337,13 @@ class Monitor:
         self._resources.threads = [
             PeriodicThread(
                 "stabmon-watchdog", poll, watchdog.check, guard=self._guard, component="stall"
+            ),
+            PeriodicThread(
+                "stabmon-judge",
+                QUIET_POLL_SECONDS,
+                functools.partial(_judge_if_quiet, weakref.ref(self)),
+                guard=self._guard,
+                component="readback",
             ),
             PeriodicThread(
                 "stabmon-sampler",
@@ -505,15 +533,17 @@ class Monitor:
             if isinstance(loss, torch.Tensor):
                 value = loss if loss.numel() == 1 else loss.detach().float().mean()
                 if value.is_cpu:  # host memory: no device to wait for
-                    waiting = self._readback.submit(tag, [value.item()])
+                    host: torch.Tensor | list[float] = [value.item()]
                 else:
-                    waiting = self._readback.submit(tag, value.detach().reshape(1).double())
+                    host = value.detach().reshape(1).double()
             else:
-                waiting = self._readback.submit(tag, [float(loss)])  # in order with the rest
-            if not self._judge_seconds or waiting >= MAX_WAITING_RESULTS:
-                # judge_seconds 0: each result once it is on the host. Or many losses came
-                # without a step end (hooks that do not fire): they wait no longer.
-                self._judge_waiting()
+                host = [float(loss)]  # through the queue too: in order with the rest
+            with self._judging:
+                waiting = self._readback.submit(tag, host)
+                if not self._judge_seconds or waiting >= MAX_WAITING_RESULTS:
+                    # judge_seconds 0: each result once it is on the host. Or many losses
+                    # came without a step end (hooks that do not fire): they wait no longer.
+                    self._consume(self._readback.poll())
         except Exception as error:  # never break training
             self._guard.record("loss", error)
 
@@ -567,7 +597,9 @@ class Monitor:
         not timed as training, and observed losses are not training losses.
         """
         label = self._phase_label(name)
-        self._judge_waiting()  # a phase may take long (eval, checkpoint): nothing waits through it
+        # A phase may take long (eval, checkpoint): what is on the host is judged before it,
+        # copies still in flight by the judge thread during it (no step ends), or after it.
+        self._judge_waiting()
         with self._guard.contain("hooks"):
             self._timer.enter_named(label)
         try:
@@ -575,6 +607,7 @@ class Monitor:
         finally:
             with self._guard.contain("hooks"):
                 self._timer.exit_named()
+            self._judge_waiting()
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint must carry so a resumed run keeps its numbering and baselines.
@@ -583,7 +616,7 @@ class Monitor:
         read first, waiting at most a second: a checkpoint is rare, and ``torch.save``
         waits for the device anyway.
         """
-        with self._guard.contain("readback"):
+        with self._judging, self._guard.contain("readback"):
             self._consume(self._readback.drain(timeout=1.0))
         state = self._recorder.state_dict()
         state["run_id"] = self.run_id
@@ -602,7 +635,10 @@ class Monitor:
 
         Raises :class:`~stabmon.StabmonError` for a state that is not one, and changes nothing.
         """
-        self._judge_waiting()  # results of steps before the resume, against the old baselines
+        # Results of the steps before the resume are judged against the old baselines; copies
+        # in flight get a second, as in state_dict().
+        with self._judging, self._guard.contain("readback"):
+            self._consume(self._readback.drain(timeout=1.0))
         self._recorder.load_state_dict(state)
         if state.get("epochs_marked_by") == "user":
             self._user_marks_epochs = True
@@ -612,11 +648,12 @@ class Monitor:
         if self._detached:
             return
         self._detached = True
-        with self._guard.contain("readback"):
-            self._consume(self._readback.drain(timeout=1.0))  # bounded: never hang a detach
-            if self._device_timer is not None:
-                self._device_timer.poll()
-        self._recorder.flush_sample()
+        with self._judging:
+            with self._guard.contain("readback"):
+                self._consume(self._readback.drain(timeout=1.0))  # bounded: never hang a detach
+                if self._device_timer is not None:
+                    self._device_timer.poll()
+            self._recorder.flush_sample()
         self._recorder.write("detach", step=self._recorder.global_step, epoch=self._readings.epoch)
         self._finalizer()
 
@@ -687,23 +724,25 @@ class Monitor:
                 probe = self._grads = _build_grad_probe(self._model, optimizer, self.config)
             sample = probe.measure()
             if sample is not None:
-                tag = _tuple_new(_GradTag, (self._recorder.global_step,))
-                self._readback.submit(tag, sample.packed)
+                tag = _tuple_new(_GradTag, (self._recorder.global_step, probe))
+                with self._judging:
+                    self._readback.submit(tag, sample.packed)
         except Exception as error:
             self._guard.record("grads", error)
 
     def _on_step_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         now = self._judged_at  # if the timer fails: collect, and judge at the next due step
-        try:
-            now = self._timer.optimizer_end()
-            sampler = self._sampler
-            ended = self._readings.steps + self._recorder.step_offset - 1  # global step index
-            if ended >= sampler.window_due:
-                if sampler.close_window(ended):  # many sample windows wait: judge them now
-                    self._judged_at = -float("inf")
-        except Exception as error:
-            self._guard.record("hooks", error)
-        self._poll(now)
+        with self._judging:
+            try:
+                now = self._timer.optimizer_end()
+                sampler = self._sampler
+                ended = self._readings.steps + self._recorder.step_offset - 1  # global step
+                if ended >= sampler.window_due:
+                    if sampler.close_window(ended):  # many sample windows wait: judge them now
+                        self._judged_at = -float("inf")
+            except Exception as error:
+                self._guard.record("hooks", error)
+            self._poll(now)
         if self._snapshots.recording:
             self._finish_snapshot()
         if self._readings.steps % self._window_steps == 0 and not (
@@ -720,9 +759,10 @@ class Monitor:
                 self._timer.iteration_skipped()  # the step hooks never ran
             step = self._recorder.global_step - (1 if stepped else 0)
             scale = scale_tensor(self._scaler)
-            if scale is not None:
-                self._readback.submit(_ValueTag("scale", max(step, 0)), scale)
-            self._poll(self._timer.clock())  # a skipped step has no step end to poll at
+            with self._judging:
+                if scale is not None:
+                    self._readback.submit(_ValueTag("scale", max(step, 0)), scale)
+                self._poll(self._timer.clock())  # a skipped step has no step end to poll at
         except Exception as error:
             self._guard.record("hooks", error)
 
@@ -735,7 +775,10 @@ class Monitor:
     # --- host side ----------------------------------------------------------------------------
 
     def _poll(self, now: float) -> None:
-        """Collect finished reads every step; judge them once ``judge_seconds`` have passed."""
+        """Collect finished reads every step; judge them once ``judge_seconds`` have passed.
+
+        The caller holds ``_judging``.
+        """
         try:
             waiting = self._readback.collect()
             if waiting and (
@@ -749,19 +792,43 @@ class Monitor:
             self._guard.record("readback", error)
 
     def _judge_waiting(self) -> None:
-        """Judge every result read back so far (epoch end, named phase, interpreter exit)."""
-        with self._guard.contain("readback"):
+        """Judge every result on the host now (epoch end, named phase); never blocks on a device."""
+        if self._detached:
+            return
+        with self._judging, self._guard.contain("readback"):
             self._consume(self._readback.poll())
             if self._device_timer is not None:
                 self._device_timer.poll()
+
+    def _judge_quiet(self) -> None:
+        """Judge thread: judge the results that wait while no step ends.
+
+        A loop that hangs, evaluates without ``phase()`` or sits in a debugger reaches no
+        step end, where results are judged; the NaN that explains a hang would wait with
+        it. So once ``judge_seconds`` have passed with neither a step end nor a judgement,
+        this thread judges what is on the host. It never waits for the lock: a hook that
+        holds it is a loop that is not quiet. The device timer is left to the training
+        thread, whose hooks record its events.
+        """
+        if self._detached or not self._readback.pending:
+            return
+        now = self._timer.clock()
+        if now - max(self._heartbeat.last_beat, self._judged_at) < self._judge_seconds:
+            return
+        if not self._judging.acquire(blocking=False):
+            return
+        try:
+            if not self._detached:
+                self._judged_at = now
+                self._consume(self._readback.poll())
+        finally:
+            self._judging.release()
 
     def _consume(self, results: list[tuple[_GradTag | _ValueTag, list[float]]]) -> None:
         for tag, values in results:
             try:  # per result, so one bad value does not lose the others
                 if isinstance(tag, _GradTag):
-                    probe = self._grads
-                    if probe is None or len(values) != probe.packed_length:
-                        continue  # measured before a layout rebuild: no longer readable
+                    probe = tag.probe  # the layout it was measured with, however old
                     summary = probe.summarize(values)
                     self._recorder.grads(tag.step, summary, probe.nonfinite_offenders)
                     self._judge_dead(probe, tag.step, summary)
@@ -851,16 +918,34 @@ class Monitor:
         return name
 
 
+def _judge_if_quiet(monitor: weakref.ref[Monitor]) -> None:
+    """The judge thread's task; holds the Monitor weakly, like every thread."""
+    target = monitor()
+    if target is not None:
+        target._judge_quiet()
+
+
 def _judge_at_exit(monitor: weakref.ref[Monitor]) -> None:
     """atexit: judge the results still waiting, so an anomaly just before a crash is recorded.
 
     Copies still in flight on a device get half a second, as at detach (bounded: the
-    device may be what failed).
+    device may be what failed), and the last step sample is written. A forked child
+    inherits the Monitor but not the run: it leaves the parent's results alone. A
+    training thread still inside a hook (a daemon thread, which exit does not join)
+    gets a second to leave it; after that its results are left unjudged rather than
+    read while it changes them.
     """
     target = monitor()
-    if target is not None and not target._detached:
+    if target is None or target._detached or target._pid != os.getpid():
+        return
+    if not target._judging.acquire(timeout=1.0):
+        return
+    try:
         with target._guard.contain("readback"):
             target._consume(target._readback.drain(timeout=0.5))
+            target._recorder.flush_sample()
+    finally:
+        target._judging.release()
 
 
 def _record_exit(registration: weakref.ref[Registration]) -> None:

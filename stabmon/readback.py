@@ -14,11 +14,15 @@ fall back to a blocking copy, which is documented as not sync-free.
 :meth:`Readback.collect` does the device half alone (buffers come back every
 step) for a caller that takes the results in batches.
 
-Only the training thread calls ``submit`` and ``poll``. Pinned buffers and
-events are pooled per size, so a long run allocates nothing per step. If the
+Pinned buffers and events are pooled per size, so a long run allocates nothing per step. If the
 device falls more than ``max_pending`` results behind (it cannot in practice:
 CUDA's launch queue fills first), the oldest pending result is dropped rather
-than waited for, and the drop is counted.
+than waited for, and the drop is counted; host values queued behind the copies
+count towards that bound too.
+
+The Monitor calls these from the training thread and, when the loop has been
+quiet for a while, from its watchdog thread; it holds one lock around every
+call, so the queue itself takes none.
 """
 
 from __future__ import annotations
@@ -65,7 +69,7 @@ class Readback(Generic[Tag]):
 
         A list is values already on the host: ready at the next poll, like a CPU tensor,
         unless device copies submitted before it are still in flight (it then waits its
-        turn). Returns how many results are ready for :meth:`poll`.
+        turn). Returns how many results wait, in flight or ready for :meth:`poll`.
         """
         host: list[float]
         if isinstance(values, torch.Tensor):
@@ -75,21 +79,25 @@ class Readback(Generic[Tag]):
                 host = values.to("cpu").tolist()  # blocking fallback, see the docstring
             else:
                 self._copy(tag, values)
-                return len(self._ready)
+                return len(self._pending) + len(self._ready)
         else:
             host = values
         if self._pending:
-            self._pending.append(_Pending(tag, None, host))
+            self._queue(_Pending(tag, None, host))
         else:
             self._ready.append((tag, host))
-        return len(self._ready)
+        return len(self._pending) + len(self._ready)
 
     def _copy(self, tag: Tag, values: torch.Tensor) -> None:
         slot = self._take_slot(values)
         slot.host.copy_(values, non_blocking=True)
         # The copy runs on the source device's stream, which need not be the current device's.
         slot.event.record(torch.cuda.current_stream(values.device))
-        self._pending.append(_Pending(tag, slot))
+        self._queue(_Pending(tag, slot))
+
+    def _queue(self, pending: _Pending[Tag]) -> None:
+        """Queue behind the copies in flight; past ``max_pending`` the oldest is dropped."""
+        self._pending.append(pending)
         if len(self._pending) > self._max_pending:
             oldest = self._pending.popleft().slot
             if oldest is not None:

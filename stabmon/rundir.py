@@ -311,9 +311,12 @@ class Registration:
             self._write()
 
     def exited(self, status: str, now: float) -> None:
-        """Record how the process ended ("clean" or "exception"); the last write."""
+        """Record how the process ended ("clean" or "exception"); the last write.
+
+        Only in the process the record describes: a forked child that exits is not the run.
+        """
         with self._lock:
-            if self._closed:
+            if self._closed or self._record.pid != os.getpid():
                 return
             self._record = replace(self._record, exited_unix=now, exit_status=status)
             self._write()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -154,16 +155,105 @@ def test_results_are_judged_at_the_first_step_end_judge_seconds_after_the_last(
 ) -> None:
     model = tiny_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    monitor = attach(model, optimizer, judge_seconds=2.0)
+    monitor = attach(model, optimizer, judge_seconds=1.0, window_steps=10**6)  # no epoch ends
+    train_step(model, optimizer, monitor)  # judged at once, the first
+    judged_first = time.perf_counter()
+    train_step(model, optimizer, monitor, nan_grad=True)
+    counted = value(scrape(monitor.metrics_url), "stabmon_nonfinite_grad_steps_total")
+    while not counted:  # a running loop: its step ends judge, the judge thread never needs to
+        time.sleep(0.01)  # 100 steps a second: fewer than MAX_WAITING_RESULTS wait
+        train_step(model, optimizer, monitor)
+        counted = value(scrape(monitor.metrics_url), "stabmon_nonfinite_grad_steps_total")
+        assert time.perf_counter() - judged_first < 10, "never judged"
+
+    assert counted == 1
+    assert time.perf_counter() - judged_first >= 1.0
+    anomalies = [e for e in events(monitor.event_log_path) if e["event"] == "anomaly"]
+    assert [(e["kind"], e["step"]) for e in anomalies] == [("nonfinite_grad", 1)]
+
+
+def test_results_waiting_in_a_quiet_loop_are_judged_by_the_judge_thread(
+    attach: MonitorFactory,
+) -> None:
+    """A NaN followed by a hang (a collective that never returns): no step end judges it."""
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    monitor = attach(model, optimizer, judge_seconds=0.3)
     train_step(model, optimizer, monitor)  # judged at once, the first
     train_step(model, optimizer, monitor, nan_grad=True)
+    quiet_since = time.perf_counter()
     assert value(scrape(monitor.metrics_url), "stabmon_nonfinite_grad_steps_total") == 0
-    time.sleep(2.1)
-    assert value(scrape(monitor.metrics_url), "stabmon_nonfinite_grad_steps_total") == 0  # no step
 
-    train_step(model, optimizer, monitor)
+    while not value(scrape(monitor.metrics_url), "stabmon_nonfinite_grad_steps_total"):
+        assert time.perf_counter() - quiet_since < 5, "the quiet loop's results were not judged"
+        time.sleep(0.02)
+
+    assert time.perf_counter() - quiet_since >= 0.3  # judge_seconds of quiet first
+    anomalies = [e for e in events(monitor.event_log_path) if e["event"] == "anomaly"]
+    assert [(e["kind"], e["step"]) for e in anomalies] == [("nonfinite_grad", 1)]
+
+
+def test_a_named_phase_judges_the_results_waiting_before_it(attach: MonitorFactory) -> None:
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    monitor = attach(model, optimizer, judge_seconds=3600)
+    for step in range(4):
+        train_step(model, optimizer, monitor, nan_grad=step == 2)
+    assert value(scrape(monitor.metrics_url), "stabmon_nonfinite_grad_steps_total") == 0
+
+    with monitor.phase("eval"):
+        assert value(scrape(monitor.metrics_url), "stabmon_nonfinite_grad_steps_total") == 1
+
+
+def test_load_state_dict_judges_the_waiting_results_before_the_resumed_state(
+    attach: MonitorFactory,
+) -> None:
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    first = attach(model, optimizer)
+    train_step(model, optimizer, first)
+    state = first.state_dict()
+    first.detach()
+    monitor = attach(model, optimizer, judge_seconds=3600)
+    for step in range(3):
+        train_step(model, optimizer, monitor, nan_grad=step == 1)
+
+    monitor.load_state_dict(state)
 
     assert value(scrape(monitor.metrics_url), "stabmon_nonfinite_grad_steps_total") == 1
+    anomalies = [e for e in events(monitor.event_log_path) if e["event"] == "anomaly"]
+    assert [(e["kind"], e["step"]) for e in anomalies] == [("nonfinite_grad", 1)]
+
+
+def test_results_waiting_at_a_new_param_group_are_read_with_their_own_layout(
+    attach: MonitorFactory,
+) -> None:
+    """add_param_group rebuilds the probe; the NaN measured before it is still judged."""
+    backbone, head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+    model = torch.nn.Sequential(backbone, head)
+    optimizer = torch.optim.SGD(head.parameters(), lr=0.0)
+    monitor = attach(model, optimizer, judge_seconds=3600)
+    for step in range(3):
+        model(torch.randn(2, 8)).pow(2).mean().backward()
+        if step == 1:
+            head.weight.grad.view(-1)[0] = float("nan")  # type: ignore[union-attr]
+        optimizer.step()
+        optimizer.zero_grad()
+        with torch.no_grad():
+            head.weight.nan_to_num_(0.0)  # lr 0 times NaN: undo the poisoned update
+    optimizer.add_param_group({"params": backbone.parameters(), "lr": 0.0})  # unfreeze
+    model(torch.randn(2, 8)).pow(2).mean().backward()
+    optimizer.step()
+
+    monitor.epoch_end()
+
+    samples = scrape(monitor.metrics_url)
+    assert value(samples, "stabmon_nonfinite_grad_steps_total") == 1
+    assert value(samples, "stabmon_module_grad_norm", module="0") > 0  # the new layout's
+    anomalies = [e for e in events(monitor.event_log_path) if e["event"] == "anomaly"]
+    assert [(e["kind"], e["step"], e["parameters"]) for e in anomalies] == [
+        ("nonfinite_grad", 1, ["1.weight"])
+    ]
 
 
 def test_at_most_max_waiting_results_wait_however_short_the_steps(
@@ -189,26 +279,65 @@ torch.manual_seed(0)
 model = torch.nn.Linear(4, 1)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
 monitor = stabmon.attach(model, optimizer, port=0, run_dir={str(tmp_path)!r}, run_id="crash",
-                         judge_seconds=3600)
+                         judge_seconds=3600, sample_every=2)
 for step in range(5):
     loss = model(torch.randn(2, 4)).pow(2).mean() * (float("nan") if step == 4 else 1.0)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad()
-    monitor.observe(loss=loss)
     if not torch.isfinite(loss):
         raise RuntimeError("loss diverged")
+    monitor.observe(loss=loss)
 """
     result = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 1 and "loss diverged" in result.stderr
     log = next(tmp_path.glob("crash/**/*.jsonl"))
+    records = events(log)
+    anomalies = [e for e in records if e["event"] == "anomaly"]
+    assert [(e["kind"], e["step"]) for e in anomalies] == [("nonfinite_grad", 4)]
+    # Step 4's sample, waiting for a loss that never came, is written too; all of it before
+    # the run-dir record says how the process ended.
+    assert [e["step"] for e in records if e["event"] == "step_sample"] == [0, 2, 4]
+    (record,) = [json.loads(path.read_text()) for path in tmp_path.rglob("rank-*.json")]
+    assert record["exit_status"] == "exception"
+    assert max(e["time"] for e in records) <= record["exited_unix"]
+
+
+def test_a_forked_child_that_exits_leaves_the_parents_results_and_record_alone(
+    tmp_path: Path,
+) -> None:
+    """A helper process forked from the training process exits normally: its atexit hooks
+    must neither judge the parent's waiting results into the shared log nor end its record."""
+    script = f"""
+import os, torch, stabmon
+model = torch.nn.Linear(4, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+monitor = stabmon.attach(model, optimizer, port=0, run_dir={str(tmp_path)!r}, run_id="fork",
+                         judge_seconds=3600, serve_metrics=False)
+for step in range(3):
+    loss = model(torch.randn(2, 4)).pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    monitor.observe(loss=float("nan") if step == 2 else loss)
+child = os.fork()
+if child == 0:
+    raise SystemExit(0)  # a normal exit: atexit hooks run in the child
+os.waitpid(child, 0)
+import pathlib
+print(next(pathlib.Path({str(tmp_path)!r}).rglob("rank-*.json")).read_text())
+monitor.detach()
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["exit_status"] is None  # the parent still runs
+    log = next(tmp_path.glob("fork/**/*.jsonl"))
     anomalies = [e for e in events(log) if e["event"] == "anomaly"]
-    assert [(e["kind"], e["step"]) for e in anomalies] == [
-        ("nonfinite_grad", 4),
-        ("nonfinite_loss", 4),
-    ]
+    assert [(e["kind"], e["step"]) for e in anomalies] == [("nonfinite_loss", 2)]
 
 
 def test_non_finite_loss_is_counted_and_exported(attach: MonitorFactory) -> None:

@@ -46,8 +46,9 @@ def test_host_values_wait_their_turn_behind_a_device_copy_in_flight(
     monkeypatch.setattr(Readback, "_copy", copy_in_flight)
     readback: Readback[str] = Readback()
     readback._copy("grads 5", torch.tensor([1.0]))  # a CUDA copy, started and not finished
-    assert readback.submit("loss 5", [2.0]) == 0  # host value: ready, but not before the copy
-    assert readback.submit("loss 6", torch.tensor([3.0])) == 0  # a CPU tensor likewise
+    # Host values wait behind the copy; submit counts everything waiting, in flight or ready.
+    assert readback.submit("loss 5", [2.0]) == 2
+    assert readback.submit("loss 6", torch.tensor([3.0])) == 3  # a CPU tensor likewise
     assert readback.collect() == 0 and readback.poll() == []
 
     event.done = True
@@ -55,6 +56,25 @@ def test_host_values_wait_their_turn_behind_a_device_copy_in_flight(
     assert readback.collect() == 3
     assert readback.poll() == [("grads 5", [1.0]), ("loss 5", [2.0]), ("loss 6", [3.0])]
     assert readback.pending == 0
+
+
+def test_host_values_behind_a_copy_that_never_finishes_stay_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A hung device must not make the queue grow with every loss observed behind it."""
+    event = _Event()  # never done
+
+    def copy_in_flight(self: Readback[int], tag: int, values: torch.Tensor) -> None:
+        self._queue(_Pending(tag, _Slot(values.clone(), event)))  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Readback, "_copy", copy_in_flight)
+    readback: Readback[int] = Readback(max_pending=8)
+    readback._copy(0, torch.tensor([1.0]))
+    for step in range(1, 1000):
+        assert readback.submit(step, [float(step)]) <= 8
+    assert readback.pending == 8 and readback.dropped == 1000 - 8
+    event.done = True  # the newest results are the ones kept, in order
+    assert [tag for tag, _ in readback.poll()] == list(range(1000 - 8, 1000))
 
 
 @pytest.mark.gpu

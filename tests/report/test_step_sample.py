@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -98,10 +99,16 @@ def test_step_samples_keep_their_own_step_times_when_many_windows_wait(tmp_path:
         model, optimizer, port=0, run_dir=str(tmp_path), run_id="r", sample_every=1,
         judge_seconds=3600,  # only full window marks (and detach) make it judge
     ) as monitor:  # fmt: skip
-        for _ in range(200):
+        for step in range(160):
+            if step % 2:
+                time.sleep(0.03)  # odd steps wait 30 ms for their input
             train_step(model, optimizer, monitor)
 
     samples = _samples(monitor)
 
-    assert [sample["step"] for sample in samples] == list(range(200))
-    assert all(isinstance(s["step_seconds"], float) and s["step_seconds"] > 0 for s in samples[1:])
+    assert [sample["step"] for sample in samples] == list(range(160))
+    # Each record has its own step's time, not a mean over the windows judged with it.
+    for sample in samples[1:]:
+        slow = sample["step"] % 2 == 1
+        assert (sample["step_seconds"] >= 0.03) is slow, sample
+        assert (sample["data_wait_seconds"] >= 0.03) is slow, sample
