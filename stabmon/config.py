@@ -199,9 +199,10 @@ class Config(_Section):
         metadata=_meta(
             "How long measured gradients and losses may wait on the host before they are "
             "checked (non-finite values, spikes, dead gradients) and exported: at the first "
-            "step end this long after the last check, or by a background thread when no step "
-            "ends (a hang). Checked in batches, fast steps share the host-side work. 0 checks "
-            "each result as soon as it is on the host. Epoch ends, named phases, state_dict(), "
+            "step end this long after the last check, or by a background thread (within 0.25 s "
+            "more) when no step ends for this long and twice the median step. Checked in "
+            "batches, fast steps share the host-side work. 0 checks each result as soon as it "
+            "is on the host. Epoch ends, named phases, state_dict(), "
             "load_state_dict(), detach() and interpreter exit check everything on the host.",
             ge=0,
         ),

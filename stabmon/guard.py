@@ -27,7 +27,8 @@ class Guard:
     def __init__(self, limiter: LogLimiter, components: Iterable[str] = ()) -> None:
         self._limiter = limiter
         self._counts: dict[str, int] = dict.fromkeys(components, 0)
-        self._lock = threading.Lock()
+        # Re-entrant: a signal handler that calls into stabmon may run while it is held.
+        self._lock = threading.RLock()
 
     @property
     def counts(self) -> Mapping[str, int]:

@@ -33,8 +33,9 @@ class LogLimiter:
         self._clock = clock
         self._seen: set[str] = set()
         self._windows: dict[str, tuple[float, int]] = {}
-        # Hooks and background threads both log; the lock keeps counts exact.
-        self._lock = threading.Lock()
+        # Hooks and background threads both log; the lock keeps counts exact. Re-entrant, as
+        # logging's own: a signal handler that calls into stabmon may run while it is held.
+        self._lock = threading.RLock()
 
     def once(self, key: str, level: int, message: str, *args: object) -> bool:
         """Log ``message`` the first time ``key`` is seen; return whether it was logged."""

@@ -11,8 +11,11 @@ runs under the guard: nothing raised inside stabmon reaches the training loop.
 Results would also wait while the loop is quiet (a hang, an evaluation, a
 debugger), so a background thread judges them then: the NaN that explains a
 stall is recorded with it. One lock (``_judging``) serialises every use of the
-readback queue and of the judging code between the two threads: three
-uncontended acquisitions a step, about 0.1 us each.
+readback queue and of the judging code between the threads: three uncontended
+acquisitions a step (four with a GradScaler), about 0.1 us each. It is
+re-entrant, and a call that re-enters it (a signal handler that saves a
+checkpoint, a logging handler) skips its judging rather than interleave with
+the judgement under way.
 
 Resources (hooks, threads, the HTTP server, the event log) live in one bundle
 closed by ``detach()``, or by a finalizer if the Monitor is dropped without
@@ -99,19 +102,32 @@ MAX_WAITING_RESULTS = 512
 QUIET_POLL_SECONDS = 0.25
 #: Builds a named tuple in C, without the Python ``__new__`` that NamedTuple generates.
 _tuple_new = tuple.__new__
+#: Live Monitors, for the fork hook below (weakly: it keeps none alive).
+_MONITORS: weakref.WeakSet[Monitor] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child gets fresh judging locks: the parent's judge thread may have held one
+    at the fork, and no thread of the child would ever release it."""
+    for monitor in list(_MONITORS):
+        monitor._judging = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX only; Windows cannot fork
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 # Named tuples, not frozen dataclasses: one is built per measured step.
 class _GradTag(NamedTuple):
     """Built with ``_tuple_new`` on the hot path (see :class:`~stabmon.probes.grads.GradSample`).
 
-    It carries the probe that measured the step, whose layout reads the values even when
-    a newer probe has replaced it while they waited, and no tensor: results wait to be
-    judged in batches, and a tensor would wait with them.
+    It carries the layout the step was measured with, which reads the values even when
+    the probe was rebuilt while they waited (a new param group, a model moved or cast),
+    and no tensor: results wait to be judged in batches, and a tensor would wait with them.
     """
 
     step: int
-    probe: GradProbe
+    layout: GradLayout
 
 
 class _ValueTag(NamedTuple):
@@ -256,8 +272,10 @@ class Monitor:
         self._judged_at = -float("inf")
         # Held around every use of the readback queue, the judging code and the sample
         # windows: by the training thread's hooks, and by the judge thread in a quiet loop.
-        self._judging = threading.Lock()
+        self._judging = threading.RLock()
         self._pid = os.getpid()  # a forked child inherits the Monitor, not the run
+        self._exiting = False  # set by the exit hook: the judge thread judges no more
+        _MONITORS.add(self)
         self._grads: GradProbe | None = None
         self._snapshots = SnapshotRecorder(
             cfg.memory_snapshot_steps, self._paths.run_directory, self.rank
@@ -616,8 +634,7 @@ class Monitor:
         read first, waiting at most a second: a checkpoint is rare, and ``torch.save``
         waits for the device anyway.
         """
-        with self._judging, self._guard.contain("readback"):
-            self._consume(self._readback.drain(timeout=1.0))
+        self._judge_all(timeout=1.0)
         state = self._recorder.state_dict()
         state["run_id"] = self.run_id
         state["epochs_marked_by"] = (
@@ -637,8 +654,7 @@ class Monitor:
         """
         # Results of the steps before the resume are judged against the old baselines; copies
         # in flight get a second, as in state_dict().
-        with self._judging, self._guard.contain("readback"):
-            self._consume(self._readback.drain(timeout=1.0))
+        self._judge_all(timeout=1.0)
         self._recorder.load_state_dict(state)
         if state.get("epochs_marked_by") == "user":
             self._user_marks_epochs = True
@@ -648,12 +664,13 @@ class Monitor:
         if self._detached:
             return
         self._detached = True
-        with self._judging:
-            with self._guard.contain("readback"):
-                self._consume(self._readback.drain(timeout=1.0))  # bounded: never hang a detach
-                if self._device_timer is not None:
-                    self._device_timer.poll()
-            self._recorder.flush_sample()
+        self._judge_all(timeout=1.0)  # bounded: never hang a detach
+        if not self._reentered():
+            with self._judging:
+                with self._guard.contain("readback"):
+                    if self._device_timer is not None:
+                        self._device_timer.poll()
+                self._recorder.flush_sample()
         self._recorder.write("detach", step=self._recorder.global_step, epoch=self._readings.epoch)
         self._finalizer()
 
@@ -724,7 +741,8 @@ class Monitor:
                 probe = self._grads = _build_grad_probe(self._model, optimizer, self.config)
             sample = probe.measure()
             if sample is not None:
-                tag = _tuple_new(_GradTag, (self._recorder.global_step, probe))
+                # measure() rebuilt the layout first if the model moved: this is the sample's
+                tag = _tuple_new(_GradTag, (self._recorder.global_step, probe.layout))
                 with self._judging:
                     self._readback.submit(tag, sample.packed)
         except Exception as error:
@@ -791,34 +809,68 @@ class Monitor:
         except Exception as error:
             self._guard.record("readback", error)
 
+    def _reentered(self) -> bool:
+        """Whether this thread is inside stabmon's judging already.
+
+        A signal handler (SLURM's requeue checkpoint) or a logging handler may call back
+        into the Monitor while it judges. Judging again there would interleave with the
+        judgement under way (results out of step order, the queue read twice), so the
+        caller skips its judging and goes on; what waits is judged later.
+        """
+        return bool(self._judging._is_owned())  # type: ignore[attr-defined]  # RLock's own
+
     def _judge_waiting(self) -> None:
         """Judge every result on the host now (epoch end, named phase); never blocks on a device."""
-        if self._detached:
+        if self._detached or self._reentered():
             return
         with self._judging, self._guard.contain("readback"):
             self._consume(self._readback.poll())
             if self._device_timer is not None:
                 self._device_timer.poll()
 
+    def _judge_all(self, timeout: float) -> None:
+        """Judge every result, giving copies still in flight up to ``timeout`` seconds.
+
+        The lock is held for each look, not across the wait, so a training thread's hooks
+        never wait on the device through it (a checkpoint saved from another thread); and
+        the lock itself is waited for at most ``timeout`` (a thread stuck holding it must
+        not hang a detach or the interpreter's exit).
+        """
+        if self._reentered():
+            return
+        deadline = time.monotonic() + timeout
+        while self._judging.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
+            try:
+                with self._guard.contain("readback"):
+                    self._consume(self._readback.poll())
+            finally:
+                self._judging.release()
+            if not self._readback.in_flight or time.monotonic() >= deadline:
+                return
+            time.sleep(0.001)
+
     def _judge_quiet(self) -> None:
         """Judge thread: judge the results that wait while no step ends.
 
         A loop that hangs, evaluates without ``phase()`` or sits in a debugger reaches no
         step end, where results are judged; the NaN that explains a hang would wait with
-        it. So once ``judge_seconds`` have passed with neither a step end nor a judgement,
-        this thread judges what is on the host. It never waits for the lock: a hook that
-        holds it is a loop that is not quiet. The device timer is left to the training
-        thread, whose hooks record its events.
+        it. So once neither a step end nor a judgement has come for ``judge_seconds``,
+        or twice the median step if that is longer (a running loop is not quiet, however
+        long its steps), this thread judges what is on the host. It never waits for the
+        lock: a hook that holds it is a loop that is not quiet. The device timer is left
+        to the training thread, whose hooks record its events.
         """
-        if self._detached or not self._readback.pending:
+        if self._detached or self._exiting or not self._readback.pending:
             return
+        median = self._heartbeat.median_step_seconds()
+        quiet = max(self._judge_seconds, 2.0 * median) if median else self._judge_seconds
         now = self._timer.clock()
-        if now - max(self._heartbeat.last_beat, self._judged_at) < self._judge_seconds:
+        if now - max(self._heartbeat.last_beat, self._judged_at) < quiet:
             return
         if not self._judging.acquire(blocking=False):
             return
         try:
-            if not self._detached:
+            if not (self._detached or self._exiting):
                 self._judged_at = now
                 self._consume(self._readback.poll())
         finally:
@@ -828,10 +880,10 @@ class Monitor:
         for tag, values in results:
             try:  # per result, so one bad value does not lose the others
                 if isinstance(tag, _GradTag):
-                    probe = tag.probe  # the layout it was measured with, however old
-                    summary = probe.summarize(values)
-                    self._recorder.grads(tag.step, summary, probe.nonfinite_offenders)
-                    self._judge_dead(probe, tag.step, summary)
+                    layout = tag.layout  # the one it was measured with, however old
+                    summary = layout.summarize(values)
+                    self._recorder.grads(tag.step, summary, layout.nonfinite_offenders)
+                    self._judge_dead(tag.step, summary)
                 elif tag.kind == "loss":
                     self._recorder.loss(tag.step, values[0])
                 else:
@@ -839,17 +891,18 @@ class Monitor:
             except Exception as error:
                 self._guard.record("detectors", error)
 
-    def _judge_dead(self, probe: GradProbe, step: int, summary: GradSummary) -> None:
+    def _judge_dead(self, step: int, summary: GradSummary) -> None:
         """Feed the dead-branch detector; a new layout (model moved, params changed) restarts it."""
+        layout = summary.layout
+        empty_shards = layout.empty_shards
         dead = self._dead
-        if dead is None or self._dead_layout is not summary.layout:
-            empty = set(probe.empty_shards)
-            names = [n for i, n in enumerate(probe.packed_names) if i not in empty]
-            groups = [g for i, g in enumerate(probe.packed_groups) if i not in empty]
+        if dead is None or self._dead_layout is not layout:
+            empty = set(empty_shards)
+            names = [n for i, n in enumerate(layout.names) if i not in empty]
+            groups = [g for i, g in enumerate(layout.packed_groups) if i not in empty]
             dead = self._dead = DeadGradients(names, groups, self.config.dead_grad_steps)
-            self._dead_layout = summary.layout
+            self._dead_layout = layout
         norms = summary.tensor_norms
-        empty_shards = probe.empty_shards
         if empty_shards:
             empty = set(empty_shards)
             norms = [n for i, n in enumerate(norms) if i not in empty]
@@ -929,23 +982,22 @@ def _judge_at_exit(monitor: weakref.ref[Monitor]) -> None:
     """atexit: judge the results still waiting, so an anomaly just before a crash is recorded.
 
     Copies still in flight on a device get half a second, as at detach (bounded: the
-    device may be what failed), and the last step sample is written. A forked child
-    inherits the Monitor but not the run: it leaves the parent's results alone. A
-    training thread still inside a hook (a daemon thread, which exit does not join)
-    gets a second to leave it; after that its results are left unjudged rather than
-    read while it changes them.
+    device may be what failed), and the last step sample is written; the judge thread
+    judges nothing after this. A forked child inherits the Monitor but not the run: it
+    leaves the parent's results alone. The lock is waited for at most as long: a thread
+    stuck holding it must not hang the interpreter's exit.
     """
     target = monitor()
     if target is None or target._detached or target._pid != os.getpid():
         return
-    if not target._judging.acquire(timeout=1.0):
-        return
-    try:
-        with target._guard.contain("readback"):
-            target._consume(target._readback.drain(timeout=0.5))
-            target._recorder.flush_sample()
-    finally:
-        target._judging.release()
+    target._exiting = True
+    target._judge_all(timeout=0.5)
+    if not target._reentered() and target._judging.acquire(timeout=0.5):
+        try:
+            with target._guard.contain("readback"):
+                target._recorder.flush_sample()
+        finally:
+            target._judging.release()
 
 
 def _record_exit(registration: weakref.ref[Registration]) -> None:

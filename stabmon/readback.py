@@ -14,20 +14,20 @@ fall back to a blocking copy, which is documented as not sync-free.
 :meth:`Readback.collect` does the device half alone (buffers come back every
 step) for a caller that takes the results in batches.
 
-Pinned buffers and events are pooled per size, so a long run allocates nothing per step. If the
-device falls more than ``max_pending`` results behind (it cannot in practice:
+Pinned buffers and events are pooled per size, so a long run allocates nothing
+per step. If the device falls more than ``max_pending`` results behind (it cannot in practice:
 CUDA's launch queue fills first), the oldest pending result is dropped rather
 than waited for, and the drop is counted; host values queued behind the copies
 count towards that bound too.
 
 The Monitor calls these from the training thread and, when the loop has been
-quiet for a while, from its watchdog thread; it holds one lock around every
-call, so the queue itself takes none.
+quiet for a while, from its judge thread; it holds one lock around every call,
+so the queue itself takes none. Waiting for copies in flight is the caller's
+loop (``poll`` until ``in_flight`` is 0), so that lock is never held across a wait.
 """
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -133,23 +133,15 @@ class Readback(Generic[Tag]):
             self._ready = []
         return ready  # empty: the same list, none allocated
 
-    def drain(self, timeout: float = 1.0) -> list[tuple[Tag, list[float]]]:
-        """Wait up to ``timeout`` seconds for pending results; return what completed.
-
-        The slow path of ``detach``: bounded, because a detach during a hung
-        collective or a failed device must not hang the process too.
-        """
-        deadline = time.monotonic() + timeout
-        ready = list(self.poll())  # poll() may hand back its own (empty) list
-        while self._pending and time.monotonic() < deadline:
-            time.sleep(0.001)
-            ready.extend(self.poll())
-        return ready
-
     @property
     def pending(self) -> int:
         """Results submitted but not yet returned by ``poll``."""
         return len(self._pending) + len(self._ready)
+
+    @property
+    def in_flight(self) -> int:
+        """Results still on their way to the host (device copies, and values queued behind)."""
+        return len(self._pending)
 
     def _take_slot(self, values: torch.Tensor) -> _Slot:
         key = (values.numel(), values.dtype)

@@ -6,9 +6,11 @@ exporter publishes), the event log and the rate-limited log lines. It holds no
 reference to the Monitor, the model or any thread, so a Monitor that is dropped
 without ``detach()`` can still be garbage-collected.
 
-Threads: everything runs on the training thread except :meth:`stalled` and
-:meth:`resumed`, which the watchdog calls; they touch only the stall gauge, the
-stall anomaly count and the event log (whose writes are serialised).
+Threads: the Monitor judges read-back results on the training thread, or on its
+judge thread when the loop is quiet, always under its judging lock, so no two
+run at once. :meth:`stalled` and :meth:`resumed` run on the watchdog thread and
+:meth:`worker_died` on the loader thread; they touch only their own gauges, the
+anomaly counts and the event log (whose writes are serialised).
 
 Step numbers: ``step`` in every record is the global index of the step the
 record belongs to (the count of optimizer steps completed before it, across

@@ -184,13 +184,17 @@ def test_results_waiting_in_a_quiet_loop_are_judged_by_the_judge_thread(
     quiet_since = time.perf_counter()
     assert value(scrape(monitor.metrics_url), "stabmon_nonfinite_grad_steps_total") == 0
 
-    while not value(scrape(monitor.metrics_url), "stabmon_nonfinite_grad_steps_total"):
+    def anomalies() -> list[tuple[str, int]]:
+        records = events(monitor.event_log_path)
+        return [(e["kind"], e["step"]) for e in records if e["event"] == "anomaly"]
+
+    while not anomalies():
         assert time.perf_counter() - quiet_since < 5, "the quiet loop's results were not judged"
         time.sleep(0.02)
 
     assert time.perf_counter() - quiet_since >= 0.3  # judge_seconds of quiet first
-    anomalies = [e for e in events(monitor.event_log_path) if e["event"] == "anomaly"]
-    assert [(e["kind"], e["step"]) for e in anomalies] == [("nonfinite_grad", 1)]
+    assert anomalies() == [("nonfinite_grad", 1)]
+    assert value(scrape(monitor.metrics_url), "stabmon_nonfinite_grad_steps_total") == 1
 
 
 def test_a_named_phase_judges_the_results_waiting_before_it(attach: MonitorFactory) -> None:
@@ -250,6 +254,39 @@ def test_results_waiting_at_a_new_param_group_are_read_with_their_own_layout(
     samples = scrape(monitor.metrics_url)
     assert value(samples, "stabmon_nonfinite_grad_steps_total") == 1
     assert value(samples, "stabmon_module_grad_norm", module="0") > 0  # the new layout's
+    anomalies = [e for e in events(monitor.event_log_path) if e["event"] == "anomaly"]
+    assert [(e["kind"], e["step"], e["parameters"]) for e in anomalies] == [
+        ("nonfinite_grad", 1, ["1.weight"])
+    ]
+
+
+def test_results_waiting_when_the_model_is_cast_keep_their_parameter_names(
+    attach: MonitorFactory,
+) -> None:
+    """A cast rebuilds the probe in place, reordering its norms; waiting results keep theirs."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    model[0].bias.data = model[0].bias.data.double()  # two dtypes: norms in bucket order
+    model[1].bias.data = model[1].bias.data.double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    monitor = attach(model, optimizer, judge_seconds=3600)
+
+    def step(nan: bool = False) -> None:
+        for param in model.parameters():
+            param.grad = torch.ones_like(param)
+        if nan:
+            model[1].weight.grad.view(-1)[0] = float("nan")  # type: ignore[union-attr]
+        optimizer.step()
+        with torch.no_grad():
+            for param in model.parameters():
+                param.nan_to_num_(0.0)  # lr 0 times NaN: undo the poisoned update
+
+    step()
+    step(nan=True)
+    model.double()  # one dtype now: the probe rebuilds with the norms in model order
+    step()
+
+    monitor.epoch_end()
+
     anomalies = [e for e in events(monitor.event_log_path) if e["event"] == "anomaly"]
     assert [(e["kind"], e["step"], e["parameters"]) for e in anomalies] == [
         ("nonfinite_grad", 1, ["1.weight"])
@@ -338,6 +375,63 @@ monitor.detach()
     log = next(tmp_path.glob("fork/**/*.jsonl"))
     anomalies = [e for e in events(log) if e["event"] == "anomaly"]
     assert [(e["kind"], e["step"]) for e in anomalies] == [("nonfinite_loss", 2)]
+
+
+def test_a_handler_that_calls_back_into_the_monitor_while_it_judges_does_not_hang(
+    tmp_path: Path,
+) -> None:
+    """Lightning's SLURM requeue handler saves a checkpoint (state_dict, phase) from inside a
+    signal handler, which may run while stabmon judges; a logging handler on stabmon's own
+    warnings runs while it judges. Either must neither hang the loop nor judge out of order."""
+    script = f"""
+import json, logging, signal, torch, stabmon
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+model = torch.nn.Linear(4, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+monitor = stabmon.attach(model, optimizer, port=0, run_dir={str(tmp_path)!r}, run_id="reenter",
+                         judge_seconds=0)
+saved = []
+
+def checkpoint(*_):
+    with monitor.phase("checkpoint"):
+        saved.append(monitor.state_dict()["step"])
+    monitor.epoch_end()
+
+class CheckpointOnWarning(logging.Handler):
+    def emit(self, record):
+        checkpoint()
+
+logging.getLogger("stabmon").addHandler(CheckpointOnWarning(logging.WARNING))
+for step in range(300):
+    if step == 150:  # from here on also a signal every 2 ms, landing anywhere
+        signal.signal(signal.SIGALRM, checkpoint)
+        signal.setitimer(signal.ITIMER_REAL, 0.002, 0.002)
+    loss = model(torch.ones(2, 4)).pow(2).mean()  # the same loss every step: no spikes
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    monitor.observe(loss=float("nan") if step in (100, 200) else loss)
+signal.setitimer(signal.ITIMER_REAL, 0, 0)
+families = text_string_to_metric_families(generate_latest(monitor.registry).decode())
+errors = sum(s.value for f in families for s in f.samples
+             if s.name == "stabmon_internal_errors_total")
+monitor.detach()
+print(json.dumps({{"checkpoints": len(saved), "internal_errors": errors}}))
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    outcome = json.loads(result.stdout)
+    assert outcome["checkpoints"] > 2  # the warnings' checkpoints at least, and some signals'
+    assert outcome["internal_errors"] == 0  # no RecursionError from handlers stacked on a lock
+    log = next(tmp_path.glob("reenter/**/*.jsonl"))
+    anomalies = [e for e in events(log) if e["event"] == "anomaly"]
+    assert [(e["kind"], e["step"]) for e in anomalies] == [
+        ("nonfinite_loss", 100),
+        ("nonfinite_loss", 200),
+    ]
 
 
 def test_non_finite_loss_is_counted_and_exported(attach: MonitorFactory) -> None:

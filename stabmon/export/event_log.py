@@ -38,7 +38,8 @@ class EventLog:
         self._guard = guard
         self._fd: int | None = None
         # The watchdog thread writes too; the lock keeps a write off a closed (reused) fd.
-        self._lock = threading.Lock()
+        # Re-entrant: a signal handler that writes (a checkpoint) may run while it is held.
+        self._lock = threading.RLock()
         with guard.contain(_COMPONENT):
             path.parent.mkdir(parents=True, exist_ok=True)
             self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)

@@ -40,7 +40,7 @@ from typing import Any, NamedTuple, cast
 import numpy as np
 import torch
 
-__all__ = ["GradLayout", "GradProbe", "GradSample", "GradSummary", "Packed", "group_name"]
+__all__ = ["GradLayout", "GradProbe", "GradSample", "GradSummary", "group_name"]
 
 #: Up to this many tensors, the group sums run in plain Python (numpy's call overhead is larger).
 _SMALL = 64
@@ -53,14 +53,6 @@ _tuple_new = tuple.__new__
 OTHER_GROUP = "other"
 #: Label of parameters that sit directly on the root module (``bias`` rather than ``fc.bias``).
 ROOT_GROUP = "root"
-
-
-class Packed:
-    """Layout of the packed result: the per-tensor norms, in bucket order."""
-
-    @staticmethod
-    def length(groups: int, tensors: int, *, sharded: bool = False) -> int:
-        return tensors
 
 
 def group_name(param_name: str, depth: int) -> str:
@@ -86,11 +78,13 @@ class GradSample(NamedTuple):
 
 
 class GradLayout:
-    """How the per-tensor norms of one probe layout add up to module groups and placements.
+    """How to read a packed result of one probe layout: whose norm each value is, and how
+    they add up to module groups and placements.
 
-    Built once per layout and never changed, so a summary can carry it to a
-    reader on another thread (the exporter's scrape): the sums are computed
-    there, when read, rather than at every step.
+    Built once per layout and never changed, so a measurement carries it while it
+    waits to be judged (the probe may be rebuilt meanwhile: a model moved or cast),
+    and a summary carries it to a reader on another thread (the exporter's scrape):
+    the sums are computed there, when read, rather than at every step.
     """
 
     def __init__(
@@ -99,14 +93,55 @@ class GradLayout:
         group_of: Sequence[int],
         placement_index: np.ndarray[Any, Any] | None,
         placement_weights: np.ndarray[Any, Any] | None,
+        *,
+        names: Sequence[str] = (),
+        model_order: Sequence[int] = (),
+        empty_shards: tuple[int, ...] = (),
     ) -> None:
         """``group_of[i]`` is the group of the i-th packed norm; ``placement_index[i]`` is 1
-        for a sharded gradient (None: nothing is sharded), weighted by ``placement_weights``."""
+        for a sharded gradient (None: nothing is sharded), weighted by ``placement_weights``.
+        ``names[i]`` is the parameter of the i-th norm, ``model_order[i]`` its position in the
+        model; ``empty_shards`` are packed positions of shards this rank holds nothing of."""
         self.groups = groups
         self._group_of = tuple(group_of)
         self._group_index = np.array(group_of, dtype=np.intp)
         self._placement_index = placement_index
         self._placement_weights = placement_weights
+        #: Parameter names in the order of the per-tensor norms of a packed result.
+        self.names = tuple(names)
+        self._model_order = tuple(model_order)
+        #: Packed positions of sharded parameters of which this rank holds nothing.
+        self.empty_shards = empty_shards
+
+    @property
+    def packed_groups(self) -> tuple[str, ...]:
+        """Module group of each per-tensor norm of a packed result."""
+        return tuple(self.groups[group] for group in self._group_of)
+
+    def summarize(self, values: Sequence[float]) -> GradSummary:
+        """Turn read-back per-tensor norms into the numbers every step needs.
+
+        ``math.hypot`` is the total norm in one C call: a NaN makes it NaN, an Inf
+        makes it Inf (even beside a NaN), so ``nonfinite`` is a check of the total.
+        """
+        tensor_norms = values if type(values) is list else list(values)  # poll() hands a new list
+        total = math.hypot(*tensor_norms)
+        zero = tensor_norms.count(0.0)  # None gradients are zero placeholders
+        if self.empty_shards:  # a rank whose shard of a small tensor is empty holds no gradient
+            zero -= sum(tensor_norms[order] == 0.0 for order in self.empty_shards)
+        return _tuple_new(GradSummary, (total, zero, not math.isfinite(total), tensor_norms, self))
+
+    def nonfinite_offenders(self, summary: GradSummary, limit: int = 5) -> list[str]:
+        """Names of the first parameters, in model order, whose gradient norm is NaN or Inf
+        (slow path)."""
+        offenders = sorted(
+            (position, name)
+            for position, name, norm in zip(
+                self._model_order, self.names, summary.tensor_norms, strict=True
+            )
+            if not math.isfinite(norm)
+        )
+        return [name for _, name in offenders[:limit]]
 
     def group_norms(self, tensor_norms: Sequence[float]) -> dict[str, float]:
         """The L2 norm of each module group; a NaN stays in its own group.
@@ -223,16 +258,6 @@ class GradProbe:
         return self._params
 
     @property
-    def packed_names(self) -> tuple[str, ...]:
-        """Parameter names in the order of the per-tensor norms of a packed result."""
-        return tuple(self.names[position] for position in self._order)
-
-    @property
-    def packed_groups(self) -> tuple[str, ...]:
-        """Module group of each per-tensor norm of a packed result."""
-        return tuple(self.groups[self._group_of[position]] for position in self._order)
-
-    @property
     def sharded(self) -> bool:
         """Whether some parameter is sharded across ranks (FSDP, tensor parallelism)."""
         return self._sharded
@@ -293,31 +318,6 @@ class GradProbe:
             ]
         )
 
-    def summarize(self, values: Sequence[float]) -> GradSummary:
-        """Turn read-back per-tensor norms into the numbers every step needs.
-
-        ``math.hypot`` is the total norm in one C call: a NaN makes it NaN, an Inf
-        makes it Inf (even beside a NaN), so ``nonfinite`` is a check of the total.
-        """
-        tensor_norms = values if type(values) is list else list(values)  # poll() hands a new list
-        total = math.hypot(*tensor_norms)
-        zero = tensor_norms.count(0.0)  # None gradients are zero placeholders
-        if self.empty_shards:  # a rank whose shard of a small tensor is empty holds no gradient
-            zero -= sum(tensor_norms[order] == 0.0 for order in self.empty_shards)
-        return _tuple_new(
-            GradSummary, (total, zero, not math.isfinite(total), tensor_norms, self.layout)
-        )
-
-    def nonfinite_offenders(self, summary: GradSummary, limit: int = 5) -> list[str]:
-        """Names of the first parameters whose gradient norm is NaN or Inf (slow path)."""
-        offenders = [
-            self.names[position]
-            for position, norm in zip(self._order, summary.tensor_norms, strict=True)
-            if not math.isfinite(norm)
-        ]
-        offenders.sort(key=self.names.index)  # model order, not bucket order
-        return offenders[:limit]
-
     def _build(self) -> None:
         """Buckets, zero placeholders and the group index for where the parameters are now."""
         self._buckets = _bucket(self._params)
@@ -359,17 +359,13 @@ class GradProbe:
             )
             if self._sharded
             else None,
-        )
-        # Attributes, not properties: the host reads both at every measured step.
-        #: Packed positions of sharded parameters of which this rank holds nothing.
-        self.empty_shards: tuple[int, ...] = tuple(
-            order
-            for order, position in enumerate(self._order)
-            if sharded[order] and _local_numel(self._params[position]) == 0
-        )
-        #: Length of every packed result of this layout.
-        self.packed_length = Packed.length(
-            len(self.groups), len(self._params), sharded=self._sharded
+            names=[self.names[p] for p in self._order],
+            model_order=self._order,
+            empty_shards=tuple(
+                order
+                for order, position in enumerate(self._order)
+                if sharded[order] and _local_numel(self._params[position]) == 0
+            ),
         )
 
     def _bucket_norms(self, index: int, grads: list[torch.Tensor]) -> list[torch.Tensor]:

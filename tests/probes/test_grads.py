@@ -22,7 +22,7 @@ def _measure(probe: GradProbe):  # type: ignore[no-untyped-def]
     readback: Readback[int] = Readback()
     readback.submit(0, sample.packed)
     ((_, values),) = readback.poll()
-    return probe.summarize(values)
+    return probe.layout.summarize(values)
 
 
 def _host(packed: torch.Tensor | list[float]) -> list[float]:
@@ -141,7 +141,7 @@ def test_grad_probe_flags_non_finite_and_names_the_offender(bad: float) -> None:
     probe = GradProbe([("encoder.w", good), ("decoder.w", broken)])
     summary = _measure(probe)
     assert summary.nonfinite
-    assert probe.nonfinite_offenders(summary) == ["decoder.w"]
+    assert probe.layout.nonfinite_offenders(summary) == ["decoder.w"]
 
 
 def test_grad_probe_does_not_call_a_large_finite_total_non_finite() -> None:
@@ -243,7 +243,7 @@ def test_host_sums_match_torch_and_keep_a_nan_in_its_own_group(layers: int) -> N
     probe = GradProbe(list(model.named_parameters()), max_modules=1024)
     sample = probe.measure()
     assert sample is not None
-    summary = probe.summarize(_host(sample.packed))
+    summary = probe.layout.summarize(_host(sample.packed))
     expected = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
     assert summary.total_norm == pytest.approx(float(expected), rel=1e-6)
     for index, layer in enumerate(model):
@@ -253,7 +253,7 @@ def test_host_sums_match_torch_and_keep_a_nan_in_its_own_group(layers: int) -> N
     model[1].weight.grad[0, 0] = float("nan")
     sample = probe.measure()
     assert sample is not None
-    poisoned = probe.summarize(_host(sample.packed))
+    poisoned = probe.layout.summarize(_host(sample.packed))
     assert poisoned.nonfinite and math.isnan(poisoned.total_norm)
     assert math.isnan(poisoned.group_norms["1"])
     assert all(math.isfinite(norm) for group, norm in poisoned.group_norms.items() if group != "1")

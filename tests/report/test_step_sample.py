@@ -101,7 +101,7 @@ def test_step_samples_keep_their_own_step_times_when_many_windows_wait(tmp_path:
     ) as monitor:  # fmt: skip
         for step in range(160):
             if step % 2:
-                time.sleep(0.03)  # odd steps wait 30 ms for their input
+                time.sleep(0.05)  # odd steps wait 50 ms for their input
             train_step(model, optimizer, monitor)
 
     samples = _samples(monitor)
@@ -110,5 +110,5 @@ def test_step_samples_keep_their_own_step_times_when_many_windows_wait(tmp_path:
     # Each record has its own step's time, not a mean over the windows judged with it.
     for sample in samples[1:]:
         slow = sample["step"] % 2 == 1
-        assert (sample["step_seconds"] >= 0.03) is slow, sample
-        assert (sample["data_wait_seconds"] >= 0.03) is slow, sample
+        assert (sample["step_seconds"] >= 0.05) is slow, sample
+        assert (sample["data_wait_seconds"] >= 0.05) is slow, sample
