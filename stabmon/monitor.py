@@ -617,6 +617,7 @@ class Monitor:
         label = self._phase_label(name)
         # A phase may take long (eval, checkpoint): what is on the host is judged before it,
         # copies still in flight by the judge thread during it (no step ends), or after it.
+        # The device timer is left to the step ends, which poll it anyway.
         self._judge_waiting()
         with self._guard.contain("hooks"):
             self._timer.enter_named(label)
@@ -634,7 +635,7 @@ class Monitor:
         read first, waiting at most a second: a checkpoint is rare, and ``torch.save``
         waits for the device anyway.
         """
-        self._judge_all(timeout=1.0)
+        self._judge_waiting(wait_seconds=1.0)
         state = self._recorder.state_dict()
         state["run_id"] = self.run_id
         state["epochs_marked_by"] = (
@@ -654,7 +655,7 @@ class Monitor:
         """
         # Results of the steps before the resume are judged against the old baselines; copies
         # in flight get a second, as in state_dict().
-        self._judge_all(timeout=1.0)
+        self._judge_waiting(wait_seconds=1.0)
         self._recorder.load_state_dict(state)
         if state.get("epochs_marked_by") == "user":
             self._user_marks_epochs = True
@@ -663,14 +664,8 @@ class Monitor:
         """Remove every hook, stop every thread and free the port; idempotent."""
         if self._detached:
             return
+        self._judge_last(wait_seconds=1.0)  # bounded: never hang a detach
         self._detached = True
-        self._judge_all(timeout=1.0)  # bounded: never hang a detach
-        if not self._reentered():
-            with self._judging:
-                with self._guard.contain("readback"):
-                    if self._device_timer is not None:
-                        self._device_timer.poll()
-                self._recorder.flush_sample()
         self._recorder.write("detach", step=self._recorder.global_step, epoch=self._readings.epoch)
         self._finalizer()
 
@@ -819,27 +814,20 @@ class Monitor:
         """
         return bool(self._judging._is_owned())  # type: ignore[attr-defined]  # RLock's own
 
-    def _judge_waiting(self) -> None:
-        """Judge every result on the host now (epoch end, named phase); never blocks on a device."""
+    def _judge_waiting(self, wait_seconds: float = 0.0) -> None:
+        """Judge every result on the host; copies still in flight get up to ``wait_seconds``.
+
+        Epoch ends and named phases never wait on a device; ``state_dict()``,
+        ``load_state_dict()``, ``detach()`` and interpreter exit give copies in flight a
+        bounded wait. The lock is held for each look, not across the wait, so a training
+        thread's hooks never wait on the device through it (a checkpoint saved from another
+        thread); and the lock itself is waited for at most a second (a thread stuck holding
+        it must not hang a detach or the interpreter's exit).
+        """
         if self._detached or self._reentered():
             return
-        with self._judging, self._guard.contain("readback"):
-            self._consume(self._readback.poll())
-            if self._device_timer is not None:
-                self._device_timer.poll()
-
-    def _judge_all(self, timeout: float) -> None:
-        """Judge every result, giving copies still in flight up to ``timeout`` seconds.
-
-        The lock is held for each look, not across the wait, so a training thread's hooks
-        never wait on the device through it (a checkpoint saved from another thread); and
-        the lock itself is waited for at most ``timeout`` (a thread stuck holding it must
-        not hang a detach or the interpreter's exit).
-        """
-        if self._reentered():
-            return
-        deadline = time.monotonic() + timeout
-        while self._judging.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
+        deadline = time.monotonic() + wait_seconds
+        while self._judging.acquire(timeout=1.0):
             try:
                 with self._guard.contain("readback"):
                     self._consume(self._readback.poll())
@@ -848,6 +836,21 @@ class Monitor:
             if not self._readback.in_flight or time.monotonic() >= deadline:
                 return
             time.sleep(0.001)
+
+    def _judge_last(self, wait_seconds: float) -> None:
+        """The last judgement (detach, interpreter exit): everything waiting, with copies in
+        flight given ``wait_seconds``, then the device timer's last events and the step
+        sample still waiting for a value."""
+        self._judge_waiting(wait_seconds)
+        if self._reentered() or not self._judging.acquire(timeout=1.0):
+            return
+        try:
+            with self._guard.contain("readback"):
+                if self._device_timer is not None:
+                    self._device_timer.poll()
+                self._recorder.flush_sample()
+        finally:
+            self._judging.release()
 
     def _judge_quiet(self) -> None:
         """Judge thread: judge the results that wait while no step ends.
@@ -984,20 +987,13 @@ def _judge_at_exit(monitor: weakref.ref[Monitor]) -> None:
     Copies still in flight on a device get half a second, as at detach (bounded: the
     device may be what failed), and the last step sample is written; the judge thread
     judges nothing after this. A forked child inherits the Monitor but not the run: it
-    leaves the parent's results alone. The lock is waited for at most as long: a thread
-    stuck holding it must not hang the interpreter's exit.
+    leaves the parent's results alone.
     """
     target = monitor()
     if target is None or target._detached or target._pid != os.getpid():
         return
     target._exiting = True
-    target._judge_all(timeout=0.5)
-    if not target._reentered() and target._judging.acquire(timeout=0.5):
-        try:
-            with target._guard.contain("readback"):
-                target._recorder.flush_sample()
-        finally:
-            target._judging.release()
+    target._judge_last(wait_seconds=0.5)
 
 
 def _record_exit(registration: weakref.ref[Registration]) -> None:

@@ -15,10 +15,10 @@ fall back to a blocking copy, which is documented as not sync-free.
 step) for a caller that takes the results in batches.
 
 Pinned buffers and events are pooled per size, so a long run allocates nothing
-per step. If the device falls more than ``max_pending`` results behind (it cannot in practice:
-CUDA's launch queue fills first), the oldest pending result is dropped rather
-than waited for, and the drop is counted; host values queued behind the copies
-count towards that bound too.
+per step. If the device falls more than ``max_pending`` results behind (it
+cannot in practice: CUDA's launch queue fills first), the oldest pending result
+is dropped rather than waited for, and the drop is counted; host values queued
+behind the copies count towards that bound too.
 
 The Monitor calls these from the training thread and, when the loop has been
 quiet for a while, from its judge thread; it holds one lock around every call,

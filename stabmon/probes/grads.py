@@ -94,9 +94,9 @@ class GradLayout:
         placement_index: np.ndarray[Any, Any] | None,
         placement_weights: np.ndarray[Any, Any] | None,
         *,
-        names: Sequence[str] = (),
-        model_order: Sequence[int] = (),
-        empty_shards: tuple[int, ...] = (),
+        names: Sequence[str],
+        model_order: Sequence[int],
+        empty_shards: tuple[int, ...],
     ) -> None:
         """``group_of[i]`` is the group of the i-th packed norm; ``placement_index[i]`` is 1
         for a sharded gradient (None: nothing is sharded), weighted by ``placement_weights``.
