@@ -225,8 +225,12 @@ class Exporter:
             except OSError as error:
                 failures.append(f"{port}: {error.strerror or error}")
                 continue
+            # shutdown() waits for serve_forever's next poll: a short poll keeps detach() instant.
             thread = threading.Thread(
-                target=server.serve_forever, name="stabmon-exporter", daemon=True
+                target=server.serve_forever,
+                kwargs={"poll_interval": 0.05},
+                name="stabmon-exporter",
+                daemon=True,
             )
             thread.start()
             self._server, self._thread = server, thread
