@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import math
 import os
 import sys
 import threading
@@ -145,7 +144,7 @@ class SyncAudit(FakeTensorMode):
         return True
 
     def violation(self, what: str) -> None:
-        """Record a sync if stabmon's code is on the stack, and raise; else count it as the user's."""
+        """Record and raise a sync made with stabmon's code on the stack; else count the user's."""
         stack = _stabmon_stack()
         if stack is None:
             self.user_syncs += 1
@@ -180,8 +179,8 @@ class SyncAudit(FakeTensorMode):
         if func is aten.copy_.default:
             destination, source = args[0], args[1]
             if _is_cuda(source) and destination.device.type == "cpu":
-                return self._copy_to_host(destination, bool(args[2] if len(args) > 2 else
-                                                             kwargs.get("non_blocking")))  # fmt: skip
+                non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+                return self._copy_to_host(destination, bool(non_blocking))
         return super().__torch_dispatch__(func, types, args, kwargs)
 
     def _pinned_buffer(self, func: Any, args: Any, kwargs: Any) -> torch.Tensor:
@@ -268,6 +267,13 @@ def _no_properties(device: object = None) -> Any:
     raise RuntimeError("the fake CUDA runtime has no device properties")
 
 
+#: c10::impl::device_guard_impl_registry and c10::impl::registerDeviceGuard(DeviceType, impl).
+_REGISTRY_SYMBOL = "_ZN3c104impl26device_guard_impl_registryE"
+_REGISTER_SYMBOL = (
+    "_ZN3c104impl19registerDeviceGuardENS_10DeviceTypeEPKNS0_24DeviceGuardImplInterfaceE"
+)
+
+
 @contextlib.contextmanager
 def noop_cuda_guard() -> Iterator[None]:
     """On a CPU-only build, register the CPU's no-op device guard for CUDA while inside.
@@ -280,8 +286,8 @@ def noop_cuda_guard() -> Iterator[None]:
     """
     library = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libc10.so"))
     try:
-        registry = (ctypes.c_void_p * 2).in_dll(library, "_ZN3c104impl26device_guard_impl_registryE")
-        register = library._ZN3c104impl19registerDeviceGuardENS_10DeviceTypeEPKNS0_24DeviceGuardImplInterfaceE
+        registry = (ctypes.c_void_p * 2).in_dll(library, _REGISTRY_SYMBOL)
+        register = getattr(library, _REGISTER_SYMBOL)
     except (AttributeError, ValueError) as error:
         pytest.skip(f"Requires: c10's device guard registry, to stand in for CUDA's ({error})")
     if registry[1]:  # a CUDA build: the real guard is there
@@ -319,9 +325,6 @@ class FakeCuda:
         for param in parameters:
             if param.requires_grad:
                 param.grad = torch.empty_like(param)
-
-    def nan_count(self) -> int:
-        return 0 if math.isfinite(self.device.result) else 1
 
 
 @contextlib.contextmanager
