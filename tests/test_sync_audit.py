@@ -171,3 +171,68 @@ def test_sync_audit_allows_the_users_own_syncs(audited: FakeCuda) -> None:
     assert found_inf.item() == 0.0
     audited.assert_clean()
     assert audited.audit.user_syncs == 1
+
+
+@pytest.mark.gpu
+def test_monitored_cuda_loop_never_synchronises_a_real_device(tmp_path: Path) -> None:
+    """The same phases on a real GPU, under torch.cuda.set_sync_debug_mode("error").
+
+    AdamW is fused: GradScaler then hands found_inf to the optimizer instead of reading it
+    with .item() (a sync of the user's making, which the debug mode would fail too), and a
+    skipped step is skipped on the device. A sync inside stabmon raises inside a hook, where
+    it is contained and counted: every component's count must stay 0.
+    """
+    torch.manual_seed(0)
+    model = _Net()
+    optimizer = torch.optim.AdamW(model.body.parameters(), lr=1e-3, fused=True)
+    scaler = torch.amp.GradScaler("cuda")
+    monitor = stabmon.attach(
+        model, optimizer, scaler=scaler, port=0, address="127.0.0.1", run_dir=str(tmp_path),
+        run_id="sync-check", measure_every=1, sample_every=1, device_check="warn",
+    )  # fmt: skip
+
+    def step(poison: bool = False) -> None:
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(torch.randn(16, 32, device="cuda")).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        if poison:  # an Inf gradient: non-finite, and GradScaler skips the step
+            grad = model.body[0].weight.grad
+            assert grad is not None
+            grad.view(-1)[0] = float("inf")
+        scaler.unscale_(optimizer)
+        nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        monitor.observe(loss=loss)
+
+    try:
+        for _ in range(5):  # warm-up: first-use allocations and pinned buffers
+            step()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(50):
+                step()
+            optimizer.add_param_group({"params": list(model.head.parameters())})
+            for _ in range(20):
+                step()
+            step(poison=True)
+            for _ in range(20):
+                step()
+            monitor.epoch_end()
+            samples = scrape(monitor.metrics_url)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        monitor.epoch_end()
+        samples = scrape(monitor.metrics_url)
+    finally:
+        monitor.detach()
+    errors = {dict(labels)["component"]: v for (name, labels), v in samples.items()
+              if name == "stabmon_internal_errors_total"}  # fmt: skip
+    assert errors and not any(errors.values()), errors
+    assert value(samples, "stabmon_steps_total") == 96  # fused: the skipped step is a step
+    assert value(samples, "stabmon_nonfinite_grad_steps_total") == 1
+    assert value(samples, "stabmon_amp_skipped_steps_total") == 1
+    assert value(samples, "stabmon_module_grad_norm", module="head") is not None
