@@ -9,6 +9,11 @@ fused ``_foreach_norm`` read, stacked and checked on the device, as in
 ``overhead.py``) are set up side by side on identical models and take turns in
 short blocks, the order flipped every other pair (see ``overhead.py``): the table
 gives the median over pairs of *stabmon - floor* per step and of *stabmon / floor*.
+Blocks are timed in CPU time of the training thread (``time.thread_time``, one torch
+thread), not wall time: on a shared machine a neighbour's burst takes wall time from
+whichever block it lands in, and at 10,000 tensors a block is one 100 ms step. What
+stabmon's background threads do (memory sampling, judging in a quiet loop) is not in the
+figure; in a running loop stabmon judges on the training thread, at step ends.
 
 Usage::
 
@@ -156,10 +161,10 @@ def measure(tensors: int, groups: int, pairs: int, run_dir: Path) -> Result:
 
         def run(which: int) -> float:
             step = steps[which]
-            started = time.perf_counter()
+            started = time.thread_time()
             for _ in range(block):
                 step()
-            return (time.perf_counter() - started) / block
+            return (time.thread_time() - started) / block
 
         times: list[tuple[float, float]] = []
         for pair in range(pairs):
@@ -185,7 +190,7 @@ def format_table(title: str, results: Sequence[Result]) -> str:
     lines = [
         title,
         "",
-        "| parameter tensors | module groups | floor step ms | stabmon - floor, us/step | "
+        "| parameter tensors | module groups | floor step, CPU ms | stabmon - floor, us/step | "
         "stabmon - floor, ns per tensor | stabmon / floor (p10-p90) |",
         "|---:|---:|---:|---:|---:|---|",
     ]
