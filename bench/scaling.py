@@ -3,7 +3,8 @@
 The model is nothing but parameters: ``groups`` submodules holding ``tensors``
 small tensors between them (64 elements each), and a loss that touches every one,
 so a step is forward, backward, an SGD step and ``zero_grad`` over ``tensors``
-tensors, and the cost that grows with their number is what is measured. For each
+tensors (at learning rate 0, so the weights, and the step, stay the same however many
+steps run), and the cost that grows with their number is what is measured. For each
 shape, stabmon (default config, ``observe(loss)`` every step) and the floor (one
 fused ``_foreach_norm`` read, stacked and checked on the device, as in
 ``overhead.py``) are set up side by side on identical models and take turns in
@@ -13,7 +14,9 @@ Blocks are timed in CPU time of the training thread (``time.thread_time``, one t
 thread), not wall time: on a shared machine a neighbour's burst takes wall time from
 whichever block it lands in, and at 10,000 tensors a block is one 100 ms step. What
 stabmon's background threads do (memory sampling, judging in a quiet loop) is not in the
-figure; in a running loop stabmon judges on the training thread, at step ends.
+figure; in a running loop stabmon judges on the training thread, at step ends. Python's
+garbage collector is off while blocks are timed, as ``timeit`` does: with 10,000
+parameters a collection pause is a sizeable fraction of a step, wherever it lands.
 
 Usage::
 
@@ -50,6 +53,8 @@ TENSORS_GROUPS = 8
 #: beyond it, where the smallest groups share the label "other".
 GROUP_COUNTS = (1, 4, 16, 32, 64)
 GROUPS_TENSORS = 1_000
+#: Each block runs about this long (at least one step).
+BLOCK_SECONDS = 0.1
 StepFn = Callable[[], None]
 
 
@@ -137,13 +142,16 @@ class Result:
 
 
 def measure(tensors: int, groups: int, pairs: int, run_dir: Path) -> Result:
-    """stabmon against the floor on one shape, in interleaved blocks of about 20 ms."""
+    """stabmon against the floor on one shape, in interleaved blocks of about BLOCK_SECONDS."""
     with contextlib.ExitStack() as stack:
         steps: list[StepFn] = []
         for variant in ("floor", "stabmon"):
             torch.manual_seed(0)
             model = Parameters(tensors, groups)
-            optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+            # lr 0: every kernel of the step runs, and the weights stay as they are. Trained,
+            # this loss drives them to zero through denormals (slow on a CPU, so the step
+            # time drifts) and the gradients to exactly zero (dead to stabmon).
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)
             manager = (
                 _floor(model, optimizer)
                 if variant == "floor"
@@ -153,7 +161,7 @@ def measure(tensors: int, groups: int, pairs: int, run_dir: Path) -> Result:
         start = time.perf_counter()
         for _ in range(3):
             steps[0]()
-        block = max(1, round(0.02 / ((time.perf_counter() - start) / 3)))
+        block = max(1, round(BLOCK_SECONDS / ((time.perf_counter() - start) / 3)))
         for step in steps:
             for _ in range(3 * block):
                 step()
@@ -167,12 +175,16 @@ def measure(tensors: int, groups: int, pairs: int, run_dir: Path) -> Result:
             return (time.thread_time() - started) / block
 
         times: list[tuple[float, float]] = []
-        for pair in range(pairs):
-            if pair % 2:
-                ours, floors = run(1), run(0)
-            else:
-                floors, ours = run(0), run(1)
-            times.append((floors, ours))
+        gc.disable()  # as timeit does: a collection pause lands in whichever block it hits
+        try:
+            for pair in range(pairs):
+                if pair % 2:
+                    ours, floors = run(1), run(0)
+                else:
+                    floors, ours = run(0), run(1)
+                times.append((floors, ours))
+        finally:
+            gc.enable()
     ratios = [ours / floors for floors, ours in times]
     deciles = statistics.quantiles(ratios, n=10, method="inclusive")
     return Result(
@@ -205,7 +217,7 @@ def format_table(title: str, results: Sequence[Result]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--pairs", type=int, default=60, help="block pairs per shape (60)")
+    parser.add_argument("--pairs", type=int, default=100, help="block pairs per shape (100)")
     parser.add_argument("--quick", action="store_true", help="4 pairs per shape, small shapes")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1)")
     args = parser.parse_args(argv)
@@ -220,7 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"`{command}`: torch {torch.__version__}, {args.threads} thread(s), "
         f"{platform.processor() or platform.machine()}, {pairs} block pairs per shape, "
-        f"{TENSOR_NUMEL} elements per tensor, SGD(momentum=0.9), default stabmon config\n",
+        f"{TENSOR_NUMEL} elements per tensor, SGD(lr=0, momentum=0.9), default stabmon config\n",
         flush=True,
     )
     with tempfile.TemporaryDirectory(prefix="stabmon-scaling-") as tmp:

@@ -19,7 +19,8 @@ This is a test double, not a simulator: **no number computed here is real.**
   audited too. Syncs of the user's own making (GradScaler.step's ``found_inf.item()``)
   are allowed: the audit is of stabmon.
 - The CUDA runtime pieces stabmon touches are small fakes (:class:`FakeCuda`): events
-  (``query()`` completes once :meth:`FakeDevice.catch_up` says the device got past them),
+  (``query()`` completes once :meth:`FakeDevice.catch_up` says the device got past them,
+  and copies to the host land only then),
   the current stream, pinned host buffers (``torch.empty(pin_memory=True)`` gives a real
   host tensor, remembered as pinned), allocator statistics and ``is_available()``.
 - A fake device has no data, so values it "copies back" into pinned buffers are scripted:
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
 import os
 import sys
 import threading
@@ -122,9 +124,20 @@ class FakeDevice:
     reserved: int = 128 * 2**20
     peak: int = 96 * 2**20
 
+    #: Copies issued and not yet done: (pinned buffer, the value it will hold).
+    in_flight: list[tuple[torch.Tensor, float]] = field(default_factory=list)
+
     def catch_up(self) -> None:
-        """The device finishes everything issued so far (it runs about a step behind)."""
+        """The device finishes everything issued so far (it runs about a step behind).
+
+        Copies land only now: until then their buffers hold NaN, so a host that read a
+        buffer before its event completed would see a non-finite value it never sent.
+        """
         self.completed = self.recorded
+        with unset_fake_temporarily():
+            for buffer, value in self.in_flight:
+                buffer.fill_(value)
+        self.in_flight.clear()
 
 
 class SyncAudit(FakeTensorMode):
@@ -200,7 +213,8 @@ class SyncAudit(FakeTensorMode):
             return destination
         self.device.copies += 1
         with unset_fake_temporarily():
-            destination.fill_(self.device.result)  # what the device "computed": scripted
+            destination.fill_(math.nan)  # lands at the device's next catch_up()
+        self.device.in_flight.append((destination, self.device.result))  # scripted value
         return destination
 
 
