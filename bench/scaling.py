@@ -4,30 +4,32 @@ The model is nothing but parameters: ``groups`` submodules holding ``tensors``
 small tensors between them (64 elements each), and a loss that touches every one,
 so a step is forward, backward, an SGD step and ``zero_grad`` over ``tensors``
 tensors (at learning rate 0, so the weights, and the step, stay the same however many
-steps run), and the cost that grows with their number is what is measured. For each
-shape, stabmon (default config, ``observe(loss)`` every step) and the floor (one
-fused ``_foreach_norm`` read, stacked and checked on the device, as in
-``overhead.py``) are set up side by side on identical models and take turns in
-short blocks, the order flipped every other pair (see ``overhead.py``): the table
-gives the median over pairs of *stabmon - floor* per step and of *stabmon / floor*.
-Blocks are timed in CPU time of the training thread (``time.thread_time``, one torch
-thread), not wall time: on a shared machine a neighbour's burst takes wall time from
-whichever block it lands in, and at 10,000 tensors a block is one 100 ms step. What
-stabmon's background threads do (memory sampling, judging in a quiet loop) is not in the
-figure; in a running loop stabmon judges on the training thread, at step ends. Python's
-garbage collector is off while blocks are timed, as ``timeit`` does: with 10,000
-parameters a collection pause is a sizeable fraction of a step, wherever it lands.
+steps run), and the cost that grows with their number is what is measured.
+
+stabmon's cost is timed directly, not as the difference of two step times: at 1,000
+tensors and more it is a fraction of a percent of a step, and two models trained side
+by side differ by more than that (memory layout), as does one model from one second
+to the next on a shared machine. Each step, stopwatch hooks registered before
+``attach()`` and after it bracket stabmon's four hooks (torch runs hooks in the order
+they were registered), and a stopwatch brackets ``observe(loss)``; the floor's read
+(one fused ``_foreach_norm``, stacked and checked on the device, as in
+``overhead.py``) is timed in the same step, after the optimizer step, so the
+gradients are already in cache for it and not for stabmon. The stopwatches' own cost,
+measured the same way with nothing between them, is subtracted. Reported are medians
+over steps, with Python's garbage collector off while steps are timed (as ``timeit``
+does): *stabmon*, the time of its hooks and ``observe()`` per step; *floor*, the fused
+read; and *stabmon / floor* as ``overhead.py`` defines it, the step with stabmon over
+the step with the floor's read instead, both built from the same step's timings.
 
 Usage::
 
-    python bench/scaling.py                # both sweeps, the table as printed in bench/README.md
-    python bench/scaling.py --quick        # a few pairs each: a smoke test
+    python bench/scaling.py             # both sweeps: the tables in bench/README.md
+    python bench/scaling.py --quick     # a few steps of small shapes: a smoke test
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import platform
 import shlex
@@ -35,9 +37,10 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -53,9 +56,10 @@ TENSORS_GROUPS = 8
 #: beyond it, where the smallest groups share the label "other".
 GROUP_COUNTS = (1, 4, 16, 32, 64)
 GROUPS_TENSORS = 1_000
-#: Each block runs about this long (at least one step).
-BLOCK_SECONDS = 0.1
-StepFn = Callable[[], None]
+#: Timed steps per shape: about this many seconds of steps, within these bounds.
+SECONDS_PER_SHAPE = 4.0
+MIN_STEPS, MAX_STEPS = 20, 2_000
+WARMUP_STEPS = 20
 
 
 class Parameters(nn.Module):
@@ -78,123 +82,128 @@ class Parameters(nn.Module):
         return (torch.cat(self._flat) * scale).pow(2).sum()
 
 
-@contextlib.contextmanager
-def _floor(model: Parameters, optimizer: torch.optim.Optimizer) -> Iterator[StepFn]:
-    parameters = list(model.parameters())
+class Stopwatch:
+    """Adds up the intervals between ``start`` and ``stop``; both take any hook's arguments."""
 
-    def before_step() -> None:
-        grads = [p.grad for p in parameters if p.grad is not None]
-        torch.isfinite(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0))))
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._started = 0.0
 
-    yield _step_fn(model, optimizer, before_step=before_step)
+    def start(self, *args: Any) -> None:
+        self._started = time.perf_counter()
 
-
-@contextlib.contextmanager
-def _stabmon(
-    model: Parameters, optimizer: torch.optim.Optimizer, run_dir: Path
-) -> Iterator[StepFn]:
-    monitor = stabmon.attach(model, optimizer, port=0, run_dir=str(run_dir), event_log=False)
-    try:
-        yield _step_fn(model, optimizer, observe=monitor.observe)
-        errors = sum(
-            sample.value
-            for family in monitor.registry.collect()
-            for sample in family.samples
-            if sample.name == "stabmon_internal_errors_total"
-        )
-        if errors:
-            raise RuntimeError(f"stabmon contained {errors:.0f} internal error(s): result void")
-    finally:
-        monitor.detach()
+    def stop(self, *args: Any) -> None:
+        self.seconds += time.perf_counter() - self._started
 
 
-def _step_fn(
-    model: Parameters,
-    optimizer: torch.optim.Optimizer,
-    *,
-    before_step: StepFn | None = None,
-    observe: Callable[..., None] | None = None,
-) -> StepFn:
-    scale = torch.tensor(1.0)
+def _bracket(
+    model: nn.Module, optimizer: torch.optim.Optimizer, call: Any
+) -> list[torch.utils.hooks.RemovableHandle]:
+    return [
+        model.register_forward_pre_hook(call),
+        model.register_forward_hook(call),
+        optimizer.register_step_pre_hook(call),
+        optimizer.register_step_post_hook(call),
+    ]
 
-    def step() -> None:
-        loss = model(scale)
-        loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
-        if before_step is not None:
-            before_step()
-        optimizer.step()
-        optimizer.zero_grad()
-        if observe is not None:
-            observe(loss=loss)
 
-    return step
+def _floor_read(parameters: Sequence[torch.Tensor]) -> None:
+    grads = [p.grad for p in parameters if p.grad is not None]
+    torch.isfinite(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0))))
 
 
 @dataclass(frozen=True)
 class Result:
     tensors: int
     groups: int
-    floor_ms: float
-    difference_us: float
-    ratio: float
-    ratio_p10: float
-    ratio_p90: float
+    steps: int
+    #: Medians over steps, in microseconds.
+    plain_us: float
+    floor_us: float
+    stabmon_us: float
+
+    @property
+    def ratio(self) -> float:
+        """The step with stabmon over the step with the floor's read (overhead.py's ratio)."""
+        return (self.plain_us + self.stabmon_us) / (self.plain_us + self.floor_us)
 
 
-def measure(tensors: int, groups: int, pairs: int, run_dir: Path) -> Result:
-    """stabmon against the floor on one shape, in interleaved blocks of about BLOCK_SECONDS."""
-    with contextlib.ExitStack() as stack:
-        steps: list[StepFn] = []
-        for variant in ("floor", "stabmon"):
-            torch.manual_seed(0)
-            model = Parameters(tensors, groups)
-            # lr 0: every kernel of the step runs, and the weights stay as they are. Trained,
-            # this loss drives them to zero through denormals (slow on a CPU, so the step
-            # time drifts) and the gradients to exactly zero (dead to stabmon).
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)
-            manager = (
-                _floor(model, optimizer)
-                if variant == "floor"
-                else _stabmon(model, optimizer, run_dir)
-            )
-            steps.append(stack.enter_context(manager))
-        start = time.perf_counter()
-        for _ in range(3):
-            steps[0]()
-        block = max(1, round(BLOCK_SECONDS / ((time.perf_counter() - start) / 3)))
-        for step in steps:
-            for _ in range(3 * block):
-                step()
+def _timed_steps(
+    tensors: int, groups: int, run_dir: Path, *, attach: bool, steps: int | None = None
+) -> tuple[int, list[tuple[float, float, float]]]:
+    """(steps, [(plain, floor read, bracketed) seconds per step]) on a fresh model."""
+    torch.manual_seed(0)
+    model = Parameters(tensors, groups)
+    # lr 0: every kernel of the step runs, and the weights stay as they are. Trained, this
+    # loss drives them to zero through denormals (slow on a CPU, so the step time drifts) and
+    # the gradients to exactly zero (dead to stabmon).
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)
+    parameters = list(model.parameters())
+    watch = Stopwatch()
+    handles = _bracket(model, optimizer, watch.start)
+    monitor = None
+    if attach:
+        monitor = stabmon.attach(model, optimizer, port=0, run_dir=str(run_dir), event_log=False)
+    handles += _bracket(model, optimizer, watch.stop)
+    scale = torch.tensor(1.0)
+
+    def step() -> tuple[float, float, float]:
+        watch.seconds = 0.0
+        started = time.perf_counter()
+        loss = model(scale)
+        loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
+        optimizer.step()
+        read = time.perf_counter()
+        _floor_read(parameters)
+        floor = time.perf_counter() - read
+        optimizer.zero_grad()
+        watch.start()
+        if monitor is not None:
+            monitor.observe(loss=loss)
+        watch.stop()
+        total = time.perf_counter() - started
+        return total - floor - watch.seconds, floor, watch.seconds
+
+    try:
+        warm = [step() for _ in range(WARMUP_STEPS)]
+        if steps is None:
+            per_step = statistics.median(sum(times) for times in warm)
+            steps = min(MAX_STEPS, max(MIN_STEPS, round(SECONDS_PER_SHAPE / per_step)))
         gc.collect()
-
-        def run(which: int) -> float:
-            step = steps[which]
-            started = time.thread_time()
-            for _ in range(block):
-                step()
-            return (time.thread_time() - started) / block
-
-        times: list[tuple[float, float]] = []
-        gc.disable()  # as timeit does: a collection pause lands in whichever block it hits
+        gc.disable()  # as timeit does: a collection pause lands in whichever step it hits
         try:
-            for pair in range(pairs):
-                if pair % 2:
-                    ours, floors = run(1), run(0)
-                else:
-                    floors, ours = run(0), run(1)
-                times.append((floors, ours))
+            timed = [step() for _ in range(steps)]
         finally:
             gc.enable()
-    ratios = [ours / floors for floors, ours in times]
-    deciles = statistics.quantiles(ratios, n=10, method="inclusive")
+        if monitor is not None:
+            errors = sum(
+                sample.value
+                for family in monitor.registry.collect()
+                for sample in family.samples
+                if sample.name == "stabmon_internal_errors_total"
+            )
+            if errors:
+                raise RuntimeError(f"stabmon contained {errors:.0f} internal error(s): void")
+    finally:
+        if monitor is not None:
+            monitor.detach()
+        for handle in handles:
+            handle.remove()
+    return steps, timed
+
+
+def measure(tensors: int, groups: int, run_dir: Path, steps: int | None = None) -> Result:
+    """stabmon's own time per step and the floor's read on one shape; medians over steps."""
+    count, timed = _timed_steps(tensors, groups, run_dir, attach=True, steps=steps)
+    _, empty = _timed_steps(tensors, groups, run_dir, attach=False, steps=count)
+    stopwatches = statistics.median(bracketed for _, _, bracketed in empty)
     return Result(
         tensors=tensors,
         groups=groups,
-        floor_ms=statistics.median(floors for floors, _ in times) * 1e3,
-        difference_us=statistics.median((ours - floors) * 1e6 for floors, ours in times),
-        ratio=statistics.median(ratios),
-        ratio_p10=deciles[0],
-        ratio_p90=deciles[-1],
+        steps=count,
+        plain_us=statistics.median(plain for plain, _, _ in timed) * 1e6,
+        floor_us=statistics.median(floor for _, floor, _ in timed) * 1e6,
+        stabmon_us=max(0.0, statistics.median(b for _, _, b in timed) - stopwatches) * 1e6,
     )
 
 
@@ -202,53 +211,53 @@ def format_table(title: str, results: Sequence[Result]) -> str:
     lines = [
         title,
         "",
-        "| parameter tensors | module groups | floor step, CPU ms | stabmon - floor, us/step | "
-        "stabmon - floor, ns per tensor | stabmon / floor (p10-p90) |",
-        "|---:|---:|---:|---:|---:|---|",
+        "| parameter tensors | module groups | steps | plain step, ms | floor read, us | "
+        "stabmon, us | stabmon per tensor, ns | stabmon / floor read | stabmon / floor |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         lines.append(
-            f"| {r.tensors:,} | {r.groups} | {r.floor_ms:.2f} | {r.difference_us:.1f} | "
-            f"{r.difference_us * 1e3 / r.tensors:.0f} | {r.ratio:.3f} "
-            f"({r.ratio_p10:.3f}-{r.ratio_p90:.3f}) |"
+            f"| {r.tensors:,} | {r.groups} | {r.steps} | {r.plain_us / 1e3:.2f} | "
+            f"{r.floor_us:.1f} | {r.stabmon_us:.1f} | {r.stabmon_us * 1e3 / r.tensors:.0f} | "
+            f"{r.stabmon_us / r.floor_us:.2f} | {r.ratio:.4f} |"
         )
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--pairs", type=int, default=100, help="block pairs per shape (100)")
-    parser.add_argument("--quick", action="store_true", help="4 pairs per shape, small shapes")
+    parser.add_argument("--quick", action="store_true", help="20 steps of small shapes")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1)")
     args = parser.parse_args(argv)
-    if args.pairs < 2:
-        parser.error(f"--pairs must be >= 2, got {args.pairs}")
     torch.set_num_threads(args.threads)
-    pairs = 4 if args.quick else args.pairs
     counts = TENSOR_COUNTS[:2] if args.quick else TENSOR_COUNTS
     group_counts = GROUP_COUNTS[:2] if args.quick else GROUP_COUNTS
     group_tensors = 100 if args.quick else GROUPS_TENSORS
-    command = shlex.join([".venv/bin/python", "bench/scaling.py", *(argv or sys.argv[1:])])
+    steps = MIN_STEPS if args.quick else None
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    command = shlex.join([".venv/bin/python", "bench/scaling.py", *arguments])
     print(
-        f"`{command}`: torch {torch.__version__}, {args.threads} thread(s), "
-        f"{platform.processor() or platform.machine()}, {pairs} block pairs per shape, "
-        f"{TENSOR_NUMEL} elements per tensor, SGD(lr=0, momentum=0.9), default stabmon config\n",
+        f"`{command}`: torch {torch.__version__}, {args.threads} torch thread(s), "
+        f"{platform.machine()}, {TENSOR_NUMEL} elements per tensor, SGD(lr=0, momentum=0.9), "
+        "default stabmon config (measure_every 1, max_modules 32); medians over steps\n",
         flush=True,
     )
     with tempfile.TemporaryDirectory(prefix="stabmon-scaling-") as tmp:
         by_tensors = []
         for count in counts:
-            by_tensors.append(measure(count, TENSORS_GROUPS, pairs, Path(tmp)))
+            by_tensors.append(measure(count, TENSORS_GROUPS, Path(tmp), steps))
             print(f"  {count} tensors done", file=sys.stderr, flush=True)
-        print(format_table(f"Parameter tensors grow ({TENSORS_GROUPS} module groups):",
-                           by_tensors), flush=True)  # fmt: skip
+        title = f"Parameter tensors grow ({TENSORS_GROUPS} module groups):"
+        print(format_table(title, by_tensors), flush=True)
         by_groups = []
         for groups in group_counts:
-            by_groups.append(measure(group_tensors, groups, pairs, Path(tmp)))
+            by_groups.append(measure(group_tensors, groups, Path(tmp), steps))
             print(f"  {groups} groups done", file=sys.stderr, flush=True)
-        print("\n" + format_table(
-            f"Module groups grow ({group_tensors:,} tensors; max_modules 32, beyond it the "
-            "smallest groups share 'other'):", by_groups), flush=True)  # fmt: skip
+        title = (
+            f"Module groups grow ({group_tensors:,} tensors; beyond max_modules (32) the "
+            "smallest groups share the label 'other'):"
+        )
+        print("\n" + format_table(title, by_groups), flush=True)
     return 0
 
 
