@@ -7,19 +7,21 @@ tensors (at learning rate 0, so the weights, and the step, stay the same however
 steps run), and the cost that grows with their number is what is measured.
 
 stabmon's cost is timed directly, not as the difference of two step times: at 1,000
-tensors and more it is a fraction of a percent of a step, and two models trained side
-by side differ by more than that (memory layout), as does one model from one second
-to the next on a shared machine. Each step, stopwatch hooks registered before
-``attach()`` and after it bracket stabmon's four hooks (torch runs hooks in the order
-they were registered), and a stopwatch brackets ``observe(loss)``; the floor's read
-(one fused ``_foreach_norm``, stacked and checked on the device, as in
-``overhead.py``) is timed in the same step, after the optimizer step, so the
-gradients are already in cache for it and not for stabmon. The stopwatches' own cost,
-measured the same way with nothing between them, is subtracted. Reported are medians
-over steps, with Python's garbage collector off while steps are timed (as ``timeit``
-does): *stabmon*, the time of its hooks and ``observe()`` per step; *floor*, the fused
-read; and *stabmon / floor* as ``overhead.py`` defines it, the step with stabmon over
-the step with the floor's read instead, both built from the same step's timings.
+tensors and more it is a few percent of a step or less, and two models trained side by
+side differ by that much (memory layout), as does one model from one second to the
+next on a shared machine. Each step, stopwatch hooks registered before ``attach()``
+and after it bracket stabmon's four hooks (torch runs hooks in the order they were
+registered), and a stopwatch brackets ``observe(loss)``; the floor's read (one fused
+``_foreach_norm``, stacked and checked on the device, as in ``overhead.py``) is timed
+in the same step, after the optimizer step, so the gradients are already in cache for
+it and not for stabmon. The stopwatches' own cost, measured the same way with nothing
+between them, is subtracted. Reported are medians over steps of the training thread's
+CPU time (``time.thread_time``, one torch thread: a neighbour on a shared machine takes
+wall time from whatever it lands in, not CPU time), with Python's garbage collector off
+while steps are timed (as ``timeit`` does): *stabmon*, the time of its hooks and
+``observe()`` per step; *floor read*, the fused read; and *stabmon / floor* as
+``overhead.py`` defines it, the step with stabmon over the step with the floor's read
+instead, both built from the same step's timings.
 
 Usage::
 
@@ -90,10 +92,10 @@ class Stopwatch:
         self._started = 0.0
 
     def start(self, *args: Any) -> None:
-        self._started = time.perf_counter()
+        self._started = time.thread_time()
 
     def stop(self, *args: Any) -> None:
-        self.seconds += time.perf_counter() - self._started
+        self.seconds += time.thread_time() - self._started
 
 
 def _bracket(
@@ -149,19 +151,19 @@ def _timed_steps(
 
     def step() -> tuple[float, float, float]:
         watch.seconds = 0.0
-        started = time.perf_counter()
+        started = time.thread_time()
         loss = model(scale)
         loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
         optimizer.step()
-        read = time.perf_counter()
+        read = time.thread_time()
         _floor_read(parameters)
-        floor = time.perf_counter() - read
+        floor = time.thread_time() - read
         optimizer.zero_grad()
         watch.start()
         if monitor is not None:
             monitor.observe(loss=loss)
         watch.stop()
-        total = time.perf_counter() - started
+        total = time.thread_time() - started
         return total - floor - watch.seconds, floor, watch.seconds
 
     try:
