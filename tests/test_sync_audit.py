@@ -12,6 +12,7 @@ forward, clipping, optimizer and GradScaler steps, every probe on. On a GPU,
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -236,3 +237,32 @@ def test_monitored_cuda_loop_never_synchronises_a_real_device(tmp_path: Path) ->
     assert value(samples, "stabmon_nonfinite_grad_steps_total") == 1
     assert value(samples, "stabmon_amp_skipped_steps_total") == 1
     assert value(samples, "stabmon_module_grad_norm", module="head") is not None
+
+
+def test_sync_audit_catches_a_sync_on_the_exporters_thread(
+    audited: FakeCuda, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FakeTensors route every operator through the audit, whatever thread runs it."""
+    from stabmon.export.collector import ReadingsCollector
+
+    device_value = torch.ones((), device="cuda")  # a result someone kept on the device
+    original = ReadingsCollector.collect
+
+    def collect(self: ReadingsCollector) -> Iterator[Any]:
+        device_value.item()  # planted: a scrape that reads a device value
+        yield from original(self)
+
+    monkeypatch.setattr(ReadingsCollector, "collect", collect)
+    model = _Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    monitor = stabmon.attach(model, optimizer, port=0, address="127.0.0.1",
+                             run_dir=str(tmp_path), run_id="sync-audit")  # fmt: skip
+    try:
+        with contextlib.suppress(OSError):  # the failed scrape answers 500
+            scrape(monitor.metrics_url)
+    finally:
+        monitor.detach()
+
+    with pytest.raises(SyncViolation, match="on thread (?!MainThread)") as failure:
+        audited.assert_clean()
+    assert "stabmon/export/" in str(failure.value)
