@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck tools dashboards deploy bench clean
+.PHONY: demo test lint typecheck tools dashboards deploy bench gpu-check clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,13 @@ bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[bench]'
 	$(BIN)/python bench/overhead.py --update-readme
 
+# On a machine with an NVIDIA GPU: a CUDA torch in its own venv (.venv-gpu), every gpu-marked
+# test, the sync check under sync-debug "error", the GPU overhead workload and the daemon on real
+# NVML, into gpu-check-report.md. Elsewhere it lists what it needs and exits 2, changing nothing.
+# `make gpu-check GPU_CHECK_FLAGS=--dry-run` prints the plan; bench/gpu_check.py --help lists the rest.
+gpu-check:
+	$(PYTHON) bench/gpu_check.py $(GPU_CHECK_FLAGS)
+
 demo: $(STAMP)
 	$(BIN)/stabmon demo
 
@@ -52,4 +59,4 @@ test: tools lint typecheck
 	$(BIN)/python -m pytest
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-gpu .pytest_cache .mypy_cache .ruff_cache
