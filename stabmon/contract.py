@@ -16,10 +16,13 @@ __all__ = [
     "ALERT_NAMES",
     "ANOMALY_KINDS",
     "DAEMON_METRICS",
+    "EXTENSION_ALERT_NAMES",
+    "EXTENSION_ANOMALY_KINDS",
     "EXTENSION_METRICS",
     "INTERNAL_COMPONENTS",
     "MetricDef",
     "PHASES",
+    "PUBLISHED_ANOMALY_KINDS",
     "THROTTLE_REASONS",
     "TRAINING_METRICS",
 ]
@@ -29,8 +32,8 @@ MetricType = Literal["gauge", "counter", "histogram"]
 #: Labels on every series a training process exports.
 PROCESS_LABELS: tuple[str, ...] = ("rank", "run")
 
-#: Values of ``stabmon_anomalies_total{kind}``; each is exported as 0 from attach.
-ANOMALY_KINDS: tuple[str, ...] = (
+#: Values of ``stabmon_anomalies_total{kind}`` in the published contract v1.
+PUBLISHED_ANOMALY_KINDS: tuple[str, ...] = (
     "nonfinite_grad",
     "nonfinite_loss",
     "grad_spike",
@@ -39,6 +42,11 @@ ANOMALY_KINDS: tuple[str, ...] = (
     "stall",
     "device_mismatch",
 )
+#: Kinds beyond contract v1 (proposed in docs/metrics-contract-proposals.md): ``slowdown``, a
+#: sustained shift of the step time against the run's recent baseline (detectors/slowdown.py).
+EXTENSION_ANOMALY_KINDS: tuple[str, ...] = ("slowdown",)
+#: Values of ``stabmon_anomalies_total{kind}``; each is exported as 0 from attach.
+ANOMALY_KINDS: tuple[str, ...] = PUBLISHED_ANOMALY_KINDS + EXTENSION_ANOMALY_KINDS
 
 #: Built-in values of ``stabmon_phase_seconds_total{phase}``; user-named phases add to these.
 PHASES: tuple[str, ...] = ("data_wait", "forward", "backward", "optimizer")
@@ -295,6 +303,50 @@ DEVICE_MEMORY_CACHE = MetricDef(
 #: Values of ``stabmon_grad_norm_squared{placement}``.
 GRAD_PLACEMENTS: tuple[str, ...] = ("replicated", "sharded")
 
+# Throughput (stabmon/throughput.py; proposed in docs/metrics-contract-proposals.md).
+SAMPLES = MetricDef(
+    "stabmon_samples_total",
+    "counter",
+    "Training samples handed to the loop: the leading dimension of each batch track() yields, "
+    "or what observe(samples=...) reports.",
+)
+TOKENS = MetricDef(
+    "stabmon_tokens_total",
+    "counter",
+    "Training tokens: input_ids of shape (batch, sequence) seen by track(), padding included, "
+    "or what observe(tokens=...) reports.",
+)
+MODEL_FLOPS = MetricDef(
+    "stabmon_model_flops_total",
+    "counter",
+    "FLOPs of the optimizer steps done: FLOPs per step (counted once, or throughput."
+    "flops_per_step) times steps. Absent until the FLOPs of a step are known.",
+)
+PEAK_FLOPS = MetricDef(
+    "stabmon_peak_flops_per_second",
+    "gauge",
+    "Peak dense FLOP/s of this rank's GPU for the dtype the step runs in (table or "
+    "throughput.peak_flops). Absent on CPU and for GPUs not in the table.",
+)
+MFU = MetricDef(
+    "stabmon_mfu_ratio",
+    "gauge",
+    "Model FLOPs utilization over the last block of steps: FLOPs per step x steps / training "
+    "seconds (named phases excluded) / peak FLOP/s. GPU only.",
+)
+SLOWDOWN_ACTIVE = MetricDef(
+    "stabmon_slowdown_active",
+    "gauge",
+    "1 while a sustained slowdown holds, on the phase whose time grew most, else 0.",
+    ("phase",),
+)
+STEP_TIME_BASELINE = MetricDef(
+    "stabmon_step_time_baseline_seconds",
+    "gauge",
+    "The slowdown rule's baseline: median mean step time (built-in phases) of the recent "
+    "normal blocks.",
+)
+
 EXTENSION_METRICS: tuple[MetricDef, ...] = (
     GRAD_NORM_SQUARED,
     DEAD_GRAD_PARAMS,
@@ -303,6 +355,13 @@ EXTENSION_METRICS: tuple[MetricDef, ...] = (
     DEVICE_PHASE_SECONDS,
     DEVICE_STEP_DURATION,
     DEVICE_UTILIZATION,
+    SAMPLES,
+    TOKENS,
+    MODEL_FLOPS,
+    PEAK_FLOPS,
+    MFU,
+    SLOWDOWN_ACTIVE,
+    STEP_TIME_BASELINE,
 )
 
 # --- node daemon ------------------------------------------------------------------------------
@@ -417,3 +476,6 @@ ALERT_NAMES: tuple[str, ...] = (
     "StabmonStragglerRank",
 )
 SEVERITIES: tuple[str, ...] = ("critical", "warning", "info")
+#: Alerts beyond contract v1 (proposed in docs/metrics-contract-proposals.md), held to the same
+#: rules: severity, summary, description, runbook_url, a firing and a quiet promtool case each.
+EXTENSION_ALERT_NAMES: tuple[str, ...] = ("StabmonTrainingSlowdown",)
