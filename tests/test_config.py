@@ -723,5 +723,7 @@ def test_throughput_section_rejects_a_non_positive_slowdown_threshold() -> None:
 
 
 def test_throughput_section_rejects_an_unknown_mfu_dtype() -> None:
-    with pytest.raises(ConfigError, match=r"^throughput\.mfu_dtype in config mapping: expected one"):
+    with pytest.raises(
+        ConfigError, match=r"^throughput\.mfu_dtype in config mapping: expected one"
+    ):
         load_config({"throughput": {"mfu_dtype": "int4"}}, env={})

@@ -13,8 +13,10 @@ Slow blocks never enter the baseline, so a slowdown cannot teach the baseline
 that it is normal while it is held. A slowdown is reported once, when slow
 blocks have followed each other without a normal one for ``hold_seconds`` and
 for at least ``min_blocks`` blocks (one giant step is a stall, not a slowdown);
-a normal block ends it. One slow step makes one slow block, and the next normal
-block forgets it. The phase named is the one whose seconds per step grew most
+a normal block ends it, and so does time: once it has been held for
+``baseline_seconds`` more, the slow pace is the run's pace now (a curriculum to
+longer sequences, a bigger batch) and becomes the baseline. One slow step makes
+one slow block, and the next normal block forgets it. The phase named is the one whose seconds per step grew most
 against its own baseline median.
 
 Pure and host-only: no clock of its own (blocks carry their end time on the
@@ -142,6 +144,9 @@ class SlowdownDetector:
             if len(self._slow) > MAX_BASELINE_BLOCKS:  # a long episode: keep the recent ones
                 del self._slow[0]
             held = block.end - self._slow_since
+            if self.active is not None and held - self.active.held_seconds >= self._span:
+                self._adopt()
+                return None
             if self.active is None and held >= self._hold and len(self._slow) >= self._min_blocks:
                 self.active = self._confirm(baseline, held)
                 return self.active
@@ -154,6 +159,16 @@ class SlowdownDetector:
         while self._normal and self._normal[0].end < block.end - self._span:
             self._normal.popleft()
         return None
+
+    def _adopt(self) -> None:
+        """The slowdown has lasted: its blocks are the baseline from now on."""
+        self._normal.clear()
+        for block in self._slow[-MAX_BASELINE_BLOCKS:]:
+            per_phase = {phase: s / block.steps for phase, s in block.phase_seconds.items()}
+            self._normal.append(_Normal(block.end, block.step_seconds, per_phase))
+        self._slow.clear()
+        self._slow_since = None
+        self.active = None
 
     def _confirm(self, baseline: float, held: float) -> Slowdown:
         steps = sum(block.steps for block in self._slow)

@@ -154,3 +154,22 @@ def test_slowdown_detector_forgets_its_baseline_on_reset() -> None:
 def test_slowdown_detector_rejects_bad_settings(kwargs: dict[str, float], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SlowdownDetector(**kwargs)
+
+
+def test_slowdown_detector_adopts_a_slow_pace_held_for_the_baseline_span() -> None:
+    slower = {**PACE, "forward": PACE["forward"] + 0.03}
+    judge = detector()
+    now = 0.0
+    found, active = [], []
+    for block in range(300):
+        pace = slower if block >= 60 else PACE
+        spent = {phase: seconds * 100 for phase, seconds in pace.items()}
+        now += sum(spent.values())
+        result = judge.update(Block(now, 100, spent))
+        if result is not None:
+            found.append(result.phase)
+        active.append(judge.active is not None)
+
+    assert found == ["forward"]  # once, not again when the new pace is the baseline
+    assert active[-1] is False
+    assert judge.baseline_seconds == pytest.approx(0.13)
