@@ -16,8 +16,8 @@ for at least ``min_blocks`` blocks (one giant step is a stall, not a slowdown);
 a normal block ends it, and so does time: once it has been held for
 ``baseline_seconds`` more, the slow pace is the run's pace now (a curriculum to
 longer sequences, a bigger batch) and becomes the baseline. One slow step makes
-one slow block, and the next normal block forgets it. The phase named is the one whose seconds per step grew most
-against its own baseline median.
+one slow block, and the next normal block forgets it. The phase named is the one
+whose seconds per step grew most against its own baseline median.
 
 Pure and host-only: no clock of its own (blocks carry their end time on the
 loop clock), no threads, no torch; tests drive it with synthetic blocks.
