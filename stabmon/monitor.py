@@ -686,6 +686,7 @@ class Monitor:
             return
         self._judge_last(wait_seconds=1.0)  # bounded: never hang a detach
         with self._guard.contain("detectors"):
+            self._throughput.close()
             self._throughput.record(self._timer.clock())  # the totals goodput reads
         self._detached = True
         self._recorder.write("detach", step=self._recorder.global_step, epoch=self._readings.epoch)
@@ -722,6 +723,8 @@ class Monitor:
             watch = self._throughput
             if self._readings.steps == watch.flops_step and not self._timer.in_named_phase:
                 watch.forward_start(self._device_type)  # once: the step whose FLOPs are counted
+            elif watch.counting:
+                watch.forward_counted(self._readings.steps)
         except Exception as error:
             self._guard.record("hooks", error)
 
@@ -1052,6 +1055,7 @@ def _build_throughput(
         now=monitor._timer.clock(),
         device_name=device_name,
         parameter_dtype=probe.params[0].dtype if probe and probe.params else torch.float32,
+        model=unwrap_model(monitor._model),
         anomaly=recorder.anomaly,
         write=recorder.write,
         global_step=lambda: recorder.global_step,

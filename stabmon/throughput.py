@@ -26,7 +26,7 @@ from stabmon.config import ThroughputConfig
 from stabmon.contract import PHASES
 from stabmon.detectors.slowdown import Block, Slowdown, SlowdownDetector
 from stabmon.log import LogLimiter
-from stabmon.probes.flops import FlopCount, compute_dtype, peak_flops
+from stabmon.probes.flops import FlopCount, compile_in_use, compute_dtype, peak_flops
 from stabmon.readings import Readings
 
 __all__ = ["ThroughputWatch", "batch_samples", "batch_tokens"]
@@ -34,6 +34,8 @@ __all__ = ["ThroughputWatch", "batch_samples", "batch_tokens"]
 T = TypeVar("T")
 #: Never a step: flops_step when no count is due.
 _NEVER = -1
+#: Forwards a counted step may take (gradient accumulation); more means no step is coming.
+MAX_COUNTED_FORWARDS = 1024
 
 
 def batch_samples(batch: object) -> int | None:
@@ -87,6 +89,7 @@ class ThroughputWatch:
         now: float,
         device_name: str | None,
         parameter_dtype: torch.dtype,
+        model: torch.nn.Module,
         anomaly: Callable[..., None],
         write: Callable[..., None],
         global_step: Callable[[], int],
@@ -112,6 +115,8 @@ class ThroughputWatch:
         self._judged_from = readings.steps + config.slowdown_warmup_steps
         self._explicit = False  # set by observe(samples=...): track() then counts nothing
         self._counter = FlopCount()
+        self._model = model
+        self._forwards = 0
         self.flops_per_step: float | None = config.flops_per_step
         #: The step count (since attach) whose forward starts the FLOP count; -1: none due.
         self.flops_step = config.flops_measure_step if config.flops_measure_step else _NEVER
@@ -168,8 +173,26 @@ class ThroughputWatch:
         if self._dtype is None:
             self._dtype = compute_dtype(device_type, self._parameter_dtype)
             self._update_peak()
-        if self.flops_per_step is None:
-            self._counter.start()
+        if self.flops_per_step is not None:
+            return
+        if compile_in_use(self._model):
+            self._limiter.once(
+                "flops-compiled",
+                logging.INFO,
+                "stabmon: torch.compile is in use, so FLOPs are not counted (a counting mode "
+                "would make compiled code fall back to eager); set throughput.flops_per_step "
+                "for MFU (logged once)",
+            )
+            return
+        self._forwards = 0
+        self._counter.start()
+
+    def forward_counted(self, steps: int) -> None:
+        """Another forward inside the counted step; a step that never comes is given up."""
+        self._forwards += 1
+        if self._forwards > MAX_COUNTED_FORWARDS:
+            self._counter.abandon()
+            self.flops_step = _NEVER
 
     @property
     def counting(self) -> bool:
@@ -196,6 +219,11 @@ class ThroughputWatch:
         if self._counter.counting:
             self._counter.abandon()
             self.flops_step = steps + 1
+
+    def close(self) -> None:
+        """At detach: a count still open (no optimizer step came) leaves the mode stack."""
+        self._counter.abandon()
+        self.flops_step = _NEVER
 
     def _update_peak(self) -> None:
         if self._device_name is None:

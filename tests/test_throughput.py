@@ -16,6 +16,7 @@ import torch
 from conftest import MonitorFactory
 from helpers import scrape, tiny_model, value
 
+import stabmon
 import stabmon.monitor
 
 
@@ -220,3 +221,48 @@ def test_model_flops_are_counted_once_and_mfu_is_not_exported_on_cpu(
     assert value(samples, "stabmon_model_flops_total") == per_step * 4  # the counted step on
     assert value(samples, "stabmon_mfu_ratio") is None
     assert value(samples, "stabmon_peak_flops_per_second") is None
+
+
+def test_a_flop_count_left_open_by_a_loop_that_stops_mid_step_is_closed_at_detach(
+    tmp_path: Path,
+) -> None:
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = stabmon.attach(model, optimizer, port=0, run_dir=str(tmp_path))
+    for _ in range(3):
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model(torch.randn(4, 8)).pow(2).mean().backward()  # step 3's forward starts the count
+
+    monitor.detach()
+
+    # A dispatch mode left behind would make this raise ("found no compiled frames").
+    compiled = torch.compile(lambda x: x * 2 + 1, backend="eager", fullgraph=True)
+    assert compiled(torch.ones(2)).tolist() == [3.0, 3.0]
+    torch._dynamo.reset()
+
+
+class Residual(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.linear(x).relu()
+
+
+def test_flops_are_not_counted_once_torch_compile_is_in_use(attach: MonitorFactory) -> None:
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = attach(model, optimizer, **{"throughput.slowdown_block_seconds": 1e-6})
+    block = Residual()
+    block.compile(backend="eager", fullgraph=True)  # a compiled part inside an eager loop
+    for _ in range(6):
+        out = model(block(torch.randn(4, 8)))
+        out.pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    assert value(scrape(monitor.metrics_url), "stabmon_model_flops_total") is None
+    torch._dynamo.reset()

@@ -21,11 +21,12 @@ which PyTorch uses. A GPU not in the table has no MFU unless
 from __future__ import annotations
 
 import re
+import sys
 from typing import Any
 
 import torch
 
-__all__ = ["FlopCount", "compute_dtype", "peak_flops"]
+__all__ = ["FlopCount", "compile_in_use", "compute_dtype", "peak_flops"]
 
 _T = 1e12
 #: (pattern on torch.cuda.get_device_name(), {dtype: dense FLOP/s}); the first match wins, so
@@ -74,6 +75,19 @@ def peak_flops(device_name: str, dtype: str) -> float | None:
                 rate = rates.get("fp32")
             return rate
     return None
+
+
+def compile_in_use(model: torch.nn.Module) -> bool:
+    """Whether torch.compile compiled anything in this process, or wraps part of ``model``.
+
+    A compiled region that runs while a dispatch mode is active falls back to eager, and
+    with ``fullgraph=True`` raises: the count must never be what breaks a compiled step.
+    """
+    convert = sys.modules.get("torch._dynamo.convert_frame")
+    frames: object = getattr(convert, "FRAME_COUNTER", 0)  # frames compiled so far
+    if isinstance(frames, int) and frames > 0:
+        return True
+    return any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
 
 
 def compute_dtype(device_type: str, parameter_dtype: torch.dtype) -> str:
