@@ -10,14 +10,24 @@ import json
 import types
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from conftest import MonitorFactory
 from helpers import scrape, tiny_model, value
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 import stabmon
 import stabmon.monitor
+from stabmon.config import ThroughputConfig
+from stabmon.export.collector import ReadingsCollector
+from stabmon.log import LogLimiter
+from stabmon.readings import Readings
+from stabmon.throughput import ThroughputWatch
+
+LABELS = frozenset({("rank", "0"), ("run", "r")})
 
 
 class FakeClock:
@@ -266,3 +276,65 @@ def test_flops_are_not_counted_once_torch_compile_is_in_use(attach: MonitorFacto
 
     assert value(scrape(monitor.metrics_url), "stabmon_model_flops_total") is None
     torch._dynamo.reset()
+
+
+def exposition(readings: Readings) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """What a scrape of these readings would hold (the exporter's own collector)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ReadingsCollector(readings, {}))
+    text = generate_latest(registry).decode()
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def watch_on(device_name: str | None, readings: Readings, **settings: Any) -> ThroughputWatch:
+    """A watch as the Monitor builds it on a GPU called ``device_name`` (no CUDA needed)."""
+    config = ThroughputConfig(slowdown_block_seconds=1.0, **settings)
+    return ThroughputWatch(
+        config, readings, now=0.0, device_name=device_name, parameter_dtype=torch.bfloat16,
+        model=tiny_model(), anomaly=lambda *a, **k: None, write=lambda *a, **k: None,
+        global_step=lambda: readings.steps, limiter=LogLimiter(),
+    )  # fmt: skip
+
+
+def test_mfu_on_a_known_gpu_is_flops_per_step_times_steps_over_training_time_and_peak() -> None:
+    readings = Readings(labels={"rank": "0", "run": "r"})
+    watch = watch_on("NVIDIA H100 80GB HBM3", readings, flops_per_step=1e12)
+    watch.forward_start("cuda")  # the parameters are bf16: the bf16 peak applies
+    for _ in range(10):  # ten 0.1 s steps in a block, plus a 5 s eval that is not training
+        for phase in ("data_wait", "forward", "backward", "optimizer"):
+            readings.add_phase_time(phase, 0.025)
+        readings.steps += 1
+    readings.add_phase_time("eval", 5.0)
+    watch.step_end(6.0)
+
+    samples = exposition(readings)
+    assert samples[("stabmon_peak_flops_per_second", LABELS)] == 989.5e12
+    assert samples[("stabmon_mfu_ratio", LABELS)] == pytest.approx(1e12 * 10 / 1.0 / 989.5e12)
+    assert samples[("stabmon_model_flops_total", LABELS)] == 1e13
+
+
+def test_mfu_follows_the_configured_peak_and_dtype() -> None:
+    readings = Readings(labels={"rank": "0", "run": "r"})
+    watch = watch_on("NVIDIA A100-SXM4-80GB", readings, flops_per_step=1e12, mfu_dtype="tf32")
+    assert readings.peak_flops == 156e12
+    custom = Readings(labels={"rank": "0", "run": "r"})
+    watch_on("Some Future GPU", custom, flops_per_step=1e12, peak_flops=2e15)
+    assert custom.peak_flops == 2e15
+    assert watch.flops_step == -1  # FLOPs and dtype given: nothing to learn at a step
+
+
+def test_mfu_is_not_exported_for_a_gpu_missing_from_the_table() -> None:
+    readings = Readings(labels={"rank": "0", "run": "r"})
+    watch = watch_on("NVIDIA Imaginary X1", readings, flops_per_step=1e12)
+    watch.forward_start("cuda")
+    readings.add_phase_time("forward", 1.0)
+    readings.steps += 10
+    watch.step_end(2.0)
+
+    samples = exposition(readings)
+    assert ("stabmon_mfu_ratio", LABELS) not in samples
+    assert samples[("stabmon_model_flops_total", LABELS)] == 1e13
