@@ -338,3 +338,36 @@ def test_mfu_is_not_exported_for_a_gpu_missing_from_the_table() -> None:
     samples = exposition(readings)
     assert ("stabmon_mfu_ratio", LABELS) not in samples
     assert samples[("stabmon_model_flops_total", LABELS)] == 1e13
+
+
+class SlowingDataset(torch.utils.data.Dataset[torch.Tensor]):
+    """Each sample takes 5 ms of loop-clock time to load, 10 ms from ``slow_from`` samples on."""
+
+    def __init__(self, clock: FakeClock, size: int, slow_from: int) -> None:
+        self.clock, self.size, self.slow_from = clock, size, slow_from
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        self.clock.advance(0.010 if index >= self.slow_from else 0.005)
+        return torch.randn(8)
+
+
+def test_monitor_names_data_wait_when_a_dataloader_behind_track_slows(
+    attach: MonitorFactory, clock: FakeClock
+) -> None:
+    model = Paced(clock)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = attach(model, optimizer, **SETTINGS)
+    loader = torch.utils.data.DataLoader(SlowingDataset(clock, 4 * 1000, 4 * 500), batch_size=4)
+
+    for batch in monitor.track(loader):  # steps of 0.09 s, 0.11 s once input takes 0.04 s
+        model(batch).pow(2).mean().backward()
+        clock.advance(0.04)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    [anomaly] = anomalies(monitor.event_log_path)
+    assert anomaly["phase"] == "data_wait"
+    assert value(scrape(monitor.metrics_url), "stabmon_samples_total") == 4000
