@@ -112,6 +112,7 @@ class ThroughputWatch:
         self._started = now
         self._block_steps = readings.steps
         self._block_phases = self._train_phases()
+        self._block_device = dict(readings.device_phase_seconds)
         self._judged_from = readings.steps + config.slowdown_warmup_steps
         self._explicit = False  # set by observe(samples=...): track() then counts nothing
         self._counter = FlopCount()
@@ -247,6 +248,11 @@ class ThroughputWatch:
         phases = self._train_phases()
         spent = {phase: phases[phase] - self._block_phases.get(phase, 0.0) for phase in PHASES}
         self._block_steps, self._block_phases = readings.steps, phases
+        device = dict(readings.device_phase_seconds)  # CUDA events; empty on CPU
+        cause = None
+        if device:
+            cause = {p: device.get(p, 0.0) - self._block_device.get(p, 0.0) for p in PHASES}
+        self._block_device = device
         train_seconds = sum(spent.values())
         if steps > 0 and self.flops_per_step is not None:
             readings.model_flops = (readings.model_flops or 0.0) + self.flops_per_step * steps
@@ -254,7 +260,7 @@ class ThroughputWatch:
             if peak and train_seconds > 0:
                 readings.mfu = self.flops_per_step * steps / train_seconds / peak
         if steps > 0 and readings.steps > self._judged_from:
-            self._judge(Block(now, steps, spent))
+            self._judge(Block(now, steps, spent, cause))
         if now >= self._record_due:
             self.record(now)
 
@@ -300,6 +306,7 @@ class ThroughputWatch:
             self._readings.slowdown_active[phase] = 0
         self._readings.step_time_baseline = None
         self._block_steps, self._block_phases = self._readings.steps, self._train_phases()
+        self._block_device = dict(self._readings.device_phase_seconds)
         self._judged_from = self._readings.steps + self._config.slowdown_warmup_steps
         self.due = now + self._config.slowdown_block_seconds
 

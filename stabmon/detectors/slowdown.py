@@ -17,7 +17,10 @@ a normal block ends it, and so does time: once it has been held for
 ``baseline_seconds`` more, the slow pace is the run's pace now (a curriculum to
 longer sequences, a bigger batch) and becomes the baseline. One slow step makes
 one slow block, and the next normal block forgets it. The phase named is the one
-whose seconds per step grew most against its own baseline median.
+whose seconds per step grew most against its own baseline median, in the phase
+times a block carries for naming (``cause_seconds``: device time from CUDA
+events, since a sync-free loop's host phases say only where the host waited),
+else in its phase seconds.
 
 Pure and host-only: no clock of its own (blocks carry their end time on the
 loop clock), no threads, no torch; tests drive it with synthetic blocks.
@@ -38,11 +41,19 @@ MAX_BASELINE_BLOCKS = 512
 
 @dataclass(frozen=True)
 class Block:
-    """Steps between two block ends: ``end`` on the loop clock, and seconds per phase."""
+    """Steps between two block ends: ``end`` on the loop clock, and seconds per phase.
+
+    ``cause_seconds``, if given, are the per-phase times used to name the phase that grew.
+    """
 
     end: float
     steps: int
     phase_seconds: Mapping[str, float]
+    cause_seconds: Mapping[str, float] | None = None
+
+    @property
+    def naming_seconds(self) -> Mapping[str, float]:
+        return self.phase_seconds if self.cause_seconds is None else self.cause_seconds
 
     @property
     def step_seconds(self) -> float:
@@ -154,7 +165,9 @@ class SlowdownDetector:
         self._slow.clear()
         self._slow_since = None
         self.active = None
-        per_phase = {phase: seconds / block.steps for phase, seconds in block.phase_seconds.items()}
+        per_phase = {
+            phase: seconds / block.steps for phase, seconds in block.naming_seconds.items()
+        }
         self._normal.append(_Normal(block.end, step_seconds, per_phase))
         while self._normal and self._normal[0].end < block.end - self._span:
             self._normal.popleft()
@@ -164,7 +177,7 @@ class SlowdownDetector:
         """The slowdown has lasted: its blocks are the baseline from now on."""
         self._normal.clear()
         for block in self._slow[-MAX_BASELINE_BLOCKS:]:
-            per_phase = {phase: s / block.steps for phase, s in block.phase_seconds.items()}
+            per_phase = {phase: s / block.steps for phase, s in block.naming_seconds.items()}
             self._normal.append(_Normal(block.end, block.step_seconds, per_phase))
         self._slow.clear()
         self._slow_since = None
@@ -172,10 +185,10 @@ class SlowdownDetector:
 
     def _confirm(self, baseline: float, held: float) -> Slowdown:
         steps = sum(block.steps for block in self._slow)
-        phases = sorted({phase for block in self._slow for phase in block.phase_seconds})
+        phases = sorted({phase for block in self._slow for phase in block.naming_seconds})
         growth: list[tuple[float, str, float, float]] = []
         for phase in phases:
-            now = sum(block.phase_seconds.get(phase, 0.0) for block in self._slow) / steps
+            now = sum(block.naming_seconds.get(phase, 0.0) for block in self._slow) / steps
             before = statistics.median(normal.per_phase.get(phase, 0.0) for normal in self._normal)
             growth.append((now - before, phase, now, before))
         _, phase, now, before = max(growth)

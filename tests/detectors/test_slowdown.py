@@ -173,3 +173,23 @@ def test_slowdown_detector_adopts_a_slow_pace_held_for_the_baseline_span() -> No
     assert found == ["forward"]  # once, not again when the new pace is the baseline
     assert active[-1] is False
     assert judge.baseline_seconds == pytest.approx(0.13)
+
+
+def test_slowdown_detector_names_the_phase_from_device_times_when_a_block_carries_them() -> None:
+    # A sync-free CUDA loop: the GPU's forward slows, but the host waits for it in data_wait
+    # (its next pinned-memory copy), so host phases would blame the input pipeline.
+    judge = detector()
+    now = 0.0
+    found = []
+    for block in range(120):
+        slow = block >= 40
+        host = {**PACE, "data_wait": PACE["data_wait"] + (0.03 if slow else 0.0)}
+        device = {**PACE, "forward": PACE["forward"] + (0.03 if slow else 0.0)}
+        spent = {phase: seconds * 100 for phase, seconds in host.items()}
+        now += sum(spent.values())
+        cause = {phase: seconds * 100 for phase, seconds in device.items()}
+        result = judge.update(Block(now, 100, spent, cause))
+        if result is not None:
+            found.append(result.phase)
+
+    assert found == ["forward"]
