@@ -320,7 +320,7 @@ class ThroughputWatch:
             "step": self._global_step(),
             "steps": readings.steps,
             "uptime_seconds": round(now - self._started, 3),
-            "phase_seconds": {k: round(v, 3) for k, v in dict(readings.phase_seconds).items()},
+            "phase_seconds": {k: round(v, 6) for k, v in dict(readings.phase_seconds).items()},
             "samples": readings.samples,
             "tokens": readings.tokens,
         }

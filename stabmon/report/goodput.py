@@ -110,7 +110,7 @@ def rank_goodput(log: RankLog) -> RankGoodput | None:
         phases = {
             str(name): seconds
             for name, value in _mapping(last.get("phase_seconds")).items()
-            if (seconds := number(value)) is not None and seconds > 0
+            if (seconds := number(value)) is not None and seconds >= 0
         }
         uptime = number(last.get("uptime_seconds")) or 0.0
         accounted += uptime
