@@ -1045,9 +1045,11 @@ def _build_throughput(
 ) -> ThroughputWatch:
     """Throughput and slowdown accounting; MFU only where a CUDA device's peak is known."""
     device_name = None
-    with monitor._guard.contain("hooks"):
-        if devices:
+    if devices:
+        try:
             device_name = torch.cuda.get_device_name(devices[0])
+        except (AssertionError, RuntimeError):
+            device_name = ""  # a GPU without properties: in no table, so no MFU
     recorder = monitor._recorder
     return ThroughputWatch(
         monitor.config.throughput,
