@@ -499,6 +499,7 @@ class Monitor:
                     boot_id=boot_id(),
                     pid_namespace=pid_namespace(),
                 ),
+                on_duplicate=self._report_duplicate,
             )
             self._resources.registration = registration
             ExitWatch.install()
@@ -507,6 +508,22 @@ class Monitor:
             registration.write(
                 last_step_unix=None, steps=self._recorder.global_step, now=time.time()
             )
+
+    def _report_duplicate(self, other: ProcessRecord) -> None:
+        """Another live process already registered this run id and rank: say so, count it."""
+        self._guard.count("rundir")
+        self._limiter.once(
+            "rundir:duplicate",
+            logging.WARNING,
+            "stabmon: process %d already registered run %r rank %d in %s; this process (%d) "
+            "takes its record over and both append to one event log. Give each run its own "
+            "run_id (or STABMON_RUN_ID), or each process its own RANK",
+            other.pid,
+            self.run_id,
+            self.rank,
+            self._paths.record,
+            os.getpid(),
+        )
 
     # --- public API ---------------------------------------------------------------------------
 

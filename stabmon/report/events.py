@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from stabmon.errors import StabmonError
-from stabmon.rundir import ProcessRecord, boot_id, read_records, safe_component
+from stabmon.rundir import ProcessRecord, boot_id, read_records, run_directory_name
 
 __all__ = ["RankLog", "Run", "find_run", "number", "read_log", "read_run"]
 
@@ -203,7 +203,7 @@ def _subdirectories(path: Path) -> Iterator[Path]:
 def _registrations(directory: Path) -> dict[int, ProcessRecord]:
     records, _ = read_records(directory.parent)
     return {
-        record.rank: record for record in records if safe_component(record.run) == directory.name
+        record.rank: record for record in records if run_directory_name(record.run) == directory.name
     }
 
 

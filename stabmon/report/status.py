@@ -29,7 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from stabmon import contract
 from stabmon.errors import StabmonError
 from stabmon.export.exporter import Security
-from stabmon.rundir import ProcessRecord, boot_id, read_records, safe_component
+from stabmon.rundir import ProcessRecord, boot_id, read_records, run_directory_name
 
 __all__ = [
     "Credentials",
@@ -254,7 +254,7 @@ def _status(url: str, run: str, rank: str, samples: Samples, now: float) -> Rank
 
 
 def _in_directory(record: ProcessRecord, directory: Path) -> bool:
-    return safe_component(record.run) == directory.name
+    return run_directory_name(record.run) == directory.name
 
 
 def _count(value: float | None) -> str:
