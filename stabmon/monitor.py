@@ -499,7 +499,8 @@ class Monitor:
                     boot_id=boot_id(),
                     pid_namespace=pid_namespace(),
                 ),
-                on_duplicate=self._report_duplicate,
+                # A weak reference: the record outlives a Monitor dropped without detach.
+                on_duplicate=functools.partial(_report_duplicate, weakref.ref(self)),
             )
             self._resources.registration = registration
             ExitWatch.install()
@@ -1011,6 +1012,12 @@ def _judge_at_exit(monitor: weakref.ref[Monitor]) -> None:
         return
     target._exiting = True
     target._judge_last(wait_seconds=0.5)
+
+
+def _report_duplicate(monitor: weakref.ref[Monitor], other: ProcessRecord) -> None:
+    alive = monitor()
+    if alive is not None:
+        alive._report_duplicate(other)
 
 
 def _record_exit(registration: weakref.ref[Registration]) -> None:
