@@ -21,6 +21,7 @@ import logging
 import os
 import socket
 import ssl
+import stat
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -34,11 +35,14 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 from stabmon.config import Config
 from stabmon.guard import Guard
 from stabmon.log import LogLimiter
+from stabmon.safefs import read_regular
 
 __all__ = ["Exporter", "Route", "Security", "candidate_ports"]
 
 #: Credentials files are one line; anything larger is not one.
 _MAX_CREDENTIALS_BYTES = 4096
+#: A certificate chain or key is a few KB; this bounds a wrong path's read.
+_MAX_PEM_BYTES = 2**20
 
 #: An extra path's handler: the WSGI environ in, (content type, body) out.
 Route = Callable[[Mapping[str, Any]], tuple[str, bytes]]
@@ -87,7 +91,7 @@ class Security:
         """
         for key in ("tls_certfile", "tls_keyfile", "basic_auth_file"):
             path = getattr(self, key)
-            if path is not None and not (Path(path).is_file() and os.access(path, os.R_OK)):
+            if path is not None and not (_is_regular(path) and os.access(path, os.R_OK)):
                 return f"{key} {path!r} is not a readable file"
         try:
             self.ssl_context()
@@ -105,6 +109,9 @@ class Security:
             if self.tls_keyfile is not None:
                 raise ValueError("tls_keyfile is set but tls_certfile is not")
             return None
+        for path in (self.tls_certfile, self.tls_keyfile):
+            if path is not None:
+                read_regular(path, _MAX_PEM_BYTES)  # never load_cert_chain on a FIFO: it blocks
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.minimum_version = ssl.TLSVersion.TLSv1_2
         context.load_cert_chain(self.tls_certfile, self.tls_keyfile)
@@ -114,10 +121,12 @@ class Security:
         """The ``Authorization`` header value every request must send, or None for no auth."""
         if self.basic_auth_file is None:
             return None
-        with Path(self.basic_auth_file).open("rb") as file:
-            text = file.read(_MAX_CREDENTIALS_BYTES + 1)
-        if len(text) > _MAX_CREDENTIALS_BYTES:
-            raise ValueError(f"{self.basic_auth_file}: longer than one username:password line")
+        try:  # a regular file only, never waited on (a FIFO would block attach() for ever)
+            text = read_regular(self.basic_auth_file, _MAX_CREDENTIALS_BYTES)
+        except ValueError:
+            raise ValueError(
+                f"{self.basic_auth_file}: longer than one username:password line"
+            ) from None
         line = text.decode("utf-8").splitlines()[0] if text.strip() else ""
         username, colon, password = line.partition(":")
         if not colon or not username or not password:
@@ -321,6 +330,13 @@ class Exporter:
             self._thread.join(1.0)
             self._thread = None
         self.port = None
+
+
+def _is_regular(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except (OSError, ValueError):  # ValueError: a NUL in the path
+        return False
 
 
 def _plain(start_response: _StartResponse, status: str, body: bytes) -> list[bytes]:
