@@ -175,7 +175,18 @@ class Config(_Section):
     )
     port_attempts: int = field(
         default=8,
-        metadata=_meta("How many ports to try, counting up, when the first is busy.", ge=1),
+        metadata=_meta(
+            "How many ports to try, counting up, when the first is busy.", ge=1, le=1000
+        ),
+    )
+    scrape_cache_seconds: float = field(
+        default=1.0,
+        metadata=_meta(
+            "A scrape body is reused for this long: a flood of scrapes then costs training one "
+            "body per interval (ranks and daemon). 0 builds one per scrape.",
+            ge=0,
+            le=60,
+        ),
     )
     serve_metrics: bool = field(
         default=True,

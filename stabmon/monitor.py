@@ -334,6 +334,7 @@ class Monitor:
                 exporter = Exporter(
                     registry, address=cfg.address, ports=ports, limiter=self._limiter,
                     security=Security.from_config(cfg), guard=self._guard,
+                    cache_seconds=cfg.scrape_cache_seconds,
                 )  # fmt: skip
                 if exporter.start():
                     self._resources.exporter = exporter
