@@ -64,7 +64,7 @@ RECORD_VERSION = 1
 MAX_RECORD_BYTES = 64 * 1024
 #: Records read from one run-directory root at most: the rest are problems, not records
 #: (every user of the node can write there; the daemon's memory and series stay bounded).
-MAX_RECORDS = 1024
+MAX_RECORDS = 512
 
 #: The run ids used as directory names as they are: letters, digits, ``.``, ``_`` and ``-``,
 #: 1 to 128 characters, not starting with a dot (so never ``.`` or ``..``).
