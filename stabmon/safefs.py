@@ -46,19 +46,27 @@ class UnsafePathError(OSError):
         return f"{self.filename}: {self.strerror}"
 
 
-def read_regular(path: str | os.PathLike[str], limit: int) -> bytes:
+def read_regular(
+    path: str | os.PathLike[str], limit: int, *, follow_symlinks: bool = False
+) -> bytes:
     """At most ``limit`` bytes of a regular file; anything else raises, never waits."""
-    return read_regular_with_owner(path, limit)[0]
+    return read_regular_with_owner(path, limit, follow_symlinks=follow_symlinks)[0]
 
 
-def read_regular_with_owner(path: str | os.PathLike[str], limit: int) -> tuple[bytes, int]:
+def read_regular_with_owner(
+    path: str | os.PathLike[str], limit: int, *, follow_symlinks: bool = False
+) -> tuple[bytes, int]:
     """The bytes of a regular file (at most ``limit``, else ValueError) and its owner's uid.
 
-    Raises :class:`UnsafePathError` for a symlink, FIFO, device or directory, and
-    ValueError for a file over ``limit``; never blocks on a special file.
+    Raises :class:`UnsafePathError` for a symlink (unless ``follow_symlinks``: a
+    path the user named, such as a report's input), FIFO, device or directory,
+    and ValueError for a file over ``limit``; never blocks on a special file.
     """
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
+    if not follow_symlinks:
+        flags |= os.O_NOFOLLOW
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, flags)
     except OSError as error:
         if error.errno == 40:  # ELOOP: the final component is a symlink
             raise UnsafePathError(error.errno, "is a symbolic link; not followed", str(path)) from None
