@@ -7,8 +7,10 @@ down and frees the port, so ``detach`` leaves nothing listening.
 
 Anyone who can reach the port can scrape it, so serving is bounded: at most
 ``max_connections`` requests are served at once (the rest wait in the kernel's
-listen backlog, costing nothing), each ends within ``request_seconds`` from
-accept to last byte however slowly the client trickles, and the scrape body is
+listen backlog, costing nothing), each slot is held at least
+``min_request_seconds`` (so at most 40 requests a second are served by default),
+each request ends within ``request_seconds`` from accept to last byte however
+slowly the client trickles, and the scrape body is
 built at most once per ``cache_seconds`` (a flood of scrapes costs training
 one body per interval, not one per request). Building it is contained family
 by family: a family that fails to collect or encode is left out, counted in
@@ -61,6 +63,10 @@ MAX_CONNECTIONS = 4
 REQUEST_SECONDS = 10.0
 #: The listen backlog (socketserver's default is 5).
 BACKLOG = 128
+#: A connection slot is held at least this long: at most MAX_CONNECTIONS / this many
+#: requests a second are served (40), however many clients flood the port. Prometheus
+#: scrapes every few seconds; a scrape that arrives in a flood waits its turn in the backlog.
+MIN_REQUEST_SECONDS = 0.1
 
 #: An extra path's handler: the WSGI environ in, (content type, body) out.
 Route = Callable[[Mapping[str, Any]], tuple[str, bytes]]
@@ -166,6 +172,7 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
     #: Set under TLS: a client's handshake runs in its own request thread.
     tls: ssl.SSLContext | None = None
     request_seconds = REQUEST_SECONDS
+    min_request_seconds = MIN_REQUEST_SECONDS
 
     def server_activate(self) -> None:
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
@@ -173,9 +180,12 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
         self._open_lock = threading.Lock()
         super().server_activate()
 
-    def limit(self, max_connections: int, request_seconds: float) -> None:
+    def limit(
+        self, max_connections: int, request_seconds: float, min_request_seconds: float
+    ) -> None:
         self._slots = threading.BoundedSemaphore(max_connections)
         self.request_seconds = request_seconds
+        self.min_request_seconds = min_request_seconds
 
     def get_request(self) -> tuple[socket.socket, Any]:
         if not self._slots.acquire(timeout=0.05):
@@ -190,13 +200,13 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
             self._slots.release()
             raise
         with self._open_lock:
-            self._open[connection] = time.monotonic() + self.request_seconds
+            self._open[connection] = time.monotonic()
         return connection, address
 
     def service_actions(self) -> None:
-        now = time.monotonic()
+        cutoff = time.monotonic() - self.request_seconds
         with self._open_lock:
-            late = [connection for connection, end in self._open.items() if end < now]
+            late = [connection for connection, start in self._open.items() if start < cutoff]
         for connection in late:
             try:
                 connection.shutdown(socket.SHUT_RDWR)  # the handler's read returns; it ends
@@ -208,8 +218,13 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
             super().shutdown_request(request)
         finally:
             with self._open_lock:
-                known = self._open.pop(request, None) is not None
-            if known:
+                accepted = self._open.pop(request, None)
+            if accepted is not None:
+                # Pace: the slot frees no sooner than min_request_seconds after accept. This
+                # thread sleeps without the GIL; a flood then costs training a bounded rate.
+                rest = accepted + self.min_request_seconds - time.monotonic()
+                if rest > 0:
+                    time.sleep(rest)
                 self._slots.release()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
@@ -265,12 +280,14 @@ class Exporter:
         cache_seconds: float = 0.0,
         max_connections: int = MAX_CONNECTIONS,
         request_seconds: float = REQUEST_SECONDS,
+        min_request_seconds: float = MIN_REQUEST_SECONDS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._registry = registry
         self._cache_seconds = cache_seconds
         self._max_connections = max_connections
         self._request_seconds = request_seconds
+        self._min_request_seconds = min_request_seconds
         self._clock = clock
         self._cached: tuple[float, bytes] | None = None
         self._body_lock = threading.Lock()
@@ -346,7 +363,7 @@ class Exporter:
             self._address, port, self._serve, server_class=server_class, handler_class=_QuietHandler
         )
         server.tls = self._tls
-        server.limit(self._max_connections, self._request_seconds)
+        server.limit(self._max_connections, self._request_seconds, self._min_request_seconds)
         return server
 
     def body(self) -> bytes:
