@@ -457,7 +457,8 @@ def _read_source(
     if source is not None:
         if not isinstance(source, (str, os.PathLike)) or not isinstance(os.fspath(source), str):
             raise ConfigError(
-                f"expected a YAML file path, a mapping or a Config, got {_show(source, typed=True)}",
+                "expected a YAML file path, a mapping or a Config, got "
+                + _show(source, typed=True),
                 key=None,
                 source="load_config(source=...)",
                 allowed="str, os.PathLike[str], Mapping, Config or None",
@@ -539,7 +540,9 @@ def _read_yaml(path: str, advice: str) -> Mapping[Any, Any]:
         finally:
             loader.dispose()
     except _TooLarge as error:
-        raise ConfigError(f"{error}; a config is a flat list of keys", key=None, source=path) from None
+        raise ConfigError(
+            f"{error}; a config is a flat list of keys", key=None, source=path
+        ) from None
     except yaml.constructor.ConstructorError as error:
         raise ConfigError(
             f"unsupported YAML{_position(error)}: {error.problem}; a config holds plain "
@@ -592,7 +595,7 @@ class _LimitedLoader(yaml.SafeLoader):
         self._aliases = 0
         self._depth = 0
 
-    def compose_node(self, parent: yaml.Node | None, index: object) -> yaml.Node:
+    def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
         if self.check_event(yaml.AliasEvent):
             self._aliases += 1
             if self._aliases > _MAX_YAML_ALIASES:
@@ -604,7 +607,7 @@ class _LimitedLoader(yaml.SafeLoader):
         try:
             if self._depth > _MAX_YAML_DEPTH:
                 raise _TooLarge(f"nested more than {_MAX_YAML_DEPTH} levels deep")
-            return super().compose_node(parent, index)  # type: ignore[no-untyped-call]  # PyYAML's own
+            return super().compose_node(parent, index)
         finally:
             self._depth -= 1
 

@@ -69,7 +69,9 @@ def read_regular_with_owner(
         fd = os.open(path, flags)
     except OSError as error:
         if error.errno == 40:  # ELOOP: the final component is a symlink
-            raise UnsafePathError(error.errno, "is a symbolic link; not followed", str(path)) from None
+            raise UnsafePathError(
+                error.errno, "is a symbolic link; not followed", str(path)
+            ) from None
         raise
     try:
         info = os.fstat(fd)
@@ -128,7 +130,9 @@ def open_append(path: Path, mode: int = 0o644) -> int:
         fd = os.open(path, flags, mode)
     except OSError as error:
         if error.errno == 40:
-            raise UnsafePathError(error.errno, "is a symbolic link; not followed", str(path)) from None
+            raise UnsafePathError(
+                error.errno, "is a symbolic link; not followed", str(path)
+            ) from None
         raise
     try:
         info = os.fstat(fd)

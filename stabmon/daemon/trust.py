@@ -32,7 +32,7 @@ _LISTEN = "0A"
 
 
 def owner_may_speak_for(owner_uid: int, process_uid: int, pid: int) -> bool:
-    """Whether a record file owned by ``owner_uid`` may describe process ``pid`` of ``process_uid``."""
+    """Whether a record file owned by ``owner_uid`` may describe ``pid``, run by ``process_uid``."""
     return owner_uid == process_uid
 
 

@@ -6,9 +6,10 @@ last line cut short, which readers skip). A write that fails part-way (a full
 disk) is cut back, or the next record starts a new line, so one lost record
 never corrupts the next (:func:`stabmon.safefs.append_all`). The file is opened
 without following symlinks, in a run subdirectory that must be ours: on a
-shared node another user may have pre-created either (:mod:`stabmon.safefs`). Non-finite floats are written as the
-strings ``"nan"``, ``"inf"`` and ``"-inf"`` so every line is strict JSON. A
-full or read-only disk is contained: counted, logged once, training goes on.
+shared node another user may have pre-created either (:mod:`stabmon.safefs`).
+Non-finite floats are written as the strings ``"nan"``, ``"inf"`` and
+``"-inf"`` so every line is strict JSON. A full or read-only disk is contained:
+counted, logged once, training goes on.
 """
 
 from __future__ import annotations

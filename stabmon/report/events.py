@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from stabmon.errors import StabmonError
-from stabmon.safefs import read_regular
 from stabmon.rundir import ProcessRecord, boot_id, read_records, run_directory_name
+from stabmon.safefs import read_regular
 
 __all__ = ["RankLog", "Run", "find_run", "number", "read_log", "read_run"]
 
@@ -257,7 +257,9 @@ def _subdirectories(path: Path) -> Iterator[Path]:
 def _registrations(directory: Path) -> dict[int, ProcessRecord]:
     records, _ = read_records(directory.parent)
     return {
-        record.rank: record for record in records if run_directory_name(record.run) == directory.name
+        record.rank: record
+        for record in records
+        if run_directory_name(record.run) == directory.name
     }
 
 

@@ -23,7 +23,6 @@ its sum: steps per second of training time, over the process's life.
 from __future__ import annotations
 
 import math
-import os
 import queue
 import ssl
 import threading
@@ -175,8 +174,8 @@ def scrape_status(
     for url in urls:
         scheme = urllib.parse.urlsplit(url).scheme.lower()
         if scheme not in _SCHEMES:
-            statuses.append(RankStatus(url=url, error=f"not scraped: {scheme or 'no'} scheme; "
-                                       "stabmon status reads only http:// and https:// URLs"))  # fmt: skip
+            refused = f"not scraped: {scheme or 'no'} scheme; stabmon status reads only http(s)"
+            statuses.append(RankStatus(url=url, error=refused + ":// URLs"))
             continue
         sent = credentials
         if url in untrusted and credentials.authorization is not None:

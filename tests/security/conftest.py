@@ -30,8 +30,13 @@ class Hostile:
     def run(self, code: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         command = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
                    sys.executable, "-c", code, *args]  # fmt: skip
-        environment = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
-        result = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=60)
+        environment = {
+            "PATH": os.environ.get("PATH", ""),
+            "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
+        }
+        result = subprocess.run(
+            command, capture_output=True, text=True, env=environment, timeout=60
+        )
         if check and result.returncode != 0:
             raise AssertionError(f"as nobody: {result.stderr}")
         return result
@@ -39,7 +44,10 @@ class Hostile:
     def start(self, code: str, *args: str) -> subprocess.Popen[str]:
         command = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
                    sys.executable, "-c", code, *args]  # fmt: skip
-        environment = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+        environment = {
+            "PATH": os.environ.get("PATH", ""),
+            "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
+        }
         return subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=environment)
 
 

@@ -64,8 +64,11 @@ _overrides = st.one_of(
 )
 _env = st.dictionaries(
     st.sampled_from(_VARIABLES),
-    st.one_of(st.text(max_size=64), st.binary(max_size=64).map(os.fsdecode),
-              st.integers(min_value=0, max_value=6000).map(lambda digits: "7" * digits)),  # fmt: skip
+    st.one_of(
+        st.text(max_size=64),
+        st.binary(max_size=64).map(os.fsdecode),
+        st.integers(min_value=0, max_value=6000).map(lambda digits: "7" * digits),
+    ),  # fmt: skip
     max_size=4,
 )
 

@@ -65,7 +65,9 @@ def test_integers_over_4300_digits_are_config_errors_in_yaml_and_in_the_environm
     path.write_text("port: " + "9" * 5000 + "\n")
     with pytest.raises(ConfigError, match="big.yaml"):
         load_config(path, env={})
-    with pytest.raises(ConfigError, match="^port in environment variable STABMON_PORT: .*5000 digits"):
+    with pytest.raises(
+        ConfigError, match="^port in environment variable STABMON_PORT: .*5000 digits"
+    ):
         load_config(None, env={"STABMON_PORT": "9" * 5000})
 
 

@@ -59,10 +59,12 @@ def _get(url: str | None, path: str, host: str = "gpu-node-3:9399") -> tuple[int
 
 
 _CLAIM = (
-    "import json, os, sys; d = os.path.join(sys.argv[1], sys.argv[2]); os.makedirs(d, exist_ok=True);"
-    "open(os.path.join(d, 'rank-0.json'), 'w').write(json.dumps({'version': 1, 'pid': int(sys.argv[3]),"
-    "'create_time': float(sys.argv[4]), 'run': sys.argv[2], 'rank': 0, 'boot_id': sys.argv[5],"
-    "'metrics_url': 'http://169.254.169.254:80/latest/meta-data', 'updated_unix': 1.0}))"
+    "import json, os, sys; d = os.path.join(sys.argv[1], sys.argv[2]);"
+    "os.makedirs(d, exist_ok=True);"
+    "open(os.path.join(d, 'rank-0.json'), 'w').write(json.dumps({'version': 1,"
+    "'pid': int(sys.argv[3]), 'create_time': float(sys.argv[4]), 'run': sys.argv[2], 'rank': 0,"
+    "'boot_id': sys.argv[5], 'metrics_url': 'http://169.254.169.254:80/latest/meta-data',"
+    "'updated_unix': 1.0}))"
 )
 
 
