@@ -20,11 +20,11 @@ from prometheus_client.registry import Collector
 from stabmon import contract
 from stabmon.config import load_config
 from stabmon.daemon.app import DaemonApp
-from stabmon.daemon.processes import MAX_CHILDREN, ProcessTable
+from stabmon.daemon.processes import ProcessTable
 from stabmon.export.exporter import Exporter
 from stabmon.guard import Guard
-from stabmon.log import MAX_ARG_CHARS, MAX_KEYS, LogLimiter
-from stabmon.rundir import MAX_RECORDS, ProcessRecord, boot_id, write_atomic
+from stabmon.log import LogLimiter
+from stabmon.rundir import ProcessRecord, boot_id, write_atomic
 from tests.daemon.fake_nvml import FakeNvml
 from tests.helpers import scrape, value
 from tests.security.conftest import Hostile
@@ -195,6 +195,8 @@ def test_a_failing_collector_is_left_out_counted_and_logged_once(
 def test_records_claiming_pid_1_with_every_process_as_a_child_sample_a_bounded_few(
     tmp_path: Path,
 ) -> None:
+    from stabmon.daemon.processes import MAX_CHILDREN
+
     # As root, pid 1 is this user's: believed; its descendants are every process on the node.
     (tmp_path / "init").mkdir()
     record = ProcessRecord(pid=1, create_time=psutil.Process(1).create_time(), run="init", rank=0,
@@ -210,6 +212,8 @@ def test_records_claiming_pid_1_with_every_process_as_a_child_sample_a_bounded_f
 
 
 def test_records_beyond_the_cap_are_not_read(tmp_path: Path) -> None:
+    from stabmon.rundir import MAX_RECORDS
+
     dead = ProcessRecord(pid=2**22 - 1, create_time=1.0, run="x", rank=0, updated_unix=time.time())
     for index in range(MAX_RECORDS + 40):
         directory = tmp_path / f"run-{index:05d}"
@@ -238,6 +242,8 @@ def test_a_record_dated_in_the_future_is_forgotten_by_the_daemons_own_clock(
 def test_the_log_limiter_remembers_a_bounded_number_of_keys_and_bounds_each_value(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
+    from stabmon.log import MAX_ARG_CHARS, MAX_KEYS
+
     limiter = LogLimiter()
     with caplog.at_level(logging.WARNING, logger="stabmon"):
         assert limiter.once("key-0", logging.WARNING, "first %s", "x")

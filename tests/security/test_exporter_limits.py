@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client import CollectorRegistry, Gauge
 
-from stabmon.export.exporter import BACKLOG, Exporter
+from stabmon.export.exporter import Exporter
 from stabmon.log import LogLimiter
 
 
@@ -88,6 +88,8 @@ def test_at_most_max_connections_are_served_at_once_and_the_rest_wait(
 def test_the_listen_backlog_holds_a_flood_of_connections(started: list[Exporter]) -> None:
     if shutil.which("ss") is None:
         pytest.skip("Requires: ss (iproute2), to read a listening socket's backlog")
+    from stabmon.export.exporter import BACKLOG
+
     port = _start(started, CollectorRegistry())
     lines = subprocess.run(["ss", "-ltnH", f"sport = :{port}"], capture_output=True, text=True,
                            check=True).stdout.split("\n")  # fmt: skip
