@@ -334,6 +334,7 @@ class Monitor:
                 exporter = Exporter(
                     registry, address=cfg.address, ports=ports, limiter=self._limiter,
                     security=Security.from_config(cfg), guard=self._guard,
+                    cache_seconds=cfg.scrape_cache_seconds,
                 )  # fmt: skip
                 if exporter.start():
                     self._resources.exporter = exporter
@@ -499,6 +500,8 @@ class Monitor:
                     boot_id=boot_id(),
                     pid_namespace=pid_namespace(),
                 ),
+                # A weak reference: the record outlives a Monitor dropped without detach.
+                on_duplicate=functools.partial(_report_duplicate, weakref.ref(self)),
             )
             self._resources.registration = registration
             ExitWatch.install()
@@ -507,6 +510,22 @@ class Monitor:
             registration.write(
                 last_step_unix=None, steps=self._recorder.global_step, now=time.time()
             )
+
+    def _report_duplicate(self, other: ProcessRecord) -> None:
+        """Another live process already registered this run id and rank: say so, count it."""
+        self._guard.count("rundir")
+        self._limiter.once(
+            "rundir:duplicate",
+            logging.WARNING,
+            "stabmon: process %d already registered run %r rank %d in %s; this process (%d) "
+            "takes its record over and both append to one event log. Give each run its own "
+            "run_id (or STABMON_RUN_ID), or each process its own RANK",
+            other.pid,
+            self.run_id,
+            self.rank,
+            self._paths.record,
+            os.getpid(),
+        )
 
     # --- public API ---------------------------------------------------------------------------
 
@@ -994,6 +1013,12 @@ def _judge_at_exit(monitor: weakref.ref[Monitor]) -> None:
         return
     target._exiting = True
     target._judge_last(wait_seconds=0.5)
+
+
+def _report_duplicate(monitor: weakref.ref[Monitor], other: ProcessRecord) -> None:
+    alive = monitor()
+    if alive is not None:
+        alive._report_duplicate(other)
 
 
 def _record_exit(registration: weakref.ref[Registration]) -> None:
