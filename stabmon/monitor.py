@@ -381,12 +381,15 @@ class Monitor:
         registration = self._resources.registration
         if registration is not None:
             readings, recorder = self._readings, self._recorder
+            heartbeat_state = self._heartbeat
 
             def heartbeat() -> None:  # captures no Monitor: a dropped Monitor can be collected
                 registration.write(
                     last_step_unix=readings.last_step_unix,
                     steps=recorder.global_step,
                     now=time.time(),
+                    phase=heartbeat_state.phase,
+                    stall_limit_seconds=watchdog.limit_seconds(),
                 )
 
             self._resources.threads.append(
@@ -1001,7 +1004,7 @@ def _record_exit(registration: weakref.ref[Registration]) -> None:
     target = registration()
     if target is not None:
         try:
-            target.exited(ExitWatch.status(), time.time())
+            target.exited(ExitWatch.status(), time.time(), signal_name=ExitWatch.signal_name())
         except OSError:
             pass  # the daemon then sees a process that vanished: reported as down
 

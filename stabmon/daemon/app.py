@@ -34,10 +34,12 @@ from stabmon.background import PeriodicThread
 from stabmon.config import Config
 from stabmon.daemon import discovery
 from stabmon.daemon.gpu import GpuCollector, GpuPoller
+from stabmon.daemon.liveness import HostMemoryCollector, LivenessCollector
 from stabmon.daemon.nvml import NvmlReader, PynvmlReader
 from stabmon.daemon.placement import PlacementCollector
 from stabmon.daemon.processes import ProcessCollector, ProcessTable
 from stabmon.daemon.xid_events import XidWatcher
+from stabmon.daemon.xid_state import XidState, XidStateCollector, state_path
 from stabmon.export.exporter import Exporter, Security
 from stabmon.guard import Guard
 from stabmon.log import LOGGER, LogLimiter
@@ -68,17 +70,22 @@ class DaemonApp:
         self._gpus = GpuPoller(self._reader, limiter=self._limiter)
         self._processes = ProcessTable(self.run_dir, limiter=self._limiter)
         self._placement = PlacementCollector(limiter=self._limiter)
+        self._xid_state = XidState(state_path(self.run_dir), limiter=self._limiter)
         self._xid = XidWatcher(
             self._reader,
             lambda: self._gpus.snapshot().identities,
             guard=self._guard,
             limiter=self._limiter,
+            state=self._xid_state,
         )
         self._health = _HealthCollector(self._guard, self._gpus)
         self.registry = registry if registry is not None else CollectorRegistry()
         self.registry.register(GpuCollector(self._gpus, self._xid.counts))
         self.registry.register(ProcessCollector(self._processes))
         self.registry.register(self._placement)
+        self.registry.register(LivenessCollector(self._processes))
+        self.registry.register(HostMemoryCollector())
+        self.registry.register(XidStateCollector(self._xid_state))
         self.registry.register(self._health)
         OwnProcessCollector(registry=self.registry)  # the daemon's own CPU and memory
         self._exporter: Exporter | None = None
