@@ -32,7 +32,7 @@ from prometheus_client.registry import Collector
 from stabmon import contract
 from stabmon.background import PeriodicThread
 from stabmon.config import Config
-from stabmon.daemon import discovery
+from stabmon.daemon import discovery, health
 from stabmon.daemon.gpu import GpuCollector, GpuPoller
 from stabmon.daemon.liveness import HostMemoryCollector, LivenessCollector
 from stabmon.daemon.nvml import NvmlReader, PynvmlReader
@@ -151,6 +151,7 @@ class DaemonApp:
             limiter=self._limiter,
             routes={discovery.PATH: self._targets},
             security=Security.from_config(self.config),
+            public_routes={health.PATH: health.healthz},
         )
         if not self._exporter.start():
             self._gpus.close()
