@@ -78,6 +78,7 @@ def _series_names(expr: str) -> set[str]:
     code = _strip_comments(expr)
     code = re.sub(r'"[^"]*"', '""', code)  # label values
     code = re.sub(r"\{[^}]*\}", "{}", code)  # matchers
+    code = re.sub(r"\[[^\]]*\]", "[]", code)  # ranges and subquery steps ([1h:1m])
     code = re.sub(r"\b(?:by|on|ignoring|without|group_left|group_right)\s*\([^)]*\)", "", code)
     names = set(re.findall(r"\b[a-zA-Z_:][a-zA-Z0-9_:]*\b(?!\s*\()", code))
     keywords = {"and", "or", "unless", "offset", "bool", "group_left", "group_right"}
