@@ -32,7 +32,7 @@ AppFactory = Callable[..., DaemonApp]
 
 @pytest.fixture
 def daemon(tmp_path: Path) -> Iterator[AppFactory]:
-    """``daemon(**config)``: a started DaemonApp on ``tmp_path`` with one fake GPU; stopped after."""
+    """``daemon(reader, **config)``: a started DaemonApp on ``tmp_path``; stopped after."""
     started: list[DaemonApp] = []
 
     def factory(reader: FakeNvml | None = None, **settings: object) -> DaemonApp:
@@ -123,7 +123,8 @@ def test_xid_counts_and_last_event_time_survive_a_daemon_restart(daemon: AppFact
     restarted = daemon(second)
     samples = scrape(restarted.url)  # before any new event: the saved count, not a reset
     assert _find(samples, "stabmon_gpu_xid_errors_total", uuid=UUID, xid="79") == 1
-    assert _find(samples, "stabmon_gpu_xid_last_event_timestamp_seconds", uuid=UUID, xid="79") == when
+    last_event = "stabmon_gpu_xid_last_event_timestamp_seconds"
+    assert _find(samples, last_event, uuid=UUID, xid="79") == when
     second.push_xid(0, 79)
     _until_sample(restarted, "stabmon_gpu_xid_errors_total", 2.0, uuid=UUID, xid="79")
 
