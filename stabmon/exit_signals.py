@@ -1,0 +1,158 @@
+"""SIGTERM, recorded in the registration record, without changing what SIGTERM does.
+
+SIGTERM's default action ends a process on the spot: no ``atexit``, no exit record, so the
+node daemon could not tell a preemption, a scheduler's cancel or torchrun tearing down the
+siblings of a crashed rank from SIGKILL or a segfault, and paged all of them as crashes.
+
+Design
+------
+Installed only from the main thread, and only while SIGTERM still has its default action
+and no wakeup fd is in use: a framework's own handler (Lightning's, an asyncio loop's) is
+left alone, and then nothing changes. Python runs signal handlers in the main thread only,
+between bytecodes, so a main thread blocked in a C call (a hung collective) would sit on a
+Python-level handler, and the process would outlive the SIGTERM meant to end it. So the
+work is not done by the handler: Python's C-level handler writes the signal number to the
+wakeup fd at once, whatever the main thread does; a thread of ours reads it, writes the
+exit record ("signal", "SIGTERM"), puts SIGTERM's default action back and sends SIGTERM to
+the process again, which then ends exactly as it would have without stabmon: killed by
+SIGTERM, exit status -15, no ``atexit``. The Python-level handler does the same if the
+main thread gets there first; the record is written once.
+
+A forked child (a DataLoader worker) inherits the handler and the wakeup fd, which would
+carry its own SIGTERM to the parent's thread: an ``os.register_at_fork`` hook gives the
+child the default action and no wakeup fd before it runs code of its own. ``uninstall``
+(at detach, from the main thread) restores both; from another thread it only forgets the
+record, and SIGTERM keeps its default effect.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from types import FrameType
+
+__all__ = ["SigtermRecorder"]
+
+_STOP = b"\x00"
+
+
+class SigtermRecorder:
+    """Calls ``record()`` when SIGTERM arrives, then lets SIGTERM end the process as usual.
+
+    >>> recorder = SigtermRecorder.install(lambda: registration.exited("signal", time.time(),
+    ...                                                                signal_name="SIGTERM"))
+    >>> recorder.uninstall()  # at detach; None was returned where it could not be installed
+    """
+
+    _active: SigtermRecorder | None = None
+    _fork_hook = False
+
+    def __init__(self, record: Callable[[], None], read_fd: int, write_fd: int) -> None:
+        self._record: Callable[[], None] | None = record
+        self._read_fd = read_fd
+        self._write_fd = write_fd
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._watch, name="stabmon-sigterm", daemon=True)
+
+    @classmethod
+    def install(cls, record: Callable[[], None]) -> SigtermRecorder | None:
+        """Install for ``record``; None where SIGTERM is not ours to watch (see the module)."""
+        if threading.current_thread() is not threading.main_thread() or cls._active is not None:
+            return None
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return None
+        read_fd, write_fd = os.pipe()  # non-inheritable: an exec'd child never holds it
+        os.set_blocking(write_fd, False)  # set_wakeup_fd needs it; the C handler must not block
+        previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        if previous != -1:  # someone else's wakeup fd (an event loop): leave it theirs
+            signal.set_wakeup_fd(previous)
+            os.close(read_fd)
+            os.close(write_fd)
+            return None
+        recorder = cls(record, read_fd, write_fd)
+        signal.signal(signal.SIGTERM, recorder._on_signal)
+        cls._active = recorder
+        if not cls._fork_hook:
+            os.register_at_fork(after_in_child=cls._after_fork_in_child)
+            cls._fork_hook = True
+        recorder._thread.start()
+        return recorder
+
+    def uninstall(self) -> None:
+        """Stop recording; on the main thread, give SIGTERM and the wakeup fd back."""
+        with self._lock:
+            self._record = None
+        if threading.current_thread() is not threading.main_thread():
+            return  # the handler and the thread stay, and still end the process on SIGTERM
+        if signal.getsignal(signal.SIGTERM) == self._on_signal:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        current = signal.set_wakeup_fd(-1)
+        if current not in (-1, self._write_fd):
+            signal.set_wakeup_fd(current)  # someone replaced ours since: theirs stays
+        type(self)._active = None
+        try:
+            os.write(self._write_fd, _STOP)
+        except OSError:
+            pass
+        self._thread.join(1.0)
+        if not self._thread.is_alive():
+            os.close(self._read_fd)
+            os.close(self._write_fd)
+
+    def _watch(self) -> None:
+        while True:
+            try:
+                data = os.read(self._read_fd, 64)
+            except InterruptedError:
+                continue
+            except OSError:
+                return
+            if not data or _STOP in data:
+                return
+            if signal.SIGTERM in data:  # other bytes are other signals (SIGCHLD, SIGINT)
+                self._end_by_sigterm()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self._end_by_sigterm()
+
+    def _end_by_sigterm(self) -> None:
+        with self._lock:
+            record, self._record = self._record, None
+        if record is not None:
+            try:
+                record()
+            except Exception:  # noqa: BLE001 - the process is ending; SIGTERM must still end it
+                pass
+        _default_action(signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(1.0)  # delivery is asynchronous; never return into a handler's caller first
+
+    @classmethod
+    def _after_fork_in_child(cls) -> None:
+        active, cls._active = cls._active, None
+        if active is None:
+            return
+        # The C-level handler writes wherever the wakeup fd points: to /dev/null from now on,
+        # even if the calls below cannot run (a fork from a thread that is not the main one).
+        null = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(null, active._write_fd, inheritable=False)
+        finally:
+            os.close(null)
+        try:
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        except ValueError:
+            pass  # the handler stays; it records nothing in a child and still ends it
+
+
+def _default_action(signum: int) -> None:
+    """SIGTERM's default action back, from any thread (``signal.signal`` is main-thread only)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.signal.restype = ctypes.c_void_p
+    libc.signal.argtypes = (ctypes.c_int, ctypes.c_void_p)
+    libc.signal(signum, None)  # SIG_DFL is the null handler
