@@ -125,7 +125,7 @@ class SigtermRecorder:
         if record is not None:
             try:
                 record()
-            except Exception:  # noqa: BLE001 - the process is ending; SIGTERM must still end it
+            except Exception:  # the process is ending: whatever failed, SIGTERM must still end it
                 pass
         _default_action(signal.SIGTERM)
         os.kill(os.getpid(), signal.SIGTERM)

@@ -51,9 +51,9 @@ from stabmon.contract import INTERNAL_COMPONENTS, PHASES
 from stabmon.detectors.dead import DeadGradients
 from stabmon.detectors.stall import STARTUP_PHASE, Heartbeat, StallWatchdog
 from stabmon.errors import DeviceMismatchError, StabmonError
+from stabmon.exit_signals import SigtermRecorder
 from stabmon.export.collector import ReadingsCollector
 from stabmon.export.event_log import EventLog
-from stabmon.exit_signals import SigtermRecorder
 from stabmon.export.exporter import Exporter, Security, candidate_ports
 from stabmon.guard import Guard
 from stabmon.hooks import HookSet, unwrap_model
