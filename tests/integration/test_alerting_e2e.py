@@ -5,7 +5,8 @@ node daemon, Debian's Prometheus 2.42 with the shipped scrape config and rules, 
 Alertmanager 0.25 with the shipped routing tree and inhibitions
 (deploy/alertmanager/alertmanager.yml), and a webhook receiver of this test's own. Faults
 are injected for real: a NaN gradient, a run that stops stepping, a rank killed with
-SIGKILL and a rank frozen with SIGSTOP. A clean run trains beside them throughout.
+SIGKILL, a rank frozen with SIGSTOP, and one rank of a two-rank run sent SIGTERM (a warning,
+not a crash). A clean run trains beside them throughout.
 
 What differs from the deployed configuration, and why:
 - Prometheus scrapes and evaluates every second (deployed: 15 s), so the test takes
@@ -17,7 +18,7 @@ What differs from the deployed configuration, and why:
 Then the daemon is restarted while ``StabmonTrainingProcessDown`` (and the frozen rank's
 stall) fire: neither may send "resolved". Times from each fault to its first notification
 are printed (``pytest -s``). Marked slow: the stall and process-down alerts wait for their
-``for: 1m``.
+``for: 1m``, the termination warning for its ``for: 2m``.
 """
 
 from __future__ import annotations
@@ -161,6 +162,20 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             ),
             "killed": processes.start([*trainee, "--run-id", "killed", "--stall-seconds", "5"]),
             "frozen": processes.start([*trainee, "--run-id", "frozen", "--stall-seconds", "5"]),
+            # Two ranks of one run; rank 1 is sent SIGTERM (a preemption of one node).
+            "preempt-0": processes.start([*trainee, "--run-id", "preempt"]),
+            "preempt-1": processes.start(
+                [
+                    sys.executable,
+                    str(TRAINEE),
+                    "--run-dir",
+                    str(run_dir),
+                    "--rank",
+                    "1",
+                    "--run-id",
+                    "preempt",
+                ]
+            ),  # fmt: skip
         }
         training = {host_port(announced(process)) for process in runs.values()}
         daemon_port = free_port()
@@ -193,12 +208,14 @@ def test_faults_reach_the_webhook_and_a_daemon_restart_resolves_nothing(stack: S
     runs["nan"].send_signal(signal.SIGUSR1)
     runs["killed"].send_signal(signal.SIGKILL)
     runs["frozen"].send_signal(signal.SIGSTOP)
+    runs["preempt-1"].send_signal(signal.SIGTERM)
     # The "stall" run stopped stepping on its own after 200 steps (10 s at 20 steps/s).
     expected = [
         ("StabmonNonFiniteGradients", "nan"),
         ("StabmonTrainingStalled", "stall"),
         ("StabmonTrainingProcessDown", "killed"),
         ("StabmonTrainingStalled", "frozen"),
+        ("StabmonTrainingProcessTerminated", "preempt"),
     ]
     try:
         stack.prometheus.until(
@@ -221,6 +238,11 @@ def test_faults_reach_the_webhook_and_a_daemon_restart_resolves_nothing(stack: S
         assert {n.receiver for n in webhook.seen("StabmonTrainingProcessDown", "killed")} == {
             "pagerduty", "webhook", "slack"
         }  # fmt: skip
+        # SIGTERM is a warning, to chat only, and no crash: it died by SIGTERM as it would have.
+        terminated = webhook.seen("StabmonTrainingProcessTerminated", "preempt")
+        assert {n.receiver for n in terminated} == {"webhook", "slack"}
+        assert webhook.seen("StabmonTrainingProcessDown", "preempt") == []
+        assert runs["preempt-1"].poll() == -signal.SIGTERM
 
         # The daemon restarts while ProcessDown and the frozen rank's stall fire.
         restarted = time.monotonic()
