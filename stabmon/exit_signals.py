@@ -15,12 +15,15 @@ work is not done by the handler: Python's C-level handler writes the signal numb
 wakeup fd at once, whatever the main thread does; a thread of ours reads it, writes the
 exit record ("signal", "SIGTERM"), puts SIGTERM's default action back and sends SIGTERM to
 the process again, which then ends exactly as it would have without stabmon: killed by
-SIGTERM, exit status -15, no ``atexit``. The Python-level handler does the same if the
-main thread gets there first; the record is written once.
+SIGTERM, exit status -15, no ``atexit``. The Python-level handler, if the main thread gets
+there first, only waits (at most 2 s) for the thread, and never records itself: it may have
+interrupted the main thread inside the registration's lock.
 
 A forked child (a DataLoader worker) inherits the handler and the wakeup fd, which would
 carry its own SIGTERM to the parent's thread: an ``os.register_at_fork`` hook gives the
-child the default action and no wakeup fd before it runs code of its own. ``uninstall``
+child the default action and no wakeup fd before it runs code of its own (SIGTERM is blocked
+in the forking thread across the fork, so none arrives in between). A child started by
+``subprocess`` (fork, then exec, in C) holds the pipe only until its exec. ``uninstall``
 (at detach, from the main thread) restores both; from another thread it only forgets the
 record, and SIGTERM keeps its default effect.
 """
@@ -38,6 +41,9 @@ from types import FrameType
 __all__ = ["SigtermRecorder"]
 
 _STOP = b"\x00"
+#: How long the main thread's handler lets the thread write the record before it ends the
+#: process itself (the record is one small file written with a rename).
+_HANDLER_WAIT_SECONDS = 2.0
 
 
 class SigtermRecorder:
@@ -50,12 +56,14 @@ class SigtermRecorder:
 
     _active: SigtermRecorder | None = None
     _fork_hook = False
+    _forking = threading.local()  # per forking thread: whether SIGTERM was blocked already
 
     def __init__(self, record: Callable[[], None], read_fd: int, write_fd: int) -> None:
         self._record: Callable[[], None] | None = record
         self._read_fd = read_fd
         self._write_fd = write_fd
         self._lock = threading.Lock()
+        self._ended = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="stabmon-sigterm", daemon=True)
 
     @classmethod
@@ -77,7 +85,11 @@ class SigtermRecorder:
         signal.signal(signal.SIGTERM, recorder._on_signal)
         cls._active = recorder
         if not cls._fork_hook:
-            os.register_at_fork(after_in_child=cls._after_fork_in_child)
+            os.register_at_fork(
+                before=cls._before_fork,
+                after_in_parent=cls._after_fork_in_parent,
+                after_in_child=cls._after_fork_in_child,
+            )
             cls._fork_hook = True
         recorder._thread.start()
         return recorder
@@ -117,7 +129,12 @@ class SigtermRecorder:
                 self._end_by_sigterm()
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        self._end_by_sigterm()
+        # The thread records and ends the process. The main thread must not record itself: it
+        # may have been interrupted holding the registration's lock, and would wait for it
+        # forever. If the thread is gone (uninstalled elsewhere), SIGTERM ends it unrecorded.
+        if self._thread.is_alive():
+            self._ended.wait(_HANDLER_WAIT_SECONDS)
+        _end_process()
 
     def _end_by_sigterm(self) -> None:
         with self._lock:
@@ -127,15 +144,38 @@ class SigtermRecorder:
                 record()
             except Exception:  # the process is ending: whatever failed, SIGTERM must still end it
                 pass
-        _default_action(signal.SIGTERM)
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(1.0)  # delivery is asynchronous; never return into a handler's caller first
+        self._ended.set()
+        _end_process()
+
+    @classmethod
+    def _before_fork(cls) -> None:
+        if cls._active is None:
+            cls._forking.was_blocked = True  # nothing blocked here: nothing to undo after
+            return
+        # Until the child has let go of the wakeup fd, a SIGTERM sent to it would reach the
+        # parent's thread: the forking thread blocks SIGTERM, and the child inherits the mask.
+        # (A SIGTERM for the parent meanwhile goes to one of its other threads.)
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        cls._forking.was_blocked = signal.SIGTERM in previous
+
+    @classmethod
+    def _after_fork_in_parent(cls) -> None:
+        if not getattr(cls._forking, "was_blocked", True):
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
     @classmethod
     def _after_fork_in_child(cls) -> None:
         active, cls._active = cls._active, None
-        if active is None:
-            return
+        was_blocked = getattr(cls._forking, "was_blocked", True)
+        try:
+            if active is not None:
+                cls._let_go(active)
+        finally:
+            if not was_blocked:  # a SIGTERM that came meanwhile is delivered now, to the child
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+
+    @classmethod
+    def _let_go(cls, active: SigtermRecorder) -> None:
         # The C-level handler writes wherever the wakeup fd points: to /dev/null from now on,
         # even if the calls below cannot run (a fork from a thread that is not the main one).
         null = os.open(os.devnull, os.O_WRONLY)
@@ -148,6 +188,13 @@ class SigtermRecorder:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
         except ValueError:
             pass  # the handler stays; it records nothing in a child and still ends it
+
+
+def _end_process() -> None:
+    """End the process as SIGTERM's default action does: killed by SIGTERM."""
+    _default_action(signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(1.0)  # delivery is asynchronous; never return into the caller first
 
 
 def _default_action(signum: int) -> None:
