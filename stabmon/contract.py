@@ -414,7 +414,7 @@ PROCESS_EXIT_REASON = MetricDef(
     "stabmon_process_exit_reason",
     "gauge",
     "1 for a monitored training process that is down, labelled with how it ended: exception "
-    "(an uncaught error), signal (terminated by a signal it recorded, such as SIGTERM), or "
+    "(an uncaught error), signal (terminated by a signal it recorded: SIGTERM, SIGINT), or "
     "vanished (no exit record: SIGKILL, the OOM killer, a native crash).",
     ("rank", "run", "pid", "reason"),
 )
