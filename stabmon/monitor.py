@@ -51,6 +51,7 @@ from stabmon.contract import INTERNAL_COMPONENTS, PHASES
 from stabmon.detectors.dead import DeadGradients
 from stabmon.detectors.stall import STARTUP_PHASE, Heartbeat, StallWatchdog
 from stabmon.errors import DeviceMismatchError, StabmonError
+from stabmon.exit_signals import SigtermRecorder
 from stabmon.export.collector import ReadingsCollector
 from stabmon.export.event_log import EventLog
 from stabmon.export.exporter import Exporter, Security, candidate_ports
@@ -177,6 +178,8 @@ class _Resources:
     events: EventLog | None = None
     registration: Registration | None = None
     at_exit: Callable[[], None] | None = None
+    #: Writes "signal"/SIGTERM into the record when SIGTERM ends the process (None: not ours).
+    sigterm: SigtermRecorder | None = None
     #: At interpreter exit, judge the results still waiting: the last steps before a crash
     #: are the ones that explain it.
     judge_at_exit: Callable[[], None] | None = None
@@ -185,6 +188,9 @@ class _Resources:
         for hook in (self.at_exit, self.judge_at_exit):
             if hook is not None:
                 atexit.unregister(hook)
+        if self.sigterm is not None:
+            self.sigterm.uninstall()
+            self.sigterm = None
         if self.hooks is not None:
             self.hooks.remove()
         for thread in self.threads:
@@ -382,12 +388,15 @@ class Monitor:
         registration = self._resources.registration
         if registration is not None:
             readings, recorder = self._readings, self._recorder
+            heartbeat_state = self._heartbeat
 
             def heartbeat() -> None:  # captures no Monitor: a dropped Monitor can be collected
                 registration.write(
                     last_step_unix=readings.last_step_unix,
                     steps=recorder.global_step,
                     now=time.time(),
+                    phase=heartbeat_state.phase,
+                    stall_limit_seconds=watchdog.limit_seconds(),
                 )
 
             self._resources.threads.append(
@@ -507,6 +516,9 @@ class Monitor:
             ExitWatch.install()
             self._resources.at_exit = functools.partial(_record_exit, weakref.ref(registration))
             atexit.register(self._resources.at_exit)
+            self._resources.sigterm = SigtermRecorder.install(
+                functools.partial(_record_sigterm, weakref.ref(registration))
+            )
             registration.write(
                 last_step_unix=None, steps=self._recorder.global_step, now=time.time()
             )
@@ -1026,9 +1038,16 @@ def _record_exit(registration: weakref.ref[Registration]) -> None:
     target = registration()
     if target is not None:
         try:
-            target.exited(ExitWatch.status(), time.time())
+            target.exited(ExitWatch.status(), time.time(), signal_name=ExitWatch.signal_name())
         except OSError:
             pass  # the daemon then sees a process that vanished: reported as down
+
+
+def _record_sigterm(registration: weakref.ref[Registration]) -> None:
+    """SIGTERM is ending the process: say so in the record, so no one is paged for a crash."""
+    target = registration()
+    if target is not None:
+        target.exited("signal", time.time(), signal_name="SIGTERM")
 
 
 def _param_signature(optimizer: torch.optim.Optimizer) -> tuple[int, int]:

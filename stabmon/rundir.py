@@ -142,9 +142,17 @@ class ProcessRecord:
     #: The PID namespace ``pid`` belongs to (``pid:[4026532178]``): in a container it is not
     #: the daemon's, which maps ``pid`` to its own view (:mod:`stabmon.daemon.pidns`).
     pid_namespace: str = ""
-    #: Set at interpreter exit: when, and "clean" or "exception" (an uncaught error).
+    #: Set at interpreter exit: when, and "clean", "exception" (an uncaught error) or
+    #: "signal" (ended by the signal in ``exit_signal``, such as SIGINT).
     exited_unix: float | None = None
     exit_status: str | None = None
+    #: The loop phase at the last heartbeat (``forward``, ``eval``, ``startup``...).
+    phase: str | None = None
+    #: The stall limit that applied at the last heartbeat (the phase's): the daemon judges a
+    #: frozen process, whose watchdog cannot run, against it.
+    stall_limit_seconds: float | None = None
+    #: With ``exit_status == "signal"``: the signal's name (``SIGINT``, ``SIGTERM``).
+    exit_signal: str | None = None
     version: int = field(default=RECORD_VERSION)
 
     def to_json(self) -> bytes:
@@ -178,6 +186,9 @@ class ProcessRecord:
             pid_namespace=_text(data, "pid_namespace", default=""),
             exited_unix=_optional_number(data, "exited_unix"),
             exit_status=_optional_text(data, "exit_status"),
+            phase=_optional_text(data, "phase"),
+            stall_limit_seconds=_optional_number(data, "stall_limit_seconds"),
+            exit_signal=_optional_text(data, "exit_signal"),
         )
 
 
@@ -389,25 +400,48 @@ class Registration:
         self._on_duplicate = on_duplicate
         self._checked_duplicate = False
 
-    def write(self, *, last_step_unix: float | None, steps: int, now: float) -> None:
-        """Write the record with the latest heartbeat (creating the directories if needed)."""
+    def write(
+        self,
+        *,
+        last_step_unix: float | None,
+        steps: int,
+        now: float,
+        phase: str | None = None,
+        stall_limit_seconds: float | None = None,
+    ) -> None:
+        """Write the record with the latest heartbeat (creating the directories if needed).
+
+        ``phase`` and ``stall_limit_seconds`` (the watchdog's current limit) let the daemon
+        judge a process too frozen to run its own watchdog; None keeps the last ones written.
+        """
         with self._lock:
             if self._closed:
                 return
             self._record = replace(
-                self._record, last_step_unix=last_step_unix, steps=steps, updated_unix=now
+                self._record,
+                last_step_unix=last_step_unix,
+                steps=steps,
+                updated_unix=now,
+                phase=phase if phase is not None else self._record.phase,
+                stall_limit_seconds=(
+                    stall_limit_seconds
+                    if stall_limit_seconds is not None
+                    else self._record.stall_limit_seconds
+                ),
             )
             self._write()
 
-    def exited(self, status: str, now: float) -> None:
-        """Record how the process ended ("clean" or "exception"); the last write.
+    def exited(self, status: str, now: float, *, signal_name: str | None = None) -> None:
+        """Record how the process ended ("clean", "exception" or "signal"); the last write.
 
         Only in the process the record describes: a forked child that exits is not the run.
         """
         with self._lock:
             if self._closed or self._record.pid != os.getpid():
                 return
-            self._record = replace(self._record, exited_unix=now, exit_status=status)
+            self._record = replace(
+                self._record, exited_unix=now, exit_status=status, exit_signal=signal_name
+            )
             self._write()
             self._closed = True
 
@@ -459,6 +493,7 @@ class ExitWatch:
 
     _installed = False
     _uncaught = False
+    _interrupted = False
 
     @classmethod
     def install(cls) -> None:
@@ -471,10 +506,20 @@ class ExitWatch:
             kind: type[BaseException], error: BaseException, trace: TracebackType | None
         ) -> None:
             cls._uncaught = True  # sys.exit() never gets here; Ctrl-C does, and is no clean end
+            # SIGINT's default handler raises KeyboardInterrupt: a person or a scheduler
+            # stopped the run, which is not a crash.
+            cls._interrupted = issubclass(kind, KeyboardInterrupt)
             previous(kind, error, trace)
 
         sys.excepthook = note_uncaught
 
     @classmethod
     def status(cls) -> str:
+        if cls._interrupted:
+            return "signal"
         return "exception" if cls._uncaught else "clean"
+
+    @classmethod
+    def signal_name(cls) -> str | None:
+        """The signal that ended the process, where it was seen (SIGINT); else None."""
+        return "SIGINT" if cls._interrupted else None

@@ -282,8 +282,12 @@ class Exporter:
         request_seconds: float = REQUEST_SECONDS,
         min_request_seconds: float = MIN_REQUEST_SECONDS,
         clock: Callable[[], float] = time.monotonic,
+        public_routes: Mapping[str, Route] | None = None,
     ) -> None:
         self._registry = registry
+        # Paths that answer without basic auth (a health check for probes that carry no
+        # credentials): they must reveal nothing, as anyone who can connect may read them.
+        self._public_routes = dict(public_routes or {})
         self._cache_seconds = cache_seconds
         self._max_connections = max_connections
         self._request_seconds = request_seconds
@@ -409,6 +413,12 @@ class Exporter:
         """The WSGI application: ``/metrics``, the extra routes, and 404 for the rest."""
         method = environ.get("REQUEST_METHOD", "GET")
         path = environ.get("PATH_INFO", "")
+        public = self._public_routes.get(path)
+        if public is not None and method in ("GET", "HEAD"):
+            content_type, body = public(environ)
+            headers = [("Content-Type", content_type), ("Content-Length", str(len(body)))]
+            start_response("200 OK", headers)
+            return [b"" if method == "HEAD" else body]
         if self._authorization is not None and not _authorized(environ, self._authorization):
             start_response(
                 "401 Unauthorized",

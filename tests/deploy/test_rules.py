@@ -22,6 +22,9 @@ from stabmon import contract
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "deploy" / "prometheus" / "rules" / "stabmon.rules.yml"
 RULE_TESTS = ROOT / "deploy" / "prometheus" / "tests" / "stabmon.rules.test.yml"
+# Daemon restarts and outages, frozen ranks, exit classes, gaps, forecasts (issue 22).
+RESILIENCE_TESTS = ROOT / "deploy" / "prometheus" / "tests" / "stabmon.resilience.test.yml"
+ALL_ALERTS = (*contract.ALERT_NAMES, *contract.EXTENSION_ALERT_NAMES)
 RUNBOOKS = ROOT / "docs" / "runbooks.md"
 RUNBOOK_BASE = "https://github.com/stabmon/stabmon/blob/main/docs/runbooks.md#"
 
@@ -31,6 +34,7 @@ METRIC_NAMES = {
         *contract.TRAINING_METRICS,
         *contract.DAEMON_METRICS,
         *contract.EXTENSION_METRICS,
+        *contract.DAEMON_EXTENSION_METRICS,
         contract.DAEMON_POLL_DURATION,
         contract.DAEMON_LAST_POLL,
     )
@@ -40,7 +44,13 @@ SERIES_NAMES = METRIC_NAMES | {
     f"{name}{suffix}" for name in METRIC_NAMES for suffix in ("_bucket", "_sum", "_count")
 }
 # Alerts whose value is a state (process up == 0, metrics absent), not a figure to quote.
-STATE_ALERTS = {"StabmonTrainingProcessDown", "StabmonTrainingMetricsAbsent"}
+STATE_ALERTS = {
+    "StabmonTrainingProcessDown",
+    "StabmonTrainingProcessTerminated",
+    "StabmonTrainingMetricsAbsent",
+}
+# Alerts about the daemon itself, which name its target rather than a rank or a GPU.
+DAEMON_ALERTS = {"StabmonDaemonDown", "StabmonDaemonNvmlDown"}
 # Prometheus' own series that a rule may join with (target health).
 PROMETHEUS_SERIES = {"up"}
 
@@ -68,6 +78,7 @@ def _series_names(expr: str) -> set[str]:
     code = _strip_comments(expr)
     code = re.sub(r'"[^"]*"', '""', code)  # label values
     code = re.sub(r"\{[^}]*\}", "{}", code)  # matchers
+    code = re.sub(r"\[[^\]]*\]", "[]", code)  # ranges and subquery steps ([1h:1m])
     code = re.sub(r"\b(?:by|on|ignoring|without|group_left|group_right)\s*\([^)]*\)", "", code)
     names = set(re.findall(r"\b[a-zA-Z_:][a-zA-Z0-9_:]*\b(?!\s*\()", code))
     keywords = {"and", "or", "unless", "offset", "bool", "group_left", "group_right"}
@@ -77,11 +88,11 @@ def _series_names(expr: str) -> set[str]:
 
 def test_every_contract_alert_is_defined_once() -> None:
     names = [rule["alert"] for rule in _alerts()]
-    assert sorted(names) == sorted(contract.ALERT_NAMES)
+    assert sorted(names) == sorted(ALL_ALERTS)
     assert len(names) == len(set(names))
 
 
-@pytest.mark.parametrize("alert", contract.ALERT_NAMES)
+@pytest.mark.parametrize("alert", ALL_ALERTS)
 def test_alert_has_severity_and_annotations(alert: str) -> None:
     rule = next(rule for rule in _alerts() if rule["alert"] == alert)
     assert rule["labels"]["severity"] in contract.SEVERITIES
@@ -92,11 +103,14 @@ def test_alert_has_severity_and_annotations(alert: str) -> None:
     # where the value is a measurement rather than a state.
     description = annotations["description"]
     assert ("$value" in description) != (alert in STATE_ALERTS)
-    assert "$labels.rank" in description or "$labels.uuid" in description
+    if alert in DAEMON_ALERTS:
+        assert "$labels.instance" in description
+    else:
+        assert "$labels.rank" in description or "$labels.uuid" in description
     assert annotations["runbook_url"] == RUNBOOK_BASE + alert.lower()
 
 
-@pytest.mark.parametrize("alert", contract.ALERT_NAMES)
+@pytest.mark.parametrize("alert", ALL_ALERTS)
 def test_runbook_has_a_section_for_each_alert(alert: str) -> None:
     sections = re.findall(r"^## (\S+)$", RUNBOOKS.read_text(), flags=re.MULTILINE)
     assert alert in sections
@@ -104,7 +118,7 @@ def test_runbook_has_a_section_for_each_alert(alert: str) -> None:
     assert "**Confirm.**" in body and "**What to do.**" in body
 
 
-@pytest.mark.parametrize("alert", contract.ALERT_NAMES)
+@pytest.mark.parametrize("alert", ALL_ALERTS)
 def test_rules_read_only_contract_series_and_never_select_by_job_or_instance(
     alert: str,
 ) -> None:
@@ -116,20 +130,20 @@ def test_rules_read_only_contract_series_and_never_select_by_job_or_instance(
 
 def test_every_rule_has_a_comment_explaining_its_threshold() -> None:
     text = RULES.read_text()
-    for alert in contract.ALERT_NAMES:
+    for alert in ALL_ALERTS:
         before = text.split(f"- alert: {alert}\n", 1)[0].rstrip().splitlines()
         assert before[-1].strip().startswith("#"), f"{alert} has no comment above it"
 
 
 def test_each_alert_has_a_firing_and_a_quiet_promtool_case() -> None:
-    document = yaml.safe_load(RULE_TESTS.read_text())
     fired: set[str] = set()
     quiet: set[str] = set()
-    for case in document["tests"]:
-        for check in case.get("alert_rule_test", []):
-            (fired if check["exp_alerts"] else quiet).add(check["alertname"])
-    assert fired == set(contract.ALERT_NAMES)
-    assert quiet == set(contract.ALERT_NAMES)
+    for path in (RULE_TESTS, RESILIENCE_TESTS):
+        for case in yaml.safe_load(path.read_text())["tests"]:
+            for check in case.get("alert_rule_test", []):
+                (fired if check["exp_alerts"] else quiet).add(check["alertname"])
+    assert fired == set(ALL_ALERTS)
+    assert quiet == set(ALL_ALERTS)
 
 
 def test_promtool_check_rules() -> None:
@@ -137,12 +151,13 @@ def test_promtool_check_rules() -> None:
         [_promtool(), "check", "rules", str(RULES)], capture_output=True, text=True, check=False
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert f"SUCCESS: {len(contract.ALERT_NAMES)} rules found" in result.stdout
+    assert f"SUCCESS: {len(ALL_ALERTS)} rules found" in result.stdout
 
 
-def test_promtool_test_rules() -> None:
+@pytest.mark.parametrize("tests", [RULE_TESTS, RESILIENCE_TESTS], ids=lambda path: path.name)
+def test_promtool_test_rules(tests: Path) -> None:
     result = subprocess.run(
-        [_promtool(), "test", "rules", RULE_TESTS.name],
+        [_promtool(), "test", "rules", tests.name],
         cwd=RULE_TESTS.parent,
         capture_output=True,
         text=True,
