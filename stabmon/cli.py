@@ -110,19 +110,28 @@ def _status(args: argparse.Namespace) -> int:
     from stabmon.report.status import (
         Credentials,
         format_table,
-        registered_urls,
+        registered_targets,
         require_urls,
         scrape_status,
     )
     from stabmon.rundir import DEFAULT_RUN_DIR
 
+    if not (args.timeout > 0 and args.timeout < 86400):
+        raise StabmonError(f"--timeout must be a number of seconds above 0, got {args.timeout}")
     credentials = Credentials.from_files(args.cafile, args.basic_auth_file)
     urls = list(args.urls)
+    untrusted: set[str] = set()
     if not urls:
         root = Path(args.run_dir or os.environ.get("STABMON_DIR") or DEFAULT_RUN_DIR)
-        urls = registered_urls(root, args.run)
+        targets = registered_targets(root, args.run)
+        urls = [url for url, _ in targets]
+        # Written by another user: scraped, but never sent our credentials.
+        mine = {url for url, owner in targets if owner == os.geteuid()}
+        untrusted = {url for url, _ in targets} - mine
         require_urls(urls, root)
-    statuses = scrape_status(urls, timeout=args.timeout, credentials=credentials)
+    statuses = scrape_status(
+        urls, timeout=args.timeout, credentials=credentials, untrusted=untrusted
+    )
     print(format_table(statuses))
     return 0 if all(status.healthy for status in statuses) else 1
 

@@ -38,6 +38,8 @@ import math
 import operator
 import os
 import re
+import reprlib
+import stat
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -46,10 +48,16 @@ from typing import Any, ClassVar, TypeVar
 import yaml
 
 from stabmon.errors import ConfigError
+from stabmon.rundir import RUN_ID_PATTERN
 
 __all__ = ["Config", "DaemonConfig", "ThroughputConfig", "load_config"]
 
 _MAX_FILE_BYTES = 1024 * 1024  # 1 MiB: a config is a few dozen lines
+# A config is a few dozen flat keys; anything far beyond is an attack or an accident
+# (a 414-byte alias bomb expands to billions of nodes when walked).
+_MAX_YAML_NODES = 10_000
+_MAX_YAML_ALIASES = 100
+_MAX_YAML_DEPTH = 32
 _CONFIG_FILE_VARIABLE = "STABMON_CONFIG"
 _MAPPING_SOURCE = "config mapping"
 _OVERRIDE_SOURCE = "attach() keyword argument"
@@ -108,6 +116,7 @@ def _meta(
     nonempty: bool = False,
     max_length: int | None = None,
     choices: tuple[str, ...] | None = None,
+    pattern: str | None = None,
 ) -> dict[str, Any]:
     """Field metadata: the doc and the constraint (keywords, so a misspelt rule fails)."""
     rules = {
@@ -118,6 +127,7 @@ def _meta(
         "le": le,
         "max_length": max_length,
         "choices": choices,
+        "pattern": pattern,
     }
     meta = {"doc": doc} | {name: rule for name, rule in rules.items() if rule is not None}
     return meta | ({"nonempty": True} if nonempty else {})
@@ -242,6 +252,7 @@ class Config(_Section):
             env="STABMON_RUN_ID",
             nonempty=True,
             max_length=128,
+            pattern=RUN_ID_PATTERN,
         ),
     )
     port: int = field(
@@ -260,7 +271,18 @@ class Config(_Section):
     )
     port_attempts: int = field(
         default=8,
-        metadata=_meta("How many ports to try, counting up, when the first is busy.", ge=1),
+        metadata=_meta(
+            "How many ports to try, counting up, when the first is busy.", ge=1, le=1000
+        ),
+    )
+    scrape_cache_seconds: float = field(
+        default=1.0,
+        metadata=_meta(
+            "A scrape body is reused for this long: a flood of scrapes then costs training one "
+            "body per interval (ranks and daemon). 0 builds one per scrape.",
+            ge=0,
+            le=60,
+        ),
     )
     serve_metrics: bool = field(
         default=True,
@@ -459,6 +481,13 @@ def load_config(
     or not a YAML mapping.
     """
     environ: Mapping[str, str] = os.environ if env is None else env
+    if not isinstance(environ, Mapping):
+        raise ConfigError(
+            f"expected a mapping of variable names to values, got {_show(environ, typed=True)}",
+            key=None,
+            source="load_config(env=...)",
+            allowed="a mapping",
+        )
     layers: list[dict[str, Any]] = []
     if isinstance(source, Config):
         base = source
@@ -467,6 +496,13 @@ def load_config(
         layers.append(_read_source(source, environ))
         layers.append(_read_env(Config, environ))
     if overrides is not None:
+        if not isinstance(overrides, Mapping):
+            raise ConfigError(
+                f"expected a mapping of keys to values, got {_show(overrides, typed=True)}",
+                key=None,
+                source=_OVERRIDE_SOURCE,
+                allowed="a mapping",
+            )
         layers.append(_flatten(Config, overrides, source=_OVERRIDE_SOURCE))
     values: dict[str, Any] = {}
     for layer in layers:
@@ -508,6 +544,14 @@ def _read_source(
     if isinstance(source, Mapping):
         return _flatten(Config, source, source=_MAPPING_SOURCE)
     if source is not None:
+        if not isinstance(source, (str, os.PathLike)) or not isinstance(os.fspath(source), str):
+            raise ConfigError(
+                "expected a YAML file path, a mapping or a Config, got "
+                + _show(source, typed=True),
+                key=None,
+                source="load_config(source=...)",
+                allowed="str, os.PathLike[str], Mapping, Config or None",
+            )
         path, advice = os.fspath(source), "check the path"
     else:
         path = environ.get(_CONFIG_FILE_VARIABLE, "")
@@ -519,12 +563,15 @@ def _read_source(
 
 def _read_yaml(path: str, advice: str) -> Mapping[Any, Any]:
     too_large = f"config file is larger than 1 MiB, too large for a stabmon config; {advice}"
+    if "\0" in path or not _encodable(path):
+        raise ConfigError(
+            f"the path holds a NUL byte or is not valid UTF-8; {advice}",
+            key=None,
+            source=_show(path),
+        )
     try:
-        with open(path, "rb") as file:
-            # Refuse before reading: a wrong path can name a log or a dataset.
-            if os.fstat(file.fileno()).st_size > _MAX_FILE_BYTES:
-                raise ConfigError(too_large, key=None, source=path)
-            data = file.read(_MAX_FILE_BYTES + 1)
+        # Never blocking: a FIFO named as the config would hang attach() for ever.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise ConfigError(f"config file not found; {advice}", key=None, source=path) from None
     except OSError as error:
@@ -533,7 +580,39 @@ def _read_yaml(path: str, advice: str) -> Mapping[Any, Any]:
             key=None,
             source=path,
         ) from None
-    if len(data) > _MAX_FILE_BYTES:  # a pipe or device reports size 0 to fstat
+    try:
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            raise ConfigError(
+                f"cannot read config file (Is a directory); {advice}", key=None, source=path
+            )
+        if not stat.S_ISREG(info.st_mode):
+            raise ConfigError(
+                f"not a regular file (a FIFO or device); {advice}",
+                key=None,
+                source=path,
+            )
+        # Refuse before reading: a wrong path can name a log or a dataset.
+        if info.st_size > _MAX_FILE_BYTES:
+            raise ConfigError(too_large, key=None, source=path)
+        chunks: list[bytes] = []
+        size = 0
+        while size <= _MAX_FILE_BYTES:
+            chunk = os.read(fd, _MAX_FILE_BYTES + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        data = b"".join(chunks)
+    except OSError as error:
+        raise ConfigError(
+            f"cannot read config file ({error.strerror or error}); {advice}",
+            key=None,
+            source=path,
+        ) from None
+    finally:
+        os.close(fd)
+    if len(data) > _MAX_FILE_BYTES:  # grew while read
         raise ConfigError(too_large, key=None, source=path)
     try:
         text = data.decode("utf-8-sig")
@@ -544,7 +623,15 @@ def _read_yaml(path: str, advice: str) -> Mapping[Any, Any]:
             source=path,
         ) from None
     try:
-        document = yaml.safe_load(text)
+        loader = _LimitedLoader(text)
+        try:
+            document = loader.get_single_data()
+        finally:
+            loader.dispose()
+    except _TooLarge as error:
+        raise ConfigError(
+            f"{error}; a config is a flat list of keys", key=None, source=path
+        ) from None
     except yaml.constructor.ConstructorError as error:
         raise ConfigError(
             f"unsupported YAML{_position(error)}: {error.problem}; a config holds plain "
@@ -558,7 +645,14 @@ def _read_yaml(path: str, advice: str) -> Mapping[Any, Any]:
             f"malformed YAML{_position(error)}: {error.problem}", key=None, source=path
         ) from None
     except yaml.YAMLError as error:
-        raise ConfigError(f"malformed YAML: {error}", key=None, source=path) from None
+        raise ConfigError(f"malformed YAML: {_show(str(error))}", key=None, source=path) from None
+    except (ValueError, RecursionError, OverflowError) as error:
+        # An integer of more than 4300 digits, a nesting deeper than Python's stack.
+        raise ConfigError(
+            f"a value cannot be read ({type(error).__name__}: {_show(str(error))})",
+            key=None,
+            source=path,
+        ) from None
     if document is None:  # empty, or only comments
         return {}
     if not isinstance(document, dict):
@@ -570,6 +664,49 @@ def _read_yaml(path: str, advice: str) -> Mapping[Any, Any]:
             allowed="a YAML mapping",
         )
     return document
+
+
+class _TooLarge(Exception):
+    """A YAML document over the node, alias or depth limit."""
+
+
+class _LimitedLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` with bounded nodes, aliases and nesting, checked while composing.
+
+    Aliases share one node, so a small file can describe a structure of billions
+    of nodes (the "billion laughs"); walking it (a message that shows the value)
+    is then exponential. Depth is bounded before Python's stack is.
+    """
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._nodes = 0
+        self._aliases = 0
+        self._depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
+        if self.check_event(yaml.AliasEvent):
+            self._aliases += 1
+            if self._aliases > _MAX_YAML_ALIASES:
+                raise _TooLarge(f"more than {_MAX_YAML_ALIASES} YAML aliases (*name)")
+        self._nodes += 1
+        if self._nodes > _MAX_YAML_NODES:
+            raise _TooLarge(f"more than {_MAX_YAML_NODES} YAML nodes")
+        self._depth += 1
+        try:
+            if self._depth > _MAX_YAML_DEPTH:
+                raise _TooLarge(f"nested more than {_MAX_YAML_DEPTH} levels deep")
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _position(error: yaml.MarkedYAMLError) -> str:
@@ -586,6 +723,13 @@ def _read_env(cls: type[_Section], environ: Mapping[str, str], prefix: str = "")
             continue
         variable = spec.meta.get("env")
         text = environ.get(variable, "") if variable else ""
+        if text and not isinstance(text, str):
+            raise ConfigError(
+                f"expected text, got {_show(text, typed=True)}",
+                key=key,
+                source=f"environment variable {variable}",
+                allowed=_expected(spec),
+            )
         if text:
             values[key] = _from_text(spec, text, key=key, source=f"environment variable {variable}")
     return values
@@ -597,7 +741,15 @@ def _from_text(spec: _Spec, text: str, *, key: str, source: str) -> Any:
     if spec.kind is bool and word.lower() in _TRUE_WORDS | _FALSE_WORDS:
         value = word.lower() in _TRUE_WORDS
     elif spec.kind is int and _DECIMAL.fullmatch(word):
-        value = int(word)
+        try:
+            value = int(word)
+        except ValueError:  # more digits than Python converts (sys.get_int_max_str_digits)
+            raise ConfigError(
+                f"expected {_TEXT_FORMS[spec.kind]}, got {len(word)} digits",
+                key=key,
+                source=source,
+                allowed=_expected(spec),
+            ) from None
     elif spec.kind is float:
         try:
             value = float(word)
@@ -605,7 +757,7 @@ def _from_text(spec: _Spec, text: str, *, key: str, source: str) -> Any:
             pass
     if spec.kind is not str and isinstance(value, str):
         raise ConfigError(
-            f"expected {_TEXT_FORMS[spec.kind]}, got {text!r}",
+            f"expected {_TEXT_FORMS[spec.kind]}, got {_show(text)}",
             key=key,
             source=source,
             allowed=_expected(spec),
@@ -710,6 +862,14 @@ def _check_value(spec: _Spec, value: Any, *, key: str, source: str) -> Any:
                 source=source,
                 allowed=_expected(spec) + or_none,
             )
+    if isinstance(checked, str) and ("\0" in checked or not _encodable(checked)):
+        raise ConfigError(
+            "expected text without NUL bytes that is valid UTF-8 (a value taken from bytes "
+            f"in another encoding?), got {_show(checked)}",
+            key=key,
+            source=source,
+            allowed=_expected(spec) + or_none,
+        )
     if not _within(spec.meta, checked):
         long_text = isinstance(value, str) and bool(value) and "choices" not in spec.meta
         shown = f"{len(str(value))} characters" if long_text else _show(value)
@@ -718,6 +878,15 @@ def _check_value(spec: _Spec, value: Any, *, key: str, source: str) -> Any:
             key=key,
             source=source,
             allowed=_expected(spec) + or_none,
+        )
+    pattern = spec.meta.get("pattern")
+    if isinstance(checked, str) and pattern is not None and not re.fullmatch(pattern, checked):
+        raise ConfigError(
+            "expected letters, digits, '.', '_' and '-' only, not starting with '.' (it names "
+            f"a directory), got {_show(checked)}",
+            key=key,
+            source=source,
+            allowed=f"text matching {pattern}" + or_none,
         )
     return checked
 
@@ -762,11 +931,25 @@ def _quote_hint(spec: _Spec, value: object) -> str:
 
 
 def _show(value: object, *, typed: bool = False) -> str:
-    """Render a bad value for a message: short, and safe for huge integers."""
+    """Render a bad value for a message: short, and safe for huge integers and deep nesting.
+
+    A container is shown two levels deep at most (reprlib): a shared, aliased or
+    deeply nested structure must cost a message nothing.
+    """
     if isinstance(value, int) and value.bit_length() > 64:
         text = f"<an integer of {value.bit_length()} bits>"
     else:
-        text = repr(value)
+        try:
+            text = _REPR.repr(value) if isinstance(value, _CONTAINERS) else repr(value)[:200]
+        except Exception:  # a huge integer inside a list, a hostile __repr__
+            text = f"<a {type(value).__name__}>"
         if len(text) > 60:
             text = text[:57] + "..."
     return f"{text} ({type(value).__name__})" if typed else text
+
+
+_CONTAINERS = (list, tuple, dict, set, frozenset, Mapping)
+_REPR = reprlib.Repr()
+_REPR.maxlevel = 2
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 4
+_REPR.maxstring = _REPR.maxother = 40

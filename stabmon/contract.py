@@ -15,6 +15,7 @@ from typing import Literal
 __all__ = [
     "ALERT_NAMES",
     "ANOMALY_KINDS",
+    "DAEMON_EXTENSION_METRICS",
     "DAEMON_METRICS",
     "EXTENSION_ALERT_NAMES",
     "EXTENSION_ANOMALY_KINDS",
@@ -458,6 +459,45 @@ DAEMON_LAST_POLL = MetricDef(
     ("poller",),
 )
 
+#: Daemon metrics beyond contract v1 (proposed in docs/contract-proposals.md): what the alert
+#: rules need to stay true through daemon restarts and to know each rank's own stall limit.
+PROCESS_STALL_LIMIT = MetricDef(
+    "stabmon_process_stall_limit_seconds",
+    "gauge",
+    "The stall limit that applies to that training process now (its current phase's), from its "
+    "registration record.",
+    ("rank", "run"),
+)
+PROCESS_EXIT_REASON = MetricDef(
+    "stabmon_process_exit_reason",
+    "gauge",
+    "1 for a monitored training process that is down, labelled with how it ended: exception "
+    "(an uncaught error), signal (terminated by a signal it recorded: SIGTERM, SIGINT), or "
+    "vanished (no exit record: SIGKILL, the OOM killer, a native crash).",
+    ("rank", "run", "pid", "reason"),
+)
+GPU_XID_LAST_EVENT = MetricDef(
+    "stabmon_gpu_xid_last_event_timestamp_seconds",
+    "gauge",
+    "Unix time of the last XID event of that xid on that GPU (kept across daemon restarts).",
+    (*_GPU, "xid"),
+)
+HOST_MEMORY_TOTAL = MetricDef(
+    "stabmon_host_memory_total_bytes",
+    "gauge",
+    "Physical memory of the node the daemon runs on (what training processes and their workers "
+    "share).",
+)
+#: Values of ``stabmon_process_exit_reason{reason}``.
+EXIT_REASONS: tuple[str, ...] = ("exception", "signal", "vanished")
+
+DAEMON_EXTENSION_METRICS: tuple[MetricDef, ...] = (
+    PROCESS_STALL_LIMIT,
+    PROCESS_EXIT_REASON,
+    GPU_XID_LAST_EVENT,
+    HOST_MEMORY_TOTAL,
+)
+
 # --- alerts (deploy/prometheus/rules) ---------------------------------------------------------
 
 #: Every alert the shipped rules define; each carries `severity`, `summary`, `description`
@@ -476,6 +516,18 @@ ALERT_NAMES: tuple[str, ...] = (
     "StabmonStragglerRank",
 )
 SEVERITIES: tuple[str, ...] = ("critical", "warning", "info")
-#: Alerts beyond contract v1 (proposed in docs/metrics-contract-proposals.md), held to the same
-#: rules: severity, summary, description, runbook_url, a firing and a quiet promtool case each.
-EXTENSION_ALERT_NAMES: tuple[str, ...] = ("StabmonTrainingSlowdown",)
+#: Alerts beyond contract v1 (proposed in docs/contract-proposals.md and, for the throughput
+#: alert, docs/metrics-contract-proposals.md), held to the same rules: severity, summary,
+#: description, runbook_url, a firing and a quiet promtool case each.
+EXTENSION_ALERT_NAMES: tuple[str, ...] = (
+    "StabmonDaemonDown",
+    "StabmonDaemonNvmlDown",
+    "StabmonTrainingProcessTerminated",
+    "StabmonNonFiniteLoss",
+    "StabmonGradientSpike",
+    "StabmonDeadGradients",
+    "StabmonAmpLossScaleCollapse",
+    "StabmonMemoryExhaustionForecast",
+    "StabmonMemoryExhaustionImminent",
+    "StabmonTrainingSlowdown",
+)

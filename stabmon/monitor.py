@@ -51,6 +51,7 @@ from stabmon.contract import INTERNAL_COMPONENTS, PHASES
 from stabmon.detectors.dead import DeadGradients
 from stabmon.detectors.stall import STARTUP_PHASE, Heartbeat, StallWatchdog
 from stabmon.errors import DeviceMismatchError, StabmonError
+from stabmon.exit_signals import SigtermRecorder
 from stabmon.export.collector import ReadingsCollector
 from stabmon.export.event_log import EventLog
 from stabmon.export.exporter import Exporter, Security, candidate_ports
@@ -178,6 +179,8 @@ class _Resources:
     events: EventLog | None = None
     registration: Registration | None = None
     at_exit: Callable[[], None] | None = None
+    #: Writes "signal"/SIGTERM into the record when SIGTERM ends the process (None: not ours).
+    sigterm: SigtermRecorder | None = None
     #: At interpreter exit, judge the results still waiting: the last steps before a crash
     #: are the ones that explain it.
     judge_at_exit: Callable[[], None] | None = None
@@ -186,6 +189,9 @@ class _Resources:
         for hook in (self.at_exit, self.judge_at_exit):
             if hook is not None:
                 atexit.unregister(hook)
+        if self.sigterm is not None:
+            self.sigterm.uninstall()
+            self.sigterm = None
         if self.hooks is not None:
             self.hooks.remove()
         for thread in self.threads:
@@ -338,6 +344,7 @@ class Monitor:
                 exporter = Exporter(
                     registry, address=cfg.address, ports=ports, limiter=self._limiter,
                     security=Security.from_config(cfg), guard=self._guard,
+                    cache_seconds=cfg.scrape_cache_seconds,
                 )  # fmt: skip
                 if exporter.start():
                     self._resources.exporter = exporter
@@ -385,12 +392,15 @@ class Monitor:
         registration = self._resources.registration
         if registration is not None:
             readings, recorder = self._readings, self._recorder
+            heartbeat_state = self._heartbeat
 
             def heartbeat() -> None:  # captures no Monitor: a dropped Monitor can be collected
                 registration.write(
                     last_step_unix=readings.last_step_unix,
                     steps=recorder.global_step,
                     now=time.time(),
+                    phase=heartbeat_state.phase,
+                    stall_limit_seconds=watchdog.limit_seconds(),
                 )
 
             self._resources.threads.append(
@@ -503,14 +513,35 @@ class Monitor:
                     boot_id=boot_id(),
                     pid_namespace=pid_namespace(),
                 ),
+                # A weak reference: the record outlives a Monitor dropped without detach.
+                on_duplicate=functools.partial(_report_duplicate, weakref.ref(self)),
             )
             self._resources.registration = registration
             ExitWatch.install()
             self._resources.at_exit = functools.partial(_record_exit, weakref.ref(registration))
             atexit.register(self._resources.at_exit)
+            self._resources.sigterm = SigtermRecorder.install(
+                functools.partial(_record_sigterm, weakref.ref(registration))
+            )
             registration.write(
                 last_step_unix=None, steps=self._recorder.global_step, now=time.time()
             )
+
+    def _report_duplicate(self, other: ProcessRecord) -> None:
+        """Another live process already registered this run id and rank: say so, count it."""
+        self._guard.count("rundir")
+        self._limiter.once(
+            "rundir:duplicate",
+            logging.WARNING,
+            "stabmon: process %d already registered run %r rank %d in %s; this process (%d) "
+            "takes its record over and both append to one event log. Give each run its own "
+            "run_id (or STABMON_RUN_ID), or each process its own RANK",
+            other.pid,
+            self.run_id,
+            self.rank,
+            self._paths.record,
+            os.getpid(),
+        )
 
     # --- public API ---------------------------------------------------------------------------
 
@@ -1030,14 +1061,27 @@ def _judge_at_exit(monitor: weakref.ref[Monitor]) -> None:
     target._judge_last(wait_seconds=0.5)
 
 
+def _report_duplicate(monitor: weakref.ref[Monitor], other: ProcessRecord) -> None:
+    alive = monitor()
+    if alive is not None:
+        alive._report_duplicate(other)
+
+
 def _record_exit(registration: weakref.ref[Registration]) -> None:
     """atexit: mark the record "clean" or "exception" so the daemon can tell a crash from an end."""
     target = registration()
     if target is not None:
         try:
-            target.exited(ExitWatch.status(), time.time())
+            target.exited(ExitWatch.status(), time.time(), signal_name=ExitWatch.signal_name())
         except OSError:
             pass  # the daemon then sees a process that vanished: reported as down
+
+
+def _record_sigterm(registration: weakref.ref[Registration]) -> None:
+    """SIGTERM is ending the process: say so in the record, so no one is paged for a crash."""
+    target = registration()
+    if target is not None:
+        target.exited("signal", time.time(), signal_name="SIGTERM")
 
 
 def _build_throughput(

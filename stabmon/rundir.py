@@ -13,37 +13,47 @@ event log outlives a crashed machine. ``run_dir`` in the config (or
 A training process writes its record at attach, rewrites it from its sampler
 thread (the heartbeat: ``last_step_unix``) and removes it at detach. Records
 are written atomically (write, then rename) so a reader sees the old record or
-the new one, never half. Readers tolerate what a crash, a disk or a person can
+the new one, never half. Run subdirectories are created by the process that
+writes in them and refused when another user owns them (:mod:`stabmon.safefs`);
+nothing is opened through a symlink. Readers tolerate what a crash, a disk or a person can
 leave behind (partial, stale, malformed files, a vanished directory) and skip
 such files with a reason.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import re
-import stat
 import sys
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from stabmon.safefs import owned_directory, read_regular_with_owner
+
 __all__ = [
     "DEFAULT_RUN_DIR",
     "ExitWatch",
+    "MAX_RECORDS",
+    "OwnedRecord",
     "RECORD_VERSION",
+    "RUN_ID_PATTERN",
     "ProcessRecord",
     "RecordProblem",
     "Registration",
     "RunPaths",
     "boot_id",
     "pid_namespace",
+    "prepare_run_directory",
+    "read_owned_records",
     "read_records",
+    "run_directory_name",
     "safe_component",
     "write_atomic",
 ]
@@ -52,14 +62,35 @@ DEFAULT_RUN_DIR = Path("/var/tmp/stabmon")
 RECORD_VERSION = 1
 #: Records larger than this are not records (a person's file, a corrupted disk).
 MAX_RECORD_BYTES = 64 * 1024
+#: Records read from one run-directory root at most: the rest are problems, not records
+#: (every user of the node can write there; the daemon's memory and series stay bounded).
+MAX_RECORDS = 512
 
+#: The run ids used as directory names as they are: letters, digits, ``.``, ``_`` and ``-``,
+#: 1 to 128 characters, not starting with a dot (so never ``.`` or ``..``).
+RUN_ID_PATTERN = r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}"
+_SAFE_RUN_ID = re.compile(RUN_ID_PATTERN)
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+_UUID = re.compile(r"[A-Za-z0-9/_.:-]{1,128}")
 
 
 def safe_component(value: str) -> str:
     """``value`` made safe as one path component (run ids come from users)."""
     cleaned = _UNSAFE.sub("_", value)[:128].lstrip(".")
     return cleaned or "run"
+
+
+def run_directory_name(run_id: str) -> str:
+    """The directory name of run ``run_id``: itself when it is in :data:`RUN_ID_PATTERN`.
+
+    Any other id (one from a launcher's environment: ``a/b``, ``..``) is cleaned
+    and given a hash of the original after a ``~``, a character no safe id has,
+    so two different ids never share a directory (``a/b`` and ``a_b`` differ).
+    """
+    if _SAFE_RUN_ID.fullmatch(run_id):
+        return run_id
+    digest = hashlib.sha256(run_id.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+    return f"{safe_component(run_id)[:100]}~{digest}"
 
 
 @dataclass(frozen=True)
@@ -72,7 +103,7 @@ class RunPaths:
 
     @property
     def run_directory(self) -> Path:
-        return self.root / safe_component(self.run_id)
+        return self.root / run_directory_name(self.run_id)
 
     @property
     def events(self) -> Path:
@@ -111,9 +142,17 @@ class ProcessRecord:
     #: The PID namespace ``pid`` belongs to (``pid:[4026532178]``): in a container it is not
     #: the daemon's, which maps ``pid`` to its own view (:mod:`stabmon.daemon.pidns`).
     pid_namespace: str = ""
-    #: Set at interpreter exit: when, and "clean" or "exception" (an uncaught error).
+    #: Set at interpreter exit: when, and "clean", "exception" (an uncaught error) or
+    #: "signal" (ended by the signal in ``exit_signal``, such as SIGINT).
     exited_unix: float | None = None
     exit_status: str | None = None
+    #: The loop phase at the last heartbeat (``forward``, ``eval``, ``startup``...).
+    phase: str | None = None
+    #: The stall limit that applied at the last heartbeat (the phase's): the daemon judges a
+    #: frozen process, whose watchdog cannot run, against it.
+    stall_limit_seconds: float | None = None
+    #: With ``exit_status == "signal"``: the signal's name (``SIGINT``, ``SIGTERM``).
+    exit_signal: str | None = None
     version: int = field(default=RECORD_VERSION)
 
     def to_json(self) -> bytes:
@@ -147,7 +186,19 @@ class ProcessRecord:
             pid_namespace=_text(data, "pid_namespace", default=""),
             exited_unix=_optional_number(data, "exited_unix"),
             exit_status=_optional_text(data, "exit_status"),
+            phase=_optional_text(data, "phase"),
+            stall_limit_seconds=_optional_number(data, "stall_limit_seconds"),
+            exit_signal=_optional_text(data, "exit_signal"),
         )
+
+
+@dataclass(frozen=True)
+class OwnedRecord:
+    """A record as read from disk, with who wrote it: the uid that owns its file."""
+
+    record: ProcessRecord
+    path: Path
+    owner_uid: int
 
 
 @dataclass(frozen=True)
@@ -179,16 +230,40 @@ def write_atomic(path: Path, data: bytes) -> None:
 
     rename(2) is atomic within a filesystem, so the file is written under a
     temporary name (unique per process and thread) beside it and renamed over
-    the target; the temporary file is removed if anything fails.
+    the target; the temporary file is removed if anything fails. The temporary
+    file is created exclusively and never through a symlink (``O_EXCL``), so a
+    name planted in advance by someone else fails rather than being written.
     """
     temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        with open(temporary, "wb") as handle:
+        fd = os.open(temporary, flags, 0o644)
+        with open(fd, "wb") as handle:
             handle.write(data)
         os.replace(temporary, path)
+    except FileExistsError:
+        raise  # not ours to remove: someone else's file of that name
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
+
+
+def prepare_run_directory(run_directory: Path) -> None:
+    """Create the run's directory (and the shared root above it) and check that it is ours.
+
+    The root is created world-writable and sticky (like ``/tmp``), so every user
+    of a shared node can register under it; the run's own directory must be a
+    real directory owned by this process's user, else :class:`UnsafePathError`
+    (another user who pre-created it could read, replace or plant its files).
+    """
+    root = run_directory.parent
+    if not root.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        try:
+            os.chmod(root, 0o1777)  # shared by every user of the node, like /tmp
+        except OSError:
+            pass  # someone else created it first, or may not change it: theirs to set
+    owned_directory(run_directory)
 
 
 def read_records(root: Path) -> tuple[list[ProcessRecord], list[RecordProblem]]:
@@ -197,43 +272,47 @@ def read_records(root: Path) -> tuple[list[ProcessRecord], list[RecordProblem]]:
     Never raises for what is on disk: a missing root is no records; an
     unreadable, oversized, partial or malformed file is a problem, not an error.
     """
-    records: list[ProcessRecord] = []
+    owned, problems = read_owned_records(root)
+    return [entry.record for entry in owned], problems
+
+
+def read_owned_records(root: Path) -> tuple[list[OwnedRecord], list[RecordProblem]]:
+    """:func:`read_records`, each record with its file's path and owner uid.
+
+    At most :data:`MAX_RECORDS` records are read; run directories that are
+    symlinks are not entered, and record files are opened without following
+    symlinks or blocking (a FIFO or ``/dev/zero`` under a record's name is a
+    problem, never a hang).
+    """
+    records: list[OwnedRecord] = []
     problems: list[RecordProblem] = []
     for path in _record_paths(root):
+        if len(records) >= MAX_RECORDS:
+            problems.append(RecordProblem(path, f"more than {MAX_RECORDS} records; not read"))
+            break
         try:
-            data = json.loads(_read_regular_file(path, MAX_RECORD_BYTES))
+            raw, owner = read_regular_with_owner(path, MAX_RECORD_BYTES)
+            data = json.loads(raw)
             if not isinstance(data, dict):
                 raise ValueError("not a JSON object")
-            records.append(ProcessRecord.from_mapping(data))
+            records.append(OwnedRecord(ProcessRecord.from_mapping(data), path, owner))
         except FileNotFoundError:
             continue  # removed at detach between listing and reading: not a problem
-        except (OSError, ValueError, UnicodeDecodeError) as error:
-            problems.append(RecordProblem(path, f"{type(error).__name__}: {error}"))
+        except (OSError, ValueError, RecursionError) as error:
+            problems.append(RecordProblem(path, f"{type(error).__name__}: {_short(error)}"))
     return records, problems
 
 
-def _read_regular_file(path: Path, limit: int) -> bytes:
-    """At most ``limit`` bytes of a regular file; anything else is refused, never waited on.
-
-    Anyone who can write the run directory can leave a FIFO (``read`` would
-    block the daemon forever) or a symlink to ``/dev/zero`` (its size says 0 but
-    it never ends) under a record's name.
-    """
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError("not a regular file")
-        data = os.read(fd, limit + 1)
-    finally:
-        os.close(fd)
-    if len(data) > limit:
-        raise ValueError(f"larger than {limit} bytes")
-    return data
+def _short(error: BaseException) -> str:
+    """An error's message cut to a line: a hostile file must not fill the log."""
+    text = str(error)
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def _record_paths(root: Path) -> Iterator[Path]:
     try:
-        runs = [entry for entry in root.iterdir() if entry.is_dir()]
+        # Not entry.is_dir(), which follows a symlink to a directory anywhere on the node.
+        runs = [entry for entry in root.iterdir() if entry.is_dir() and not entry.is_symlink()]
     except OSError:
         return
     for run in sorted(runs):
@@ -263,9 +342,19 @@ def _optional_number(data: Mapping[str, Any], key: str) -> float | None:
 
 def _text(data: Mapping[str, Any], key: str, *, default: str | None = None) -> str:
     value = data.get(key, default)
-    if not isinstance(value, str) or len(value) > 256:
-        raise ValueError(f"{key} must be a string of at most 256 characters, got {value!r}")
+    if not isinstance(value, str) or len(value) > 256 or not _printable_utf8(value):
+        shown = repr(value)[:80]
+        raise ValueError(f"{key} must be printable UTF-8 of at most 256 characters, got {shown}")
     return value
+
+
+def _printable_utf8(value: str) -> bool:
+    """Encodable as UTF-8 (no lone surrogate, which breaks every exposition) and no controls."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return not any(ord(character) < 32 or ord(character) == 127 for character in value)
 
 
 def _optional_text(data: Mapping[str, Any], key: str) -> str | None:
@@ -274,11 +363,11 @@ def _optional_text(data: Mapping[str, Any], key: str) -> str | None:
 
 def _uuid_list(value: object) -> list[str]:
     if not isinstance(value, list) or len(value) > 64:
-        raise ValueError(f"gpu_uuids must be a list of at most 64 strings, got {value!r}")
+        raise ValueError(f"gpu_uuids must be a list of at most 64 strings, got {value!r:.80}")
     uuids = []
     for item in value:
-        if not isinstance(item, str) or len(item) > 128:
-            raise ValueError(f"gpu_uuids holds {item!r}, not a UUID string")
+        if not isinstance(item, str) or len(item) > 128 or not _UUID.fullmatch(item):
+            raise ValueError(f"gpu_uuids holds {item!r:.80}, not a UUID string")
         uuids.append(item)
     return uuids
 
@@ -293,32 +382,66 @@ class Registration:
     every user of a shared node can register under it.
     """
 
-    def __init__(self, root: Path, path: Path, record: ProcessRecord) -> None:
+    def __init__(
+        self,
+        root: Path,
+        path: Path,
+        record: ProcessRecord,
+        *,
+        on_duplicate: Callable[[ProcessRecord], None] | None = None,
+    ) -> None:
         self.root = root
         self.path = path
         self._record = record
         self._lock = threading.Lock()
         self._closed = False
+        #: Told, before the first write, about a live process that already holds this
+        #: run id and rank (two processes would overwrite one record and share one log).
+        self._on_duplicate = on_duplicate
+        self._checked_duplicate = False
 
-    def write(self, *, last_step_unix: float | None, steps: int, now: float) -> None:
-        """Write the record with the latest heartbeat (creating the directories if needed)."""
+    def write(
+        self,
+        *,
+        last_step_unix: float | None,
+        steps: int,
+        now: float,
+        phase: str | None = None,
+        stall_limit_seconds: float | None = None,
+    ) -> None:
+        """Write the record with the latest heartbeat (creating the directories if needed).
+
+        ``phase`` and ``stall_limit_seconds`` (the watchdog's current limit) let the daemon
+        judge a process too frozen to run its own watchdog; None keeps the last ones written.
+        """
         with self._lock:
             if self._closed:
                 return
             self._record = replace(
-                self._record, last_step_unix=last_step_unix, steps=steps, updated_unix=now
+                self._record,
+                last_step_unix=last_step_unix,
+                steps=steps,
+                updated_unix=now,
+                phase=phase if phase is not None else self._record.phase,
+                stall_limit_seconds=(
+                    stall_limit_seconds
+                    if stall_limit_seconds is not None
+                    else self._record.stall_limit_seconds
+                ),
             )
             self._write()
 
-    def exited(self, status: str, now: float) -> None:
-        """Record how the process ended ("clean" or "exception"); the last write.
+    def exited(self, status: str, now: float, *, signal_name: str | None = None) -> None:
+        """Record how the process ended ("clean", "exception" or "signal"); the last write.
 
         Only in the process the record describes: a forked child that exits is not the run.
         """
         with self._lock:
             if self._closed or self._record.pid != os.getpid():
                 return
-            self._record = replace(self._record, exited_unix=now, exit_status=status)
+            self._record = replace(
+                self._record, exited_unix=now, exit_status=status, exit_signal=signal_name
+            )
             self._write()
             self._closed = True
 
@@ -331,14 +454,33 @@ class Registration:
                 self.path.unlink(missing_ok=True)
 
     def _write(self) -> None:
-        if not self.root.exists():
-            self.root.mkdir(parents=True, exist_ok=True)
-            try:
-                os.chmod(self.root, 0o1777)  # shared by every user of the node, like /tmp
-            except OSError:
-                pass  # someone else created it first, or may not change it: theirs to set
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        prepare_run_directory(self.path.parent)
+        if not self._checked_duplicate:
+            self._checked_duplicate = True
+            other = _live_holder(self.path, self._record)
+            if other is not None and self._on_duplicate is not None:
+                self._on_duplicate(other)
         write_atomic(self.path, self._record.to_json())
+
+
+def _live_holder(path: Path, mine: ProcessRecord) -> ProcessRecord | None:
+    """The record at ``path`` when it names another process that is still running."""
+    try:
+        data = json.loads(read_regular_with_owner(path, MAX_RECORD_BYTES)[0])
+        other = ProcessRecord.from_mapping(data) if isinstance(data, dict) else None
+    except (OSError, ValueError, RecursionError):
+        return None
+    if other is None or other.pid == mine.pid or other.exited_unix is not None:
+        return None
+    if other.boot_id and mine.boot_id and other.boot_id != mine.boot_id:
+        return None
+    try:
+        os.kill(other.pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass  # another user's live process
+    return other
 
 
 class ExitWatch:
@@ -351,6 +493,7 @@ class ExitWatch:
 
     _installed = False
     _uncaught = False
+    _interrupted = False
 
     @classmethod
     def install(cls) -> None:
@@ -363,10 +506,20 @@ class ExitWatch:
             kind: type[BaseException], error: BaseException, trace: TracebackType | None
         ) -> None:
             cls._uncaught = True  # sys.exit() never gets here; Ctrl-C does, and is no clean end
+            # SIGINT's default handler raises KeyboardInterrupt: a person or a scheduler
+            # stopped the run, which is not a crash.
+            cls._interrupted = issubclass(kind, KeyboardInterrupt)
             previous(kind, error, trace)
 
         sys.excepthook = note_uncaught
 
     @classmethod
     def status(cls) -> str:
+        if cls._interrupted:
+            return "signal"
         return "exception" if cls._uncaught else "clean"
+
+    @classmethod
+    def signal_name(cls) -> str | None:
+        """The signal that ended the process, where it was seen (SIGINT); else None."""
+        return "SIGINT" if cls._interrupted else None

@@ -48,8 +48,9 @@ def attach(tmp_path: Path) -> Iterator[MonitorFactory]:
     def factory(
         model: torch.nn.Module, optimizer: torch.optim.Optimizer, **overrides: Any
     ) -> stabmon.Monitor:
+        # No scrape cache: tests scrape right after a step and expect to see it.
         settings: dict[str, Any] = {"port": 0, "address": "127.0.0.1", "run_dir": str(tmp_path),
-                                    "run_id": "test-run"}  # fmt: skip
+                                    "run_id": "test-run", "scrape_cache_seconds": 0}  # fmt: skip
         settings.update(overrides)
         monitor = stabmon.attach(model, optimizer, **settings)
         monitors.append(monitor)

@@ -32,12 +32,15 @@ from prometheus_client.registry import Collector
 from stabmon import contract
 from stabmon.background import PeriodicThread
 from stabmon.config import Config
-from stabmon.daemon import discovery
+from stabmon.daemon import discovery, health
 from stabmon.daemon.gpu import GpuCollector, GpuPoller
+from stabmon.daemon.liveness import HostMemoryCollector, LivenessCollector
 from stabmon.daemon.nvml import NvmlReader, PynvmlReader
 from stabmon.daemon.placement import PlacementCollector
 from stabmon.daemon.processes import ProcessCollector, ProcessTable
 from stabmon.daemon.xid_events import XidWatcher
+from stabmon.daemon.xid_state import XidState, XidStateCollector, state_path
+from stabmon.export.contained import ContainedCollector
 from stabmon.export.exporter import Exporter, Security
 from stabmon.guard import Guard
 from stabmon.log import LOGGER, LogLimiter
@@ -45,7 +48,7 @@ from stabmon.rundir import DEFAULT_RUN_DIR
 
 __all__ = ["DaemonApp"]
 
-_COMPONENTS = ("nvml", "processes", "placement", "xid")
+_COMPONENTS = ("nvml", "processes", "placement", "xid", "exporter")
 #: How long stop() may take in all: every thread is signalled first, then joined against it.
 STOP_SECONDS = 1.0
 
@@ -68,17 +71,28 @@ class DaemonApp:
         self._gpus = GpuPoller(self._reader, limiter=self._limiter)
         self._processes = ProcessTable(self.run_dir, limiter=self._limiter)
         self._placement = PlacementCollector(limiter=self._limiter)
+        self._xid_state = XidState(state_path(self.run_dir), limiter=self._limiter)
         self._xid = XidWatcher(
             self._reader,
             lambda: self._gpus.snapshot().identities,
             guard=self._guard,
             limiter=self._limiter,
+            state=self._xid_state,
         )
         self._health = _HealthCollector(self._guard, self._gpus)
         self.registry = registry if registry is not None else CollectorRegistry()
-        self.registry.register(GpuCollector(self._gpus, self._xid.counts))
-        self.registry.register(ProcessCollector(self._processes))
-        self.registry.register(self._placement)
+        # Each contained: one that fails is counted and logged once, the others still serve.
+        for collector in (
+            GpuCollector(self._gpus, self._xid.counts),
+            ProcessCollector(self._processes),
+            self._placement,
+            LivenessCollector(self._processes),
+            HostMemoryCollector(),
+            XidStateCollector(self._xid_state),
+        ):
+            self.registry.register(
+                ContainedCollector(collector, guard=self._guard, component="exporter")
+            )
         self.registry.register(self._health)
         OwnProcessCollector(registry=self.registry)  # the daemon's own CPU and memory
         self._exporter: Exporter | None = None
@@ -144,6 +158,9 @@ class DaemonApp:
             limiter=self._limiter,
             routes={discovery.PATH: self._targets},
             security=Security.from_config(self.config),
+            guard=self._guard,
+            cache_seconds=self.config.scrape_cache_seconds,
+            public_routes={health.PATH: health.healthz},
         )
         if not self._exporter.start():
             self._gpus.close()

@@ -13,6 +13,13 @@ Targets are addressed with the host name Prometheus used to reach the daemon
 (the request's ``Host`` header): training processes run on the daemon's node,
 so that name reaches them too, from the host itself (``localhost``), from a
 container (``host.docker.internal``) or from another machine (the node's name).
+Without a usable ``Host`` header, the node's own host name is used.
+
+A record is written by whoever can write the run directory, so nothing of its
+URL but the port is used, and only a port the daemon verified as a listening
+socket of the process's own user (:mod:`stabmon.daemon.trust`); the host and
+path never come from a record (Prometheus must not be sent to
+169.254.169.254 because a file said so).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import re
+import socket
 import urllib.parse
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -38,34 +46,33 @@ _MAX_HOST_HEADER = 300
 
 
 def target_groups(samples: Sequence[ProcessSample], host: str | None) -> list[dict[str, Any]]:
-    """One target group per live process with an exporter, in Prometheus' HTTP SD format.
+    """One target group per live process with a verified exporter port, in HTTP SD format.
 
-    ``host`` replaces the host of each process's own metrics URL (which names the
-    address it bound, often ``127.0.0.1``); ``None`` keeps it. The ``__meta_stabmon_*``
-    labels are there for relabelling; they are dropped before ingestion, and the
-    series already carry ``run`` and ``rank`` themselves.
+    ``host`` is where Prometheus reaches this node; ``None`` means the node's
+    own host name. The ``__meta_stabmon_*`` labels are there for relabelling;
+    they are dropped before ingestion, and the series carry ``run`` and ``rank``.
     """
+    target_host = host or _node_host()
+    if ":" in target_host:
+        target_host = f"[{target_host}]"
     groups: list[dict[str, Any]] = []
     for sample in sorted(samples, key=lambda s: (s.record.run, s.record.rank)):
         record = sample.record
-        if not sample.alive or not record.metrics_url:
+        if not sample.alive or sample.target_port is None:
             continue
-        url = urllib.parse.urlsplit(record.metrics_url)
-        if url.port is None:
-            continue
-        target_host = host or url.hostname or "localhost"
-        if ":" in target_host:
-            target_host = f"[{target_host}]"
         labels = {
             "__meta_stabmon_run": record.run,
             "__meta_stabmon_rank": str(record.rank),
             "__meta_stabmon_local_rank": str(record.local_rank),
             "__meta_stabmon_pid": str(record.pid),
         }
-        if url.path and url.path != "/metrics":
-            labels["__metrics_path__"] = url.path
-        groups.append({"targets": [f"{target_host}:{url.port}"], "labels": labels})
+        groups.append({"targets": [f"{target_host}:{sample.target_port}"], "labels": labels})
     return groups
+
+
+def _node_host() -> str:
+    name = socket.gethostname().lower()
+    return name if _HOSTNAME.fullmatch(name) else "localhost"
 
 
 def targets_response(

@@ -50,9 +50,10 @@ from stabmon.contract import (
     PROCESS_UP,
     MetricDef,
 )
+from stabmon.daemon import trust
 from stabmon.daemon.pidns import Ambiguous, HostPids
 from stabmon.log import LogLimiter
-from stabmon.rundir import ProcessRecord, RunPaths, read_records
+from stabmon.rundir import OwnedRecord, ProcessRecord, RunPaths, read_owned_records
 
 __all__ = ["ProcessCollector", "ProcessSample", "ProcessTable"]
 
@@ -62,6 +63,12 @@ _CREATE_TIME_TOLERANCE_SECONDS = 0.5
 _CHILD_MEMORY_SECONDS = 300.0
 #: ``exit_status`` of a run that ended normally; any other status is a failure.
 _CLEAN_EXIT = "clean"
+
+#: Children (DataLoader workers) sampled per process at most: a record that names a process
+#: with thousands of descendants (pid 1) must not stretch the poll for everyone else.
+MAX_CHILDREN = 256
+#: Seconds one record's children may take to sample; the rest wait for the next poll.
+RECORD_BUDGET_SECONDS = 0.25
 
 _RecordKey = tuple[str, int, int, float]  # run, rank, pid, create_time
 _ChildKey = tuple[int, float]  # pid, create_time
@@ -88,6 +95,9 @@ class ProcessSample:
     heartbeat_age_seconds: float | None
     #: Pids of the process's children (recursive) seen in this poll: its DataLoader workers.
     worker_pids: tuple[int, ...] = ()
+    #: The record's exporter port, verified as listening in the process's network namespace
+    #: and owned by its uid (:mod:`stabmon.daemon.trust`); None when not verified.
+    target_port: int | None = None
 
 
 class _WorkerLedger:
@@ -132,10 +142,16 @@ class ProcessTable:
         clock: Callable[[], float] = time.time,
         forget_after_seconds: float = 3600.0,
         boot_id: Callable[[], str] = rundir.boot_id,
+        budget_clock: Callable[[], float] = time.monotonic,
+        proc: Path = Path("/proc"),
     ) -> None:
         self._run_dir = run_dir
         self._limiter = limiter
         self._clock = clock
+        self._budget_clock = budget_clock
+        self._proc = proc
+        #: Record path -> (the time it said it was written, when that was seen on our clock).
+        self._seen: dict[Path, tuple[float, float]] = {}
         self._forget_after = forget_after_seconds
         self._boot_id = boot_id
         self._samples: tuple[ProcessSample, ...] = ()
@@ -150,7 +166,7 @@ class ProcessTable:
             self._ledgers.clear()
             self._samples = ()
             return []
-        records, problems = read_records(self._run_dir)
+        owned, problems = read_owned_records(self._run_dir)
         for problem in problems:
             self._limiter.once(
                 f"record:{problem.path}:{problem.reason}",
@@ -160,22 +176,30 @@ class ProcessTable:
                 problem.reason,
             )
         boot = self._boot_id()
-        self._host_pids.new_poll(records)
+        self._host_pids.new_poll([entry.record for entry in owned])
         chosen: dict[tuple[str, int], ProcessSample] = {}
         followed: set[_RecordKey] = set()
-        for record in records:
+        seen: dict[Path, tuple[float, float]] = {}
+        for entry in owned:
+            record = entry.record
             if not self._is_this_nodes(record, boot):
                 continue
             if record.exit_status == _CLEAN_EXIT:
                 continue  # finished normally without detach: nothing is down
             key = _record_key(record)
-            sample = self._sample(record, key, now)
+            sample = self._sample(entry, key, now)
             if sample is None:
-                continue  # cannot tell which process it is: neither up nor down
+                continue  # cannot tell which process it is, or may not believe it
+            written = _last_written(record)
+            previous = self._seen.get(entry.path)
+            if previous is not None and previous[0] == written:
+                seen[entry.path] = previous
+            else:  # new or rewritten: a time in the future is not believed, our clock is
+                seen[entry.path] = (written, min(written, now))
             if sample.alive:
                 followed.add(key)
-            elif now - _last_written(record) > self._forget_after:
-                continue  # long dead: dropped, so series do not pile up
+            elif now - seen[entry.path][1] > self._forget_after:
+                continue  # long dead by our own clock: dropped, so series do not pile up
             identity = (record.run, record.rank)
             if identity in chosen:
                 self._limiter.once(
@@ -188,6 +212,7 @@ class ProcessTable:
                 )
                 sample = _preferred(chosen[identity], sample)
             chosen[identity] = sample
+        self._seen = seen
         for key in [key for key in self._ledgers if key not in followed]:
             del self._ledgers[key]  # dead or deregistered: its workers are no longer counted
         self._samples = tuple(chosen.values())
@@ -230,7 +255,8 @@ class ProcessTable:
         )
         return False
 
-    def _sample(self, record: ProcessRecord, key: _RecordKey, now: float) -> ProcessSample | None:
+    def _sample(self, entry: OwnedRecord, key: _RecordKey, now: float) -> ProcessSample | None:
+        record = entry.record
         age = _heartbeat_age(record, now)
         if record.exit_status is not None:
             return _not_alive(record, age, reused=False)  # it said it is exiting: down now
@@ -246,8 +272,19 @@ class ProcessTable:
             with process.oneshot():
                 if abs(process.create_time() - record.create_time) > _CREATE_TIME_TOLERANCE_SECONDS:
                     return _not_alive(record, age, reused=True)
+                uid = process.uids().real
+                if not trust.owner_may_speak_for(entry.owner_uid, uid, record.pid):
+                    self._refuse(entry, uid)
+                    return None
                 if process.status() == psutil.STATUS_ZOMBIE:
                     return _not_alive(record, age, reused=False)
+        except psutil.NoSuchProcess:  # includes ZombieProcess
+            return _not_alive(record, age, reused=False)
+        except (psutil.Error, OSError) as error:
+            self._unreadable(record, error)
+            return None  # who runs it cannot be read: neither believed up nor down
+        try:
+            with process.oneshot():
                 times = process.cpu_times()
                 main_memory = self._memory_bytes(process, record, worker=False)
             ledger = self._ledgers.setdefault(key, _WorkerLedger())
@@ -255,19 +292,8 @@ class ProcessTable:
         except psutil.NoSuchProcess:  # includes ZombieProcess
             return _not_alive(record, age, reused=False)
         except (psutil.Error, OSError) as error:
-            self._limiter.once(
-                f"unreadable:{record.pid}:{type(error).__name__}",
-                logging.WARNING,
-                "stabmon daemon: cannot read process %d (rank %d of run %s): %s: %s; "
-                "reporting only whether it exists",
-                record.pid,
-                record.rank,
-                record.run,
-                type(error).__name__,
-                error,
-            )
-            exists = psutil.pid_exists(record.pid)
-            return ProcessSample(record, exists, False, None, None, None, None, age)
+            self._unreadable(record, error)
+            return ProcessSample(record, True, False, None, None, None, None, age)
         return ProcessSample(
             record=record,
             alive=True,
@@ -278,6 +304,32 @@ class ProcessTable:
             workers_memory_bytes=workers_memory,
             heartbeat_age_seconds=age,
             worker_pids=workers,
+            target_port=trust.verified_port(record.pid, uid, record.metrics_url, self._proc),
+        )
+
+    def _refuse(self, entry: OwnedRecord, uid: int) -> None:
+        self._limiter.once(
+            f"untrusted:{entry.path}",
+            logging.WARNING,
+            "stabmon daemon: ignoring %s: the file belongs to uid %d but process %d is run by "
+            "uid %d; a record is believed only from the process's own user",
+            entry.path,
+            entry.owner_uid,
+            entry.record.pid,
+            uid,
+        )
+
+    def _unreadable(self, record: ProcessRecord, error: BaseException) -> None:
+        self._limiter.once(
+            f"unreadable:{record.pid}:{type(error).__name__}",
+            logging.WARNING,
+            "stabmon daemon: cannot read process %d (rank %d of run %s): %s: %s; "
+            "reporting only whether it exists",
+            record.pid,
+            record.rank,
+            record.run,
+            type(error).__name__,
+            error,
         )
 
     def _sample_children(
@@ -286,7 +338,23 @@ class ProcessTable:
         """Add the children's CPU growth to ``ledger``; return their summed memory and pids."""
         memory = 0.0
         pids: list[int] = []
-        for child in process.children(recursive=True):
+        deadline = self._budget_clock() + RECORD_BUDGET_SECONDS
+        children = process.children(recursive=True)
+        if len(children) > MAX_CHILDREN or self._budget_clock() > deadline:
+            self._limiter.once(
+                f"children:{record.run}:{record.rank}",
+                logging.WARNING,
+                "stabmon daemon: process %d (rank %d of run %s) has %d descendants; sampling "
+                "the first %d, so one process cannot slow the poll of every other",
+                record.pid,
+                record.rank,
+                record.run,
+                len(children),
+                MAX_CHILDREN,
+            )
+        for child in children[:MAX_CHILDREN]:
+            if self._budget_clock() > deadline:
+                break  # out of this record's time: the rest are sampled next poll
             try:
                 with child.oneshot():
                     times = child.cpu_times()

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 from stabmon.daemon.nvml import GpuIdentity, NvmlError, NvmlReader
+from stabmon.daemon.xid_state import XidState
 from stabmon.guard import Guard
 from stabmon.log import LogLimiter
 
@@ -55,6 +57,8 @@ class XidWatcher:
         wait_ms: int = 500,
         retry_seconds: float = 10.0,
         nvml_up: Callable[[], bool] | None = None,
+        state: XidState | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self._reader = reader
         self._identities = identities
@@ -63,7 +67,10 @@ class XidWatcher:
         self._limiter = limiter
         self._wait_ms = wait_ms
         self._retry_seconds = retry_seconds
-        self._counts: dict[tuple[int, str, int], int] = {}
+        # Counts continue from the saved state, so a daemon restart is no counter reset.
+        self._state = state
+        self._clock = clock
+        self._counts: dict[tuple[int, str, int], int] = state.counts() if state else {}
         self._lock = threading.Lock()
         self._registered = False
         self._registrations = 0  # in log keys: each registration re-arms the failure messages
@@ -144,6 +151,8 @@ class XidWatcher:
         with self._lock:
             key = (index, uuid, xid)
             self._counts[key] = self._counts.get(key, 0) + 1
+        if self._state is not None:
+            self._state.record(index, uuid, xid, now=self._clock())
         self._limiter.limited(
             f"xid:{index}:{xid}",
             logging.ERROR,

@@ -2,9 +2,14 @@
 
 Each record is one ``os.write`` of a whole line to a file opened with
 ``O_APPEND``: a process killed at any moment leaves complete lines (at worst a
-last line cut short, which readers skip). Non-finite floats are written as the
-strings ``"nan"``, ``"inf"`` and ``"-inf"`` so every line is strict JSON. A
-full or read-only disk is contained: counted, logged once, training goes on.
+last line cut short, which readers skip). A write that fails part-way (a full
+disk) is cut back, or the next record starts a new line, so one lost record
+never corrupts the next (:func:`stabmon.safefs.append_all`). The file is opened
+without following symlinks, in a run subdirectory that must be ours: on a
+shared node another user may have pre-created either (:mod:`stabmon.safefs`).
+Non-finite floats are written as the strings ``"nan"``, ``"inf"`` and
+``"-inf"`` so every line is strict JSON. A full or read-only disk is contained:
+counted, logged once, training goes on.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from typing import Any
 
 from stabmon.guard import Guard
 from stabmon.readings import Readings
+from stabmon.rundir import prepare_run_directory
+from stabmon.safefs import append_all, open_append
 
 __all__ = ["EventLog", "StepSampler", "to_json_safe"]
 
@@ -41,8 +48,8 @@ class EventLog:
         # Re-entrant: a signal handler that writes (a checkpoint) may run while it is held.
         self._lock = threading.RLock()
         with guard.contain(_COMPONENT):
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            prepare_run_directory(path.parent)
+            self._fd = open_append(path)
         self._opened = self._fd is not None
 
     @property
@@ -59,7 +66,7 @@ class EventLog:
             line = (json.dumps(to_json_safe(record), separators=(",", ":")) + "\n").encode()
             with self._lock:
                 if self._fd is not None:
-                    os.write(self._fd, line)
+                    append_all(self._fd, line)
 
     def close(self) -> None:
         with self._lock:

@@ -5,6 +5,18 @@ then further candidates, and in the worst case the monitor runs on without an
 endpoint (the event log still records everything). ``stop`` shuts the server
 down and frees the port, so ``detach`` leaves nothing listening.
 
+Anyone who can reach the port can scrape it, so serving is bounded: at most
+``max_connections`` requests are served at once (the rest wait in the kernel's
+listen backlog, costing nothing), each slot is held at least
+``min_request_seconds`` (so at most 40 requests a second are served by default),
+each request ends within ``request_seconds`` from accept to last byte however
+slowly the client trickles, and the scrape body is
+built at most once per ``cache_seconds`` (a flood of scrapes costs training
+one body per interval, not one per request). Building it is contained family
+by family: a family that fails to collect or encode is left out, counted in
+``stabmon_internal_errors_total{component="exporter"}`` and logged once; the
+rest are served.
+
 TLS and HTTP basic auth are optional (:class:`Security`). Both fail closed: a
 certificate or credentials file that cannot be read means no endpoint at all
 (one log line), never a plain or unauthenticated one. The TLS handshake runs in
@@ -21,24 +33,40 @@ import logging
 import os
 import socket
 import ssl
+import stat
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.metrics_core import Metric
 
 from stabmon.config import Config
 from stabmon.guard import Guard
 from stabmon.log import LogLimiter
+from stabmon.safefs import read_regular
 
 __all__ = ["Exporter", "Route", "Security", "candidate_ports"]
 
 #: Credentials files are one line; anything larger is not one.
 _MAX_CREDENTIALS_BYTES = 4096
+#: A certificate chain or key is a few KB; this bounds a wrong path's read.
+_MAX_PEM_BYTES = 2**20
+#: Requests served at once; more wait in the listen backlog.
+MAX_CONNECTIONS = 4
+#: Every request ends this long after it was accepted, however slowly its client sends.
+REQUEST_SECONDS = 10.0
+#: The listen backlog (socketserver's default is 5).
+BACKLOG = 128
+#: A connection slot is held at least this long: at most MAX_CONNECTIONS / this many
+#: requests a second are served (40), however many clients flood the port. Prometheus
+#: scrapes every few seconds; a scrape that arrives in a flood waits its turn in the backlog.
+MIN_REQUEST_SECONDS = 0.1
 
 #: An extra path's handler: the WSGI environ in, (content type, body) out.
 Route = Callable[[Mapping[str, Any]], tuple[str, bytes]]
@@ -87,7 +115,7 @@ class Security:
         """
         for key in ("tls_certfile", "tls_keyfile", "basic_auth_file"):
             path = getattr(self, key)
-            if path is not None and not (Path(path).is_file() and os.access(path, os.R_OK)):
+            if path is not None and not (_is_regular(path) and os.access(path, os.R_OK)):
                 return f"{key} {path!r} is not a readable file"
         try:
             self.ssl_context()
@@ -105,6 +133,9 @@ class Security:
             if self.tls_keyfile is not None:
                 raise ValueError("tls_keyfile is set but tls_certfile is not")
             return None
+        for path in (self.tls_certfile, self.tls_keyfile):
+            if path is not None:
+                read_regular(path, _MAX_PEM_BYTES)  # never load_cert_chain on a FIFO: it blocks
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.minimum_version = ssl.TLSVersion.TLSv1_2
         context.load_cert_chain(self.tls_certfile, self.tls_keyfile)
@@ -114,10 +145,12 @@ class Security:
         """The ``Authorization`` header value every request must send, or None for no auth."""
         if self.basic_auth_file is None:
             return None
-        with Path(self.basic_auth_file).open("rb") as file:
-            text = file.read(_MAX_CREDENTIALS_BYTES + 1)
-        if len(text) > _MAX_CREDENTIALS_BYTES:
-            raise ValueError(f"{self.basic_auth_file}: longer than one username:password line")
+        try:  # a regular file only, never waited on (a FIFO would block attach() for ever)
+            text = read_regular(self.basic_auth_file, _MAX_CREDENTIALS_BYTES)
+        except ValueError:
+            raise ValueError(
+                f"{self.basic_auth_file}: longer than one username:password line"
+            ) from None
         line = text.decode("utf-8").splitlines()[0] if text.strip() else ""
         username, colon, password = line.partition(":")
         if not colon or not username or not password:
@@ -126,19 +159,73 @@ class Security:
 
 
 class _ThreadingServer(ThreadingMixIn, WSGIServer):
-    """One thread per request, so a slow scraper never holds up the next one."""
+    """One thread per request, at most ``max_connections`` at once, each with a deadline.
+
+    At the cap, ``get_request`` does not accept: the connection waits in the
+    kernel's backlog, so a flood costs no Python work. ``service_actions`` runs
+    every poll of the serving loop and shuts down the socket of any request
+    older than ``request_seconds``, which ends its blocked read.
+    """
 
     daemon_threads = True
+    request_queue_size = BACKLOG
     #: Set under TLS: a client's handshake runs in its own request thread.
     tls: ssl.SSLContext | None = None
+    request_seconds = REQUEST_SECONDS
+    min_request_seconds = MIN_REQUEST_SECONDS
+
+    def server_activate(self) -> None:
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._open: dict[socket.socket, float] = {}
+        self._open_lock = threading.Lock()
+        super().server_activate()
+
+    def limit(
+        self, max_connections: int, request_seconds: float, min_request_seconds: float
+    ) -> None:
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self.request_seconds = request_seconds
+        self.min_request_seconds = min_request_seconds
 
     def get_request(self) -> tuple[socket.socket, Any]:
-        connection, address = super().get_request()
-        if self.tls is not None:
-            connection = self.tls.wrap_socket(
-                connection, server_side=True, do_handshake_on_connect=False
-            )
+        if not self._slots.acquire(timeout=0.05):
+            raise OSError("every connection slot is busy")  # socketserver skips this round
+        try:
+            connection, address = super().get_request()
+            if self.tls is not None:
+                connection = self.tls.wrap_socket(
+                    connection, server_side=True, do_handshake_on_connect=False
+                )
+        except BaseException:
+            self._slots.release()
+            raise
+        with self._open_lock:
+            self._open[connection] = time.monotonic()
         return connection, address
+
+    def service_actions(self) -> None:
+        cutoff = time.monotonic() - self.request_seconds
+        with self._open_lock:
+            late = [connection for connection, start in self._open.items() if start < cutoff]
+        for connection in late:
+            try:
+                connection.shutdown(socket.SHUT_RDWR)  # the handler's read returns; it ends
+            except OSError:
+                pass
+
+    def shutdown_request(self, request: Any) -> None:
+        try:
+            super().shutdown_request(request)
+        finally:
+            with self._open_lock:
+                accepted = self._open.pop(request, None)
+            if accepted is not None:
+                # Pace: the slot frees no sooner than min_request_seconds after accept. This
+                # thread sleeps without the GIL; a flood then costs training a bounded rate.
+                rest = accepted + self.min_request_seconds - time.monotonic()
+                if rest > 0:
+                    time.sleep(rest)
+                self._slots.release()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         pass  # a failed handshake or a vanished client: no traceback on the user's stderr
@@ -190,13 +277,28 @@ class Exporter:
         routes: Mapping[str, Route] | None = None,
         security: Security | None = None,
         guard: Guard | None = None,
+        cache_seconds: float = 0.0,
+        max_connections: int = MAX_CONNECTIONS,
+        request_seconds: float = REQUEST_SECONDS,
+        min_request_seconds: float = MIN_REQUEST_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+        public_routes: Mapping[str, Route] | None = None,
     ) -> None:
         self._registry = registry
+        # Paths that answer without basic auth (a health check for probes that carry no
+        # credentials): they must reveal nothing, as anyone who can connect may read them.
+        self._public_routes = dict(public_routes or {})
+        self._cache_seconds = cache_seconds
+        self._max_connections = max_connections
+        self._request_seconds = request_seconds
+        self._min_request_seconds = min_request_seconds
+        self._clock = clock
+        self._cached: tuple[float, bytes] | None = None
+        self._body_lock = threading.Lock()
         self._security = security or Security()
         self._guard = guard
         self._tls: ssl.SSLContext | None = None
         self._authorization: bytes | None = None
-        self._metrics_app = make_wsgi_app(registry)
         self._routes = dict(routes or {})
         self._address = address
         self._ports = list(ports)
@@ -265,12 +367,58 @@ class Exporter:
             self._address, port, self._serve, server_class=server_class, handler_class=_QuietHandler
         )
         server.tls = self._tls
+        server.limit(self._max_connections, self._request_seconds, self._min_request_seconds)
         return server
+
+    def body(self) -> bytes:
+        """The exposition of the registry, built at most once per ``cache_seconds``."""
+        with self._body_lock:  # one builder at a time: concurrent scrapes share its result
+            now = self._clock()
+            cached = self._cached
+            if cached is not None and now - cached[0] < self._cache_seconds:
+                return cached[1]
+            body = b"".join(self._families())
+            self._cached = (now, body)
+            return body
+
+    def _families(self) -> Iterator[bytes]:
+        """Each family's text; one that fails to collect or encode is left out and counted."""
+        families = iter(self._registry.collect())
+        while True:
+            try:
+                family = next(families)
+            except StopIteration:
+                return
+            except Exception as error:  # a collector that raises: the rest of it is lost
+                self._contained(error)
+                return
+            try:
+                yield generate_latest(_One(family))
+            except Exception as error:  # a name or label that cannot be encoded, say
+                self._contained(error)
+
+    def _contained(self, error: Exception) -> None:
+        if self._guard is not None:
+            self._guard.record("exporter", error)
+        else:
+            self._limiter.once(
+                f"exporter:collect:{type(error).__name__}",
+                logging.WARNING,
+                "stabmon: left a metric family out of the scrape: %s: %.200s",
+                type(error).__name__,
+                error,
+            )
 
     def _serve(self, environ: dict[str, Any], start_response: _StartResponse) -> Iterable[bytes]:
         """The WSGI application: ``/metrics``, the extra routes, and 404 for the rest."""
         method = environ.get("REQUEST_METHOD", "GET")
         path = environ.get("PATH_INFO", "")
+        public = self._public_routes.get(path)
+        if public is not None and method in ("GET", "HEAD"):
+            content_type, body = public(environ)
+            headers = [("Content-Type", content_type), ("Content-Length", str(len(body)))]
+            start_response("200 OK", headers)
+            return [b"" if method == "HEAD" else body]
         if self._authorization is not None and not _authorized(environ, self._authorization):
             start_response(
                 "401 Unauthorized",
@@ -282,11 +430,11 @@ class Exporter:
             return [b"basic auth required\n"]
         if method not in ("GET", "HEAD"):
             return _plain(start_response, "405 Method Not Allowed", b"GET or HEAD only\n")
-        if path == "/metrics" and method == "HEAD":  # prometheus-client answers HEAD with 405
-            self._metrics_app({**environ, "REQUEST_METHOD": "GET"}, start_response)
-            return [b""]
         if path == "/metrics":
-            return self._metrics_app(environ, start_response)  # type: ignore[no-any-return]
+            body = self.body()
+            headers = [("Content-Type", CONTENT_TYPE_LATEST), ("Content-Length", str(len(body)))]
+            start_response("200 OK", headers)
+            return [b"" if method == "HEAD" else body]
         route = self._routes.get(path)
         if route is None:
             known = ", ".join(["/metrics", *self._routes])
@@ -321,6 +469,23 @@ class Exporter:
             self._thread.join(1.0)
             self._thread = None
         self.port = None
+
+
+class _One:
+    """One family, shaped as the registry ``generate_latest`` takes."""
+
+    def __init__(self, family: Metric) -> None:
+        self._family = family
+
+    def collect(self) -> list[Metric]:
+        return [self._family]
+
+
+def _is_regular(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except (OSError, ValueError):  # ValueError: a NUL in the path
+        return False
 
 
 def _plain(start_response: _StartResponse, status: str, body: bytes) -> list[bytes]:

@@ -19,11 +19,19 @@ from pathlib import Path
 from typing import Any
 
 from stabmon.errors import StabmonError
-from stabmon.rundir import ProcessRecord, boot_id, read_records, safe_component
+from stabmon.rundir import ProcessRecord, boot_id, read_records, run_directory_name
+from stabmon.safefs import read_regular
 
 __all__ = ["RankLog", "Run", "find_run", "number", "read_log", "read_run"]
 
 _LOG_NAME = re.compile(r"^rank-(\d+)\.events\.jsonl$")
+#: Records nest a few levels (environment, config); deeper is not a stabmon record.
+MAX_DEPTH = 16
+#: Plausible Unix times: after 1970, before the year 5000.
+_MAX_TIME = 95_617_584_000.0
+_MAX_INT = 2**63
+#: An event log larger than this is not read whole (a month of step samples is ~100 MB).
+MAX_LOG_BYTES = 2**30
 
 
 @dataclass
@@ -144,7 +152,11 @@ def read_log(path: Path) -> RankLog:
     """Every whole JSON record of ``path``; a cut-short or malformed line becomes a note."""
     match = _LOG_NAME.match(path.name)
     log = RankLog(rank=int(match.group(1)) if match else 0, path=path)
-    data = path.read_bytes()
+    try:  # never blocking (a FIFO under a log's name) and bounded
+        data = read_regular(path, MAX_LOG_BYTES, follow_symlinks=True)
+    except (OSError, ValueError) as error:
+        log.notes.append(f"{path.name}: not read ({error})")
+        return log
     lines = data.split(b"\n")
     bad: list[int] = []
     for index, line in enumerate(lines, start=1):
@@ -153,9 +165,9 @@ def read_log(path: Path) -> RankLog:
         last = index == len(lines)  # no newline after it: the writer had not finished it
         try:
             record = json.loads(line)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
             record = None
-        if not isinstance(record, dict):
+        if not isinstance(record, dict) or not _well_formed(record):
             if last:
                 log.notes.append(
                     f"{path.name}: the last line ({len(line)} bytes) is incomplete and was "
@@ -175,12 +187,54 @@ def read_log(path: Path) -> RankLog:
     return log
 
 
+def _well_formed(record: dict[str, Any]) -> bool:
+    """Whether the fields every page reads have the types stabmon writes (and depth is sane)."""
+    time = record.get("time")
+    if time is not None and not (_is_number(time) and 0 <= time <= _MAX_TIME):
+        return False
+    for key in ("event", "kind", "run"):
+        if key in record and not isinstance(record[key], str):
+            return False
+    for key in ("step", "rank", "epoch"):
+        value = record.get(key)
+        if value is not None and not (_is_integer(value) and abs(value) < _MAX_INT):
+            return False
+    return _depth(record) <= MAX_DEPTH
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _depth(value: object) -> int:
+    """How deep ``value`` nests, walked without recursion (a hostile line can nest 10**5 deep)."""
+    deepest = 0
+    stack: list[tuple[object, int]] = [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if level > MAX_DEPTH:
+            return level
+        deepest = max(deepest, level)
+        if isinstance(item, dict):
+            stack.extend((child, level + 1) for child in item.values())
+        elif isinstance(item, list):
+            stack.extend((child, level + 1) for child in item)
+    return deepest
+
+
 def number(value: object) -> float | None:
     """A record's number: floats, ints, and the strings the log writes for nan and inf."""
     if isinstance(value, bool):
         return None
     if isinstance(value, (int, float)):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an integer beyond any float
+            return None
     if isinstance(value, str) and value in ("nan", "inf", "-inf"):
         return float(value)
     return None
@@ -203,7 +257,9 @@ def _subdirectories(path: Path) -> Iterator[Path]:
 def _registrations(directory: Path) -> dict[int, ProcessRecord]:
     records, _ = read_records(directory.parent)
     return {
-        record.rank: record for record in records if safe_component(record.run) == directory.name
+        record.rank: record
+        for record in records
+        if run_directory_name(record.run) == directory.name
     }
 
 

@@ -9,6 +9,13 @@ unhealthy when it is stalled, suspected of leaking memory, has seen a
 non-finite gradient or loss, or does not answer; ``stabmon status`` then exits
 1, so it serves as a health check in scripts and Kubernetes probes.
 
+Records in the run directory may be written by any user of the node, so a URL
+taken from one is not trusted: only ``http``/``https`` URLs are scraped, never
+a redirect, and the operator's ``--basic-auth-file`` credentials go only to
+URLs given on the command line or registered in records owned by the
+operator's own uid. Each scrape, from connecting to the last byte, ends within
+``--timeout`` (a server that trickles, or never answers, is unreachable).
+
 The step rate is the steps counted by the step-duration histogram divided by
 its sum: steps per second of training time, over the process's life.
 """
@@ -16,11 +23,14 @@ its sum: steps per second of training time, over the process's life.
 from __future__ import annotations
 
 import math
+import queue
 import ssl
+import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,18 +39,27 @@ from prometheus_client.parser import text_string_to_metric_families
 from stabmon import contract
 from stabmon.errors import StabmonError
 from stabmon.export.exporter import Security
-from stabmon.rundir import ProcessRecord, boot_id, read_records, safe_component
+from stabmon.rundir import (
+    ProcessRecord,
+    boot_id,
+    read_owned_records,
+    run_directory_name,
+)
+from stabmon.safefs import read_regular
 
 __all__ = [
     "Credentials",
     "RankStatus",
     "format_table",
+    "registered_targets",
     "registered_urls",
     "require_urls",
     "scrape_status",
 ]
 
 _MAX_BYTES = 8 * 2**20
+_MAX_CA_BYTES = 2**20
+_SCHEMES = ("http", "https")
 
 Samples = list[tuple[str, dict[str, str], float]]
 
@@ -85,20 +104,26 @@ class RankStatus:
 
 def registered_urls(root: Path, run: str | None = None) -> list[str]:
     """Metrics URLs of the live processes registered under ``root`` (a run dir root or one run)."""
-    records, _ = read_records(root)
+    return [url for url, _ in registered_targets(root, run)]
+
+
+def registered_targets(root: Path, run: str | None = None) -> list[tuple[str, int]]:
+    """As :func:`registered_urls`, each URL with the uid that owns the record naming it."""
+    records, _ = read_owned_records(root)
     if not records and any(root.glob("rank-*.json")):  # ``root`` is one run's directory
-        records = [r for r in read_records(root.parent)[0] if _in_directory(r, root)]
+        records = [r for r in read_owned_records(root.parent)[0] if _in_directory(r.record, root)]
     this_boot = boot_id()
-    urls = []
-    for record in sorted(records, key=lambda r: (r.run, r.rank)):
+    targets = []
+    for owned in sorted(records, key=lambda r: (r.record.run, r.record.rank)):
+        record = owned.record
         if run is not None and record.run != run:
             continue
         if record.exited_unix is not None or not record.metrics_url:
             continue
         if record.boot_id and this_boot and record.boot_id != this_boot:
             continue  # from before a reboot: nothing serves there any more
-        urls.append(record.metrics_url)
-    return urls
+        targets.append((record.metrics_url, owned.owner_uid))
+    return targets
 
 
 @dataclass(frozen=True)
@@ -115,9 +140,10 @@ class Credentials:
         """Read both files up front; raises :class:`StabmonError` naming the file and option."""
         tls = None
         if cafile is not None:
-            try:
-                tls = ssl.create_default_context(cafile=cafile)
-            except (OSError, ssl.SSLError) as error:
+            try:  # read first, never blocking: a FIFO named as --cafile is an error, not a hang
+                pem = read_regular(cafile, _MAX_CA_BYTES).decode("ascii")
+                tls = ssl.create_default_context(cadata=pem)
+            except (OSError, ValueError, ssl.SSLError) as error:
                 raise StabmonError(
                     f"--cafile {cafile}: not a PEM certificate file that can be read ({error})"
                 ) from error
@@ -136,12 +162,26 @@ def scrape_status(
     timeout: float = 5.0,
     credentials: Credentials = Credentials(),  # noqa: B008 - frozen, so one shared default is safe
     clock: Callable[[], float] = time.time,
+    untrusted: Collection[str] = (),
 ) -> list[RankStatus]:
-    """One status per URL; a URL that does not answer is a status with ``error`` set."""
+    """One status per URL; a URL that does not answer is a status with ``error`` set.
+
+    URLs in ``untrusted`` (written by another user) are scraped without the
+    basic-auth credentials. Only http and https are scraped; each scrape ends
+    within ``timeout`` seconds in all.
+    """
     statuses = []
     for url in urls:
+        scheme = urllib.parse.urlsplit(url).scheme.lower()
+        if scheme not in _SCHEMES:
+            refused = f"not scraped: {scheme or 'no'} scheme; stabmon status reads only http(s)"
+            statuses.append(RankStatus(url=url, error=refused + ":// URLs"))
+            continue
+        sent = credentials
+        if url in untrusted and credentials.authorization is not None:
+            sent = Credentials(tls=credentials.tls)
         try:
-            samples = _scrape(url, timeout, credentials)
+            samples = _scrape_within(url, timeout, sent)
         except urllib.error.HTTPError as error:  # before URLError, its base class
             hint = " (see --basic-auth-file)" if error.code == 401 else ""
             statuses.append(RankStatus(url=url, error=f"HTTP {error.code} {error.reason}{hint}"))
@@ -188,11 +228,47 @@ def format_table(statuses: Sequence[RankStatus]) -> str:
     )
 
 
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """A redirect is an error: following it would carry the credentials to another URL."""
+
+    def redirect_request(self, *args: object, **kwargs: object) -> None:
+        return None
+
+
+def _scrape_within(url: str, timeout: float, credentials: Credentials) -> Samples:
+    """:func:`_scrape` in a thread of its own, given up after ``timeout`` seconds in all.
+
+    Socket timeouts bound each read, not a request: a server that sends one
+    byte a second would hold a plain read for ever. The thread is a daemon and
+    holds nothing, so one that is given up on ends with the command.
+    """
+    outcome: queue.Queue[Samples | BaseException] = queue.Queue(maxsize=1)
+
+    def work() -> None:
+        try:
+            outcome.put(_scrape(url, timeout, credentials))
+        except BaseException as error:  # handed to the caller, who raises it
+            outcome.put(error)
+
+    threading.Thread(target=work, name="stabmon-status-scrape", daemon=True).start()
+    try:
+        result = outcome.get(timeout=timeout)
+    except queue.Empty:
+        raise TimeoutError(f"no whole answer within {timeout:g} s (see --timeout)") from None
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
 def _scrape(url: str, timeout: float, credentials: Credentials) -> Samples:
     request = urllib.request.Request(url)
     if credentials.authorization is not None:
         request.add_header("Authorization", credentials.authorization.decode("ascii"))
-    with urllib.request.urlopen(request, timeout=timeout, context=credentials.tls) as response:
+    handlers: list[urllib.request.BaseHandler] = [_NoRedirects()]
+    if credentials.tls is not None:
+        handlers.append(urllib.request.HTTPSHandler(context=credentials.tls))
+    opener = urllib.request.build_opener(*handlers)
+    with opener.open(request, timeout=timeout) as response:
         body = response.read(_MAX_BYTES + 1)
     if len(body) > _MAX_BYTES:
         raise ValueError(f"more than {_MAX_BYTES} bytes: not a stabmon exporter")
@@ -254,7 +330,7 @@ def _status(url: str, run: str, rank: str, samples: Samples, now: float) -> Rank
 
 
 def _in_directory(record: ProcessRecord, directory: Path) -> bool:
-    return safe_component(record.run) == directory.name
+    return run_directory_name(record.run) == directory.name
 
 
 def _count(value: float | None) -> str:

@@ -24,9 +24,11 @@ from stabmon.rundir import ProcessRecord
 
 
 def _sample(rank: int, url: str | None, *, alive: bool = True) -> ProcessSample:
+    """A sample whose URL's port the poll verified as listening (see tests/security)."""
     record = ProcessRecord(pid=100 + rank, create_time=1.0, run="job", rank=rank,
                            local_rank=rank, metrics_url=url)  # fmt: skip
-    return ProcessSample(record, alive, False, None, None, None, None, None)
+    port = urllib.parse.urlsplit(url).port if url else None
+    return ProcessSample(record, alive, False, None, None, None, None, None, target_port=port)
 
 
 def test_targets_list_live_ranks_with_their_real_port_on_the_requested_host() -> None:
@@ -46,12 +48,12 @@ def test_targets_list_live_ranks_with_their_real_port_on_the_requested_host() ->
     }
 
 
-def test_targets_keep_the_bound_host_without_a_host_header_and_bracket_ipv6() -> None:
+def test_targets_use_the_node_host_name_never_the_records_without_a_host_header() -> None:
+    import socket
+
+    node = socket.gethostname().lower()
     assert target_groups([_sample(0, "http://10.0.0.5:9400/metrics")], None)[0]["targets"] == [
-        "10.0.0.5:9400"
-    ]
-    assert target_groups([_sample(0, "http://[::1]:9400/metrics")], None)[0]["targets"] == [
-        "[::1]:9400"
+        f"{node}:9400"
     ]
     assert target_groups([_sample(0, "http://x:9400/metrics")], "::1")[0]["targets"] == [
         "[::1]:9400"

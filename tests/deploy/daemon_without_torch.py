@@ -60,14 +60,19 @@ def main(run_dir: Path) -> dict[str, Any]:
     with contextlib.redirect_stdout(help_text), contextlib.suppress(SystemExit):
         cli_main(["daemon", "--help"])
 
-    # This process registers as rank 0 of run "image", as a training process would.
+    # This process registers as rank 0 of run "image", as a training process would, with a
+    # port it really listens on (the daemon advertises only verified ports).
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
     paths = RunPaths(run_dir, "image", 0)
     paths.run_directory.mkdir(parents=True)
     now = time.time()
     record = ProcessRecord(
         pid=os.getpid(), create_time=psutil.Process().create_time(), run="image", rank=0,
         hostname=socket.gethostname(), boot_id=boot_id(),
-        metrics_url="http://127.0.0.1:9400/metrics", attached_unix=now, last_step_unix=now,
+        metrics_url=f"http://127.0.0.1:{port}/metrics", attached_unix=now, last_step_unix=now,
         steps=1, updated_unix=now,
     )  # fmt: skip
     write_atomic(paths.record, record.to_json())
@@ -83,6 +88,7 @@ def main(run_dir: Path) -> dict[str, Any]:
         targets = json.loads(_get(app.url.replace("/metrics", "/targets"), host="node-7:9399"))
     finally:
         app.stop()
+        listener.close()
     process_up = [
         sample.value
         for family in text_string_to_metric_families(metrics)
@@ -95,6 +101,7 @@ def main(run_dir: Path) -> dict[str, Any]:
         "process_up": process_up,
         "nvml_up_exported": "stabmon_daemon_nvml_up" in metrics,
         "targets": targets,
+        "port": port,
         "loaded": sorted(name for name in sys.modules if name.partition(".")[0] in BLOCKED),
     }
 

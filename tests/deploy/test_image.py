@@ -145,6 +145,6 @@ def test_daemon_runs_and_serves_with_torch_and_numpy_absent(tmp_path: Path) -> N
     assert observed["process_up"] == [1.0]
     # /targets names the rank on the host the request addressed, for Prometheus to scrape.
     (group,) = observed["targets"]
-    assert group["targets"] == ["node-7:9400"]
+    assert group["targets"] == [f"node-7:{observed['port']}"]
     assert group["labels"]["__meta_stabmon_run"] == "image"
     assert observed["loaded"] == []

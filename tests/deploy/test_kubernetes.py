@@ -39,6 +39,8 @@ from referencing import Registry, Resource
 
 from stabmon import __version__
 from stabmon.config import load_config
+from stabmon.daemon import health
+from stabmon.daemon.xid_state import state_path
 from stabmon.rundir import DEFAULT_RUN_DIR
 
 KUBERNETES = DEPLOY / "kubernetes"
@@ -285,7 +287,7 @@ def test_daemonset_runs_on_gpu_nodes_including_tainted_ones() -> None:
 def test_daemonset_shares_the_host_pid_namespace_and_the_run_directory() -> None:
     pod = _daemon_pod()
     assert pod["hostPID"] is True
-    (volume,) = [v for v in pod["volumes"] if "hostPath" in v]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "run-dir"]
     assert volume["hostPath"] == {"path": str(DEFAULT_RUN_DIR), "type": "DirectoryOrCreate"}
     (mount,) = [m for m in _daemon_container()["volumeMounts"] if m["name"] == volume["name"]]
     assert mount == {"name": volume["name"], "mountPath": str(DEFAULT_RUN_DIR), "readOnly": True}
@@ -303,12 +305,35 @@ def test_daemonset_runs_as_the_images_uid_read_only_with_no_capabilities() -> No
     assert context["capabilities"] == {"drop": ["ALL"]}
 
 
-def test_daemonset_only_its_init_step_runs_as_root_and_it_only_chmods_the_run_directory() -> None:
+def test_daemonset_only_its_init_step_runs_as_root_and_it_only_prepares_the_directories() -> None:
     (init,) = _daemon_pod()["initContainers"]
     assert init["securityContext"]["runAsUser"] == 0
-    assert init["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
     assert init["securityContext"]["readOnlyRootFilesystem"] is True
     assert init["args"][0].startswith(f"chmod 1777 {DEFAULT_RUN_DIR} ||")
+    uid, gid = dockerfile_user().split(":")
+    assert f"chown {uid}:{gid} /state" in init["args"][0]
+
+
+def test_daemonset_keeps_the_daemons_state_outside_the_shared_run_directory() -> None:
+    pod = _daemon_pod()
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "daemon-state"]
+    assert volume["hostPath"]["path"] == "/var/lib/stabmon-daemon"
+    (mount,) = [m for m in _daemon_container()["volumeMounts"] if m["name"] == "daemon-state"]
+    # Where the daemon looks for it by default: its run directory's .stabmon-daemon.
+    assert Path(mount["mountPath"]) == state_path(DEFAULT_RUN_DIR).parent
+    assert not mount.get("readOnly", False)
+
+
+def test_networkpolicy_lets_only_prometheus_reach_the_daemon_and_the_daemon_reach_no_one() -> None:
+    (policy,) = [d for d in _applied() if d["kind"] == "NetworkPolicy"]
+    daemonset = next(d for d in _applied() if d["kind"] == "DaemonSet")
+    assert policy["spec"]["podSelector"] == daemonset["spec"]["selector"]
+    assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
+    assert policy["spec"]["egress"] == []
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["ports"] == [{"port": "metrics", "protocol": "TCP"}]
+    assert rule["from"] and all("podSelector" in peer for peer in rule["from"])
 
 
 def test_daemonset_images_are_the_project_version() -> None:
@@ -331,7 +356,8 @@ def test_daemonset_metrics_port_is_the_daemon_port_and_the_probes_use_it() -> No
     assert port["containerPort"] == int(args[args.index("--port") + 1])
     assert port["containerPort"] == load_config({}, env={}).daemon.port
     for probe in ("livenessProbe", "readinessProbe"):
-        assert container[probe]["httpGet"] == {"path": "/metrics", "port": "metrics"}, probe
+        # The health check needs no credentials: probes keep working with basic_auth_file.
+        assert container[probe]["httpGet"] == {"path": health.PATH, "port": "metrics"}, probe
 
 
 def _mebibytes(quantity: str) -> float:

@@ -22,6 +22,8 @@ from stabmon import contract
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "deploy" / "prometheus" / "rules" / "stabmon.rules.yml"
 RULE_TESTS = ROOT / "deploy" / "prometheus" / "tests" / "stabmon.rules.test.yml"
+# Daemon restarts and outages, frozen ranks, exit classes, gaps, forecasts (issue 22).
+RESILIENCE_TESTS = ROOT / "deploy" / "prometheus" / "tests" / "stabmon.resilience.test.yml"
 # The stabmon.throughput group (issue 27).
 THROUGHPUT_TESTS = ROOT / "deploy" / "prometheus" / "tests" / "stabmon.throughput.test.yml"
 ALL_ALERTS = (*contract.ALERT_NAMES, *contract.EXTENSION_ALERT_NAMES)
@@ -34,6 +36,7 @@ METRIC_NAMES = {
         *contract.TRAINING_METRICS,
         *contract.DAEMON_METRICS,
         *contract.EXTENSION_METRICS,
+        *contract.DAEMON_EXTENSION_METRICS,
         contract.DAEMON_POLL_DURATION,
         contract.DAEMON_LAST_POLL,
     )
@@ -43,7 +46,13 @@ SERIES_NAMES = METRIC_NAMES | {
     f"{name}{suffix}" for name in METRIC_NAMES for suffix in ("_bucket", "_sum", "_count")
 }
 # Alerts whose value is a state (process up == 0, metrics absent), not a figure to quote.
-STATE_ALERTS = {"StabmonTrainingProcessDown", "StabmonTrainingMetricsAbsent"}
+STATE_ALERTS = {
+    "StabmonTrainingProcessDown",
+    "StabmonTrainingProcessTerminated",
+    "StabmonTrainingMetricsAbsent",
+}
+# Alerts about the daemon itself, which name its target rather than a rank or a GPU.
+DAEMON_ALERTS = {"StabmonDaemonDown", "StabmonDaemonNvmlDown"}
 # Prometheus' own series that a rule may join with (target health).
 PROMETHEUS_SERIES = {"up"}
 
@@ -71,6 +80,7 @@ def _series_names(expr: str) -> set[str]:
     code = _strip_comments(expr)
     code = re.sub(r'"[^"]*"', '""', code)  # label values
     code = re.sub(r"\{[^}]*\}", "{}", code)  # matchers
+    code = re.sub(r"\[[^\]]*\]", "[]", code)  # ranges and subquery steps ([1h:1m])
     code = re.sub(r"\b(?:by|on|ignoring|without|group_left|group_right)\s*\([^)]*\)", "", code)
     names = set(re.findall(r"\b[a-zA-Z_:][a-zA-Z0-9_:]*\b(?!\s*\()", code))
     keywords = {"and", "or", "unless", "offset", "bool", "group_left", "group_right"}
@@ -95,7 +105,10 @@ def test_alert_has_severity_and_annotations(alert: str) -> None:
     # where the value is a measurement rather than a state.
     description = annotations["description"]
     assert ("$value" in description) != (alert in STATE_ALERTS)
-    assert "$labels.rank" in description or "$labels.uuid" in description
+    if alert in DAEMON_ALERTS:
+        assert "$labels.instance" in description
+    else:
+        assert "$labels.rank" in description or "$labels.uuid" in description
     assert annotations["runbook_url"] == RUNBOOK_BASE + alert.lower()
 
 
@@ -127,7 +140,7 @@ def test_every_rule_has_a_comment_explaining_its_threshold() -> None:
 def test_each_alert_has_a_firing_and_a_quiet_promtool_case() -> None:
     fired: set[str] = set()
     quiet: set[str] = set()
-    for path in (RULE_TESTS, THROUGHPUT_TESTS):
+    for path in (RULE_TESTS, RESILIENCE_TESTS, THROUGHPUT_TESTS):
         for case in yaml.safe_load(path.read_text())["tests"]:
             for check in case.get("alert_rule_test", []):
                 (fired if check["exp_alerts"] else quiet).add(check["alertname"])
@@ -143,7 +156,9 @@ def test_promtool_check_rules() -> None:
     assert f"SUCCESS: {len(ALL_ALERTS)} rules found" in result.stdout
 
 
-@pytest.mark.parametrize("tests", [RULE_TESTS, THROUGHPUT_TESTS], ids=lambda path: path.name)
+@pytest.mark.parametrize(
+    "tests", [RULE_TESTS, RESILIENCE_TESTS, THROUGHPUT_TESTS], ids=lambda path: path.name
+)
 def test_promtool_test_rules(tests: Path) -> None:
     result = subprocess.run(
         [_promtool(), "test", "rules", tests.name],

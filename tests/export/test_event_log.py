@@ -51,13 +51,14 @@ def test_event_log_in_a_read_only_directory_is_counted_not_raised(tmp_path: Path
     tmp_path.chmod(0o700)
 
 
-def test_event_log_on_a_full_disk_is_counted_not_raised() -> None:
+def test_event_log_refuses_a_device_in_place_of_its_file_counted_not_raised() -> None:
+    # A full disk proper: tests/security/test_run_directory.py (a file-size limit, part-writes).
     guard = _guard()
-    log = EventLog(Path("/dev/full"), common={}, guard=guard)  # every write fails with ENOSPC
-    log.write("attach")
+    log = EventLog(Path("/dev/full"), common={}, guard=guard)
     log.write("attach")
     log.close()
-    assert guard.counts["event_log"] == 2
+    assert not log.enabled
+    assert guard.counts["event_log"] == 1
 
 
 def test_to_json_safe_turns_unknown_objects_into_strings() -> None:

@@ -137,11 +137,14 @@ def require(tool: str) -> None:
         pytest.skip(f"Requires: {tool} (apt-get install prometheus)")
 
 
-def start_prometheus(processes: Processes, work: Path, daemon_target: str) -> Prometheus:
+def start_prometheus(
+    processes: Processes, work: Path, daemon_target: str, alertmanager: str | None = None
+) -> Prometheus:
     """Prometheus with the deployed scrape config and rules, pointed at one local daemon.
 
     Only the intervals (1 s) and the daemon's address differ from the deployed config;
-    the training ranks are found as deployed, through the daemon's ``/targets``.
+    the training ranks are found as deployed, through the daemon's ``/targets``. With
+    ``alertmanager`` (``host:port``), alerts go there; without, they are only in the API.
     """
     rules = work / "rules"
     rules.mkdir()
@@ -150,7 +153,10 @@ def start_prometheus(processes: Processes, work: Path, daemon_target: str) -> Pr
     config = yaml.safe_load(text)
     config["global"].update(scrape_interval="1s", evaluation_interval="1s", scrape_timeout="1s")
     config["rule_files"] = [str(rules / "*.rules.yml")]
-    config.pop("alerting", None)  # no Alertmanager here; alerts are read from the API
+    if alertmanager is None:
+        config.pop("alerting", None)  # no Alertmanager here; alerts are read from the API
+    else:
+        config["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": [alertmanager]}]}]}
     for job in config["scrape_configs"]:
         for sd in job.get("http_sd_configs", []):
             sd["refresh_interval"] = "1s"

@@ -1,0 +1,172 @@
+"""Issue 21, items 2 and 8: the run directory on a node where another user is hostile.
+
+The neighbour is a real second uid (``nobody``, see conftest); the victim is
+this test process training with stabmon attached.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from stabmon import contract
+from stabmon.rundir import ProcessRecord, Registration, read_records
+from tests.helpers import scrape, tiny_model, train_step, value
+from tests.security.conftest import Hostile
+
+
+def test_training_refuses_a_run_directory_pre_created_by_another_user_with_a_symlinked_log(
+    attach, hostile: Hostile, shared: Path, tmp_path: Path
+) -> None:
+    victim_file = tmp_path / "victims-file"
+    victim_file.write_text("precious\n")
+    tmp_path.chmod(0o755)  # so the symlink may name it (the link is what matters, not access)
+    hostile.run(
+        "import os, sys; d = os.path.join(sys.argv[1], 'nightly'); os.mkdir(d); os.chmod(d, 0o777);"
+        "os.symlink(sys.argv[2], os.path.join(d, 'rank-0.events.jsonl'))",
+        str(shared),
+        str(victim_file),
+    )
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = attach(model, optimizer, run_dir=str(shared), run_id="nightly")
+    for _ in range(3):
+        train_step(model, optimizer, monitor)  # training goes on
+    samples = scrape(monitor.metrics_url)
+    assert victim_file.read_text() == "precious\n"
+    assert not (shared / "nightly" / "rank-0.json").exists()  # nothing of ours in their directory
+    errors = value(samples, contract.INTERNAL_ERRORS.name, component="event_log") or 0.0
+    assert errors >= 1.0
+    monitor.detach()
+    assert victim_file.read_text() == "precious\n"
+
+
+def test_event_log_is_never_opened_through_a_symlink_in_our_own_directory(tmp_path: Path) -> None:
+    from stabmon.safefs import UnsafePathError, open_append
+
+    target = tmp_path / "target"
+    target.write_text("")
+    (tmp_path / "rank-0.events.jsonl").symlink_to(target)
+    with pytest.raises(UnsafePathError, match="symbolic link"):
+        open_append(tmp_path / "rank-0.events.jsonl")
+
+
+def test_reading_a_fifo_or_a_symlink_is_refused_without_blocking(tmp_path: Path) -> None:
+    import os
+
+    from stabmon.safefs import UnsafePathError, read_regular
+
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "link").symlink_to("/etc/hostname")
+    with pytest.raises(UnsafePathError, match="regular file"):
+        read_regular(tmp_path / "fifo", 100)
+    with pytest.raises(UnsafePathError, match="symbolic link"):
+        read_regular(tmp_path / "link", 100)
+
+
+_FULL_DISK = textwrap.dedent(
+    """
+    import json, resource, signal, sys
+    from pathlib import Path
+    from stabmon.export.event_log import EventLog
+    from stabmon.guard import Guard
+    from stabmon.log import LogLimiter
+
+    path = Path(sys.argv[1])
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file-size limit then fails like a full disk
+    guard = Guard(LogLimiter())
+    log = EventLog(path, common={"run": "r"}, guard=guard)
+    log.write("attach", note="x" * 50)
+    size = path.stat().st_size
+    _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size + 40, hard))  # the next record fits in part
+    log.write("anomaly", note="y" * 200)
+    log.write("anomaly", note="z" * 200)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))  # space again: recovery
+    log.write("epoch", note="after")
+    log.close()
+    print(json.dumps(dict(guard.counts)))
+    """
+)
+
+
+def test_a_record_cut_short_by_a_full_disk_never_swallows_the_next_one(tmp_path: Path) -> None:
+    path = tmp_path / "run" / "rank-0.events.jsonl"
+    result = subprocess.run(
+        [sys.executable, "-c", _FULL_DISK, str(path)], capture_output=True, text=True, check=True
+    )
+    assert json.loads(result.stdout.splitlines()[-1])["event_log"] == 2
+    lines = path.read_text().splitlines()
+    assert [json.loads(line)["event"] for line in lines] == ["attach", "epoch"]
+
+
+def test_append_all_starts_a_new_line_after_a_half_line_it_could_not_cut_back(
+    tmp_path: Path,
+) -> None:
+    from stabmon.safefs import append_all, open_append
+
+    path = tmp_path / "log"
+    path.write_bytes(b'{"event":"a"}\n{"event":"cut sh')
+    fd = open_append(path)
+    append_all(fd, b'{"event":"b"}\n')
+    import os
+
+    os.close(fd)
+    assert path.read_bytes().splitlines()[-1] == b'{"event":"b"}'
+
+
+@pytest.mark.parametrize(
+    ("first", "second"), [("a/b", "a_b"), (".", "run"), ("..", "run"), ("a\\b", "a_b")]
+)
+def test_run_ids_that_clean_to_the_same_name_get_distinct_directories(
+    first: str, second: str
+) -> None:
+    from stabmon.rundir import run_directory_name
+
+    assert run_directory_name(first) != run_directory_name(second)
+    for name in (run_directory_name(first), run_directory_name(second)):
+        assert "/" not in name and name not in (".", "..") and not name.startswith(".")
+
+
+def test_a_second_live_process_with_the_same_run_id_and_rank_is_warned_about_and_counted(
+    attach, tmp_path: Path
+) -> None:
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        import psutil
+
+        other = ProcessRecord(
+            pid=sleeper.pid,
+            create_time=psutil.Process(sleeper.pid).create_time(),
+            run="shared-id",
+            rank=0,
+        )
+        (tmp_path / "shared-id").mkdir()
+        (tmp_path / "shared-id" / "rank-0.json").write_bytes(other.to_json())
+        model = tiny_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        monitor = attach(model, optimizer, run_id="shared-id")
+        samples = scrape(monitor.metrics_url)
+        assert (value(samples, contract.INTERNAL_ERRORS.name, component="rundir") or 0.0) >= 1.0
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_a_registration_in_another_users_run_directory_is_refused(
+    hostile: Hostile, shared: Path
+) -> None:
+    hostile.run("import os, sys; os.mkdir(os.path.join(sys.argv[1], 'theirs'), 0o777)", str(shared))
+    from stabmon.safefs import UnsafePathError
+
+    record = ProcessRecord(pid=1, create_time=0.0, run="theirs", rank=0)
+    registration = Registration(shared, shared / "theirs" / "rank-0.json", record)
+    with pytest.raises(UnsafePathError, match="owned by uid 65534"):
+        registration.write(last_step_unix=None, steps=0, now=0.0)
+    assert read_records(shared) == ([], [])
