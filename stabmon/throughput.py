@@ -152,13 +152,14 @@ class ThroughputWatch:
             if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                self._limiter.once(
+                shown = value if isinstance(value, int) else f"<{type(value).__name__}>"
+                self._limiter.once(  # never the value of a tensor: printing one reads it
                     f"observe-{name}",
                     logging.WARNING,
-                    "stabmon: observe(%s=%r) ignored: pass a Python int >= 0, such as "
+                    "stabmon: observe(%s=%s) ignored: pass a Python int >= 0, such as "
                     "batch.shape[0] (logged once)",
                     name,
-                    value,
+                    shown,
                 )
                 continue
             if name == "samples":

@@ -371,3 +371,20 @@ def test_monitor_names_data_wait_when_a_dataloader_behind_track_slows(
     [anomaly] = anomalies(monitor.event_log_path)
     assert anomaly["phase"] == "data_wait"
     assert value(scrape(monitor.metrics_url), "stabmon_samples_total") == 4000
+
+
+def test_observe_ignores_samples_that_are_not_plain_ints_without_reading_them(
+    attach: MonitorFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = attach(model, optimizer)
+
+    monitor.observe(samples=torch.tensor(4), tokens=-1)  # a tensor would need a read
+
+    samples = scrape(monitor.metrics_url)
+    assert value(samples, "stabmon_samples_total") == 0
+    assert value(samples, "stabmon_tokens_total") == 0
+    assert value(samples, "stabmon_internal_errors_total", component="hooks") == 0
+    assert "observe(samples=<Tensor>) ignored: pass a Python int" in caplog.text
+    assert "observe(tokens=-1) ignored" in caplog.text
