@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -133,6 +134,28 @@ def _cpu_attention() -> dict[Any, Any]:
     return {forward: forward_flops, backward: backward_flops}
 
 
+def _contained_counter() -> Any:
+    """``FlopCounterMode`` whose formulas cannot fail the user's operator.
+
+    The mode counts inside each operator of the step; a formula that raises (a shape it
+    does not expect) would raise out of the user's forward. Here it marks the count failed.
+    """
+    from torch.utils.flop_counter import FlopCounterMode  # only for the one step counted
+
+    class ContainedFlopCounter(FlopCounterMode):
+        failed = False
+
+        def _count_flops(self, func_packet: Any, out: Any, args: Any, kwargs: Any) -> Any:
+            try:
+                count = super()._count_flops
+                return count(func_packet, out, args, kwargs)  # type: ignore[no-untyped-call]  # torch's
+            except Exception:  # a formula's error voids the count, never the operator's result
+                self.failed = True
+                return out
+
+    return ContainedFlopCounter
+
+
 class FlopCount:
     """One step's FLOPs: :meth:`start` at its first forward, :meth:`stop` at its optimizer step.
 
@@ -141,7 +164,9 @@ class FlopCount:
     untouched.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, formulas: Mapping[Any, Any] | None = None) -> None:
+        #: Extra or replacement formulas, operator -> f(*shapes, **kwargs) -> FLOPs.
+        self._formulas = dict(formulas or {})
         self._mode: Any = None  # a FlopCounterMode while a step is counted
 
     @property
@@ -149,19 +174,18 @@ class FlopCount:
         return self._mode is not None
 
     def start(self) -> None:
-        from torch.utils.flop_counter import FlopCounterMode  # only for the one step counted
-
-        mode: Any = FlopCounterMode(display=False, custom_mapping=_cpu_attention())
+        formulas = {**_cpu_attention(), **self._formulas}
+        mode: Any = _contained_counter()(display=False, custom_mapping=formulas)
         mode.__enter__()
         self._mode = mode
 
     def stop(self) -> int:
-        """Leave the mode; the FLOPs counted since :meth:`start`."""
+        """Leave the mode; the FLOPs counted since :meth:`start` (0 if a formula failed)."""
         mode, self._mode = self._mode, None
         if mode is None:
             return 0
         mode.__exit__(None, None, None)
-        return int(mode.get_total_flops())
+        return 0 if mode.failed else int(mode.get_total_flops())
 
     def abandon(self) -> None:
         """Leave the mode without a result (the step was skipped, or a phase began)."""

@@ -109,3 +109,16 @@ def test_compute_dtype_reads_autocast_then_the_parameters() -> None:
     assert compute_dtype("cpu", torch.bfloat16) == "bf16"
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert compute_dtype("cpu", torch.float32) == "bf16"
+
+
+def test_flop_count_that_a_formula_fails_on_leaves_the_operator_alone_and_counts_nothing() -> None:
+    def broken(*args: object, **kwargs: object) -> int:
+        raise AssertionError("a shape this formula does not expect")
+
+    counter = FlopCount(formulas={torch.ops.aten.mm: broken})  # a formula that gets it wrong
+    counter.start()
+    result = torch.ones(2, 3) @ torch.ones(3, 4)
+    flops = counter.stop()
+
+    assert result.tolist() == [[3.0] * 4] * 2
+    assert flops == 0
