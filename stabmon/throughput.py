@@ -211,8 +211,9 @@ class ThroughputWatch:
             self._limiter.once(
                 "flops-none",
                 logging.INFO,
-                "stabmon: no FLOPs were counted in step %d (a compiled forward?); set "
-                "throughput.flops_per_step for MFU (logged once)",
+                "stabmon: no FLOPs were counted in step %d (a compiled forward, or an "
+                "operator the counter could not count); set throughput.flops_per_step for MFU "
+                "(logged once)",
                 self._global_step(),
             )
 
