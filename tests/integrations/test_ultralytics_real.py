@@ -30,11 +30,20 @@ pytestmark = pytest.mark.slow
 
 TRAINEE = Path(__file__).with_name("yolo_trainee.py")
 ROOT = Path(__file__).resolve().parents[2]
+# Where `make` installs Ultralytics and torchvision, apart from the venv's own packages: on the
+# CPU build of torch, an installed torchvision breaks every import of torchmetrics (Lightning).
+ULTRALYTICS_SITE = Path(sys.prefix) / "ultralytics-site"
 
 
 def run_trainee(work: Path, mode: str, epochs: int = 3) -> tuple[int, dict[str, Any]]:
     """Run one training; its exit code and what it recorded."""
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    assert (ULTRALYTICS_SITE / "ultralytics").is_dir(), (
+        f"Ultralytics is not installed in {ULTRALYTICS_SITE}; run `make test` (or the "
+        "Makefile's `pip install --target` line) to install it there"
+    )
+    path = os.pathsep.join(
+        filter(None, [str(ROOT), str(ULTRALYTICS_SITE), os.environ.get("PYTHONPATH")])
+    )
     env = dict(os.environ, YOLO_OFFLINE="1", YOLO_CONFIG_DIR=str(work / "yolo-config"),
                PYTHONPATH=path)  # fmt: skip
     result = subprocess.run(
