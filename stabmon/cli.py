@@ -123,7 +123,7 @@ def _status(args: argparse.Namespace) -> int:
     from stabmon.report.status import (
         Credentials,
         format_table,
-        registered_urls,
+        registered_ranks,
         require_urls,
         scrape_status,
     )
@@ -131,11 +131,13 @@ def _status(args: argparse.Namespace) -> int:
 
     credentials = Credentials.from_files(args.cafile, args.basic_auth_file)
     urls = list(args.urls)
+    names: dict[str, tuple[str, str]] = {}
     if not urls:
         root = Path(args.run_dir or os.environ.get("STABMON_DIR") or DEFAULT_RUN_DIR)
-        urls = registered_urls(root, args.run)
+        names = registered_ranks(root, args.run)  # a rank that does not answer keeps its name
+        urls = list(names)
         require_urls(urls, root)
-    statuses = scrape_status(urls, timeout=args.timeout, credentials=credentials)
+    statuses = scrape_status(urls, timeout=args.timeout, credentials=credentials, names=names)
     print(format_table(statuses))
     return 0 if all(status.healthy for status in statuses) else 1
 

@@ -20,7 +20,7 @@ import ssl
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +35,7 @@ __all__ = [
     "Credentials",
     "RankStatus",
     "format_table",
+    "registered_ranks",
     "registered_urls",
     "require_urls",
     "scrape_status",
@@ -85,11 +86,16 @@ class RankStatus:
 
 def registered_urls(root: Path, run: str | None = None) -> list[str]:
     """Metrics URLs of the live processes registered under ``root`` (a run dir root or one run)."""
+    return list(registered_ranks(root, run))
+
+
+def registered_ranks(root: Path, run: str | None = None) -> dict[str, tuple[str, str]]:
+    """As :func:`registered_urls`, each URL with the run and rank its record names."""
     records, _ = read_records(root)
     if not records and any(root.glob("rank-*.json")):  # ``root`` is one run's directory
         records = [r for r in read_records(root.parent)[0] if _in_directory(r, root)]
     this_boot = boot_id()
-    urls = []
+    urls: dict[str, tuple[str, str]] = {}
     for record in sorted(records, key=lambda r: (r.run, r.rank)):
         if run is not None and record.run != run:
             continue
@@ -97,7 +103,7 @@ def registered_urls(root: Path, run: str | None = None) -> list[str]:
             continue
         if record.boot_id and this_boot and record.boot_id != this_boot:
             continue  # from before a reboot: nothing serves there any more
-        urls.append(record.metrics_url)
+        urls[record.metrics_url] = (record.run, str(record.rank))
     return urls
 
 
@@ -136,19 +142,24 @@ def scrape_status(
     timeout: float = 5.0,
     credentials: Credentials = Credentials(),  # noqa: B008 - frozen, so one shared default is safe
     clock: Callable[[], float] = time.time,
+    names: Mapping[str, tuple[str, str]] | None = None,
 ) -> list[RankStatus]:
-    """One status per URL; a URL that does not answer is a status with ``error`` set."""
+    """One status per URL; a URL that does not answer is a status with ``error`` set, named
+    by ``names`` (URL to run and rank, from the run directory's records) when given."""
     statuses = []
     for url in urls:
+        run, rank = (names or {}).get(url, ("?", "?"))
         try:
             samples = _scrape(url, timeout, credentials)
         except urllib.error.HTTPError as error:  # before URLError, its base class
             hint = " (see --basic-auth-file)" if error.code == 401 else ""
-            statuses.append(RankStatus(url=url, error=f"HTTP {error.code} {error.reason}{hint}"))
+            problem = f"HTTP {error.code} {error.reason}{hint}"
+            statuses.append(RankStatus(url=url, run=run, rank=rank, error=problem))
             continue
         except (OSError, ValueError, urllib.error.URLError) as error:
             reason = getattr(error, "reason", None) or error
-            statuses.append(RankStatus(url=url, error=f"{type(error).__name__}: {reason}"))
+            statuses.append(RankStatus(url=url, run=run, rank=rank,
+                                       error=f"{type(error).__name__}: {reason}"))  # fmt: skip
             continue
         statuses.extend(_statuses(url, samples, clock()))
     return statuses
@@ -161,7 +172,7 @@ def format_table(statuses: Sequence[RankStatus]) -> str:
     rows = [header]
     for status in statuses:
         if status.error is not None:
-            rows.append(("?", "?", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-",
+            rows.append((status.run, status.rank, "-", "-", "-", "-", "-", "-", "-", "-", "-", "-",
                          f"UNREACHABLE {status.url}: {status.error}"))  # fmt: skip
             continue
         rows.append((
