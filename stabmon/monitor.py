@@ -659,6 +659,29 @@ class Monitor:
                 self._timer.exit_named()
             self._judge_waiting()
 
+    def mark_forward(self) -> None:
+        """A training step's forward pass begins now; the time before it was input wait.
+
+        The model's own forward hooks mark this when the loop calls ``model(...)``. For
+        trainers that run the step through another method of the model (Lightning's
+        ``training_step`` calling submodules), the adapter marks it instead.
+        """
+        if self._detached or not torch.is_grad_enabled():
+            return
+        with self._guard.contain("hooks"):
+            self._timer.forward_start()
+
+    def mark_backward(self) -> None:
+        """The backward pass begins now: the time since the forward began was the forward's.
+
+        A no-op when the model's forward hooks have already ended the forward pass.
+        """
+        if self._detached:
+            return
+        with self._guard.contain("hooks"):
+            if self._timer.phase == "forward":
+                self._timer.forward_end()
+
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint must carry so a resumed run keeps its numbering and baselines.
 

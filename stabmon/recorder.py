@@ -236,8 +236,10 @@ class Recorder:
         self.anomaly(
             "stall",
             step,
+            # Step numbers are 0-based step indices (docs/steps.md): ``step`` steps have
+            # completed, so the step that hangs is step ``step``.
             f"no step completed for {report.silent_seconds:.1f} s (limit "
-            f"{report.limit_seconds:.1f} s) after step {step}, in phase {report.phase!r}; "
+            f"{report.limit_seconds:.1f} s): step {step} hangs, in phase {report.phase!r}; "
             "every thread's stack is in the event log",
             phase=report.phase,
             silent_seconds=round(report.silent_seconds, 3),

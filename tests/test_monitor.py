@@ -80,13 +80,13 @@ def test_monitor_is_a_context_manager_that_detaches(tmp_path: Path) -> None:
     assert not model._forward_pre_hooks
 
 
-def test_detach_stops_every_thread_within_a_second(attach: MonitorFactory) -> None:
+def test_detach_stops_every_thread_without_waiting_out_their_intervals(
+    attach: MonitorFactory,
+) -> None:
     import threading
 
     monitor = attach(tiny_model(), _sgd(tiny_model()), sample_seconds=3600)
-    started = time.monotonic()
-    monitor.detach()
-    assert time.monotonic() - started < 1.0
+    monitor.detach()  # a detach that waited out the sampler's hour would hang here
     names = {thread.name for thread in threading.enumerate()}
     assert not {"stabmon-watchdog", "stabmon-sampler"} & names
 
@@ -501,9 +501,11 @@ def test_steps_durations_and_phases_are_exported(attach: MonitorFactory) -> None
     model = tiny_model()
     optimizer = _sgd(model)
     monitor = attach(model, optimizer)
+    started = time.time()
     for _ in range(5):
         time.sleep(0.02)  # input wait
         train_step(model, optimizer, monitor)
+    ended = time.time()
     with monitor.phase("eval"):
         time.sleep(0.05)
     samples = scrape(monitor.metrics_url)
@@ -515,7 +517,7 @@ def test_steps_durations_and_phases_are_exported(attach: MonitorFactory) -> None
     for phase in ("data_wait", "forward", "backward", "optimizer"):
         assert value(samples, "stabmon_phase_seconds_total", phase=phase) > 0
     last = value(samples, "stabmon_last_step_timestamp_seconds")
-    assert last is not None and abs(time.time() - last) < 5
+    assert last is not None and started <= last <= ended
 
 
 def test_track_times_the_loader_and_marks_epochs(attach: MonitorFactory) -> None:
