@@ -239,6 +239,38 @@ class Config(_Section):
         default=0.02,
         metadata=_meta("EMA weight of the spike statistics.", gt=0, lt=1),
     )
+    loss_spike_min_delta: float = field(
+        default=1e-4,
+        metadata=_meta(
+            "A loss spike must also exceed the running mean by this much (absolute): the float "
+            "noise of a converged loss is no spike, whatever its z-score.",
+            ge=0,
+        ),
+    )
+    loss_spike_min_ratio: float = field(
+        default=1.2,
+        metadata=_meta(
+            "A loss spike must also be at least this multiple of the running mean (when it is "
+            "positive).",
+            ge=1,
+        ),
+    )
+    grad_spike_min_ratio: float = field(
+        default=3.0,
+        metadata=_meta(
+            "A gradient-norm spike must also be at least this multiple of the running "
+            "(geometric) mean of the pre-clip norm.",
+            ge=1,
+        ),
+    )
+    spike_episode_gap: int = field(
+        default=20,
+        metadata=_meta(
+            "Spikes (and non-finite values) less than this many measured values apart are one "
+            "episode: one anomaly, one record.",
+            ge=1,
+        ),
+    )
     leak_threshold: float = field(
         default=0.03,
         metadata=_meta(

@@ -237,7 +237,7 @@ class HookSet:
         self._model = model
         self._optimizer = optimizer
         self._scaler = scaler
-        self._handles: list[RemovableHandle] = []
+        self._handles: list[RemovableHandle | Any] = []
         self._scaler_update: Any = None
         self._token = _Token()
         _ATTACHED[model] = weakref.ref(self._token)
@@ -270,6 +270,10 @@ class HookSet:
             self._scaler_update = self._scaler.__dict__.get("update", _MISSING)
             original = getattr(self._scaler, "update")  # noqa: B009 - the bound method, wrapped
             self._scaler.__dict__["update"] = _WrappedUpdate(original, hooks.scaler_update)
+
+    def keep(self, handle: Any) -> None:
+        """Remove ``handle`` (anything with ``remove()``, e.g. a clip watch) with the hooks."""
+        self._handles.append(handle)
 
     def remove(self) -> None:
         """Remove every hook and release the model and optimizer for another Monitor."""

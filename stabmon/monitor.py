@@ -46,6 +46,7 @@ from prometheus_client import CollectorRegistry
 
 from stabmon import __version__
 from stabmon.background import PeriodicThread
+from stabmon.clipping import watch_clipping
 from stabmon.config import Config, load_config
 from stabmon.contract import INTERNAL_COMPONENTS, PHASES
 from stabmon.detectors.dead import DeadGradients
@@ -133,7 +134,7 @@ class _GradTag(NamedTuple):
 class _ValueTag(NamedTuple):
     """Built with ``_tuple_new`` on the hot path (see :class:`~stabmon.probes.grads.GradSample`)."""
 
-    kind: Literal["loss", "scale"]
+    kind: Literal["loss", "scale", "clip"]
     step: int
 
 
@@ -285,8 +286,14 @@ class Monitor:
         self._param_signature = _param_signature(optimizer)
         self._measure_every = cfg.measure_every
         self._window_steps = cfg.window_steps
+        # A measurement taken by a clip call before the step it belongs to (pre-clip norms):
+        # (steps completed when taken, sample, layout), used by that step's pre-hook.
+        self._preclip: tuple[int, Any, GradLayout] | None = None
+        # Lightning measures at on_before_optimizer_step, before it clips: its clip belongs
+        # to the step just measured (set by the adapter through _clips_after_measuring()).
+        self._clip_after_measure = False
         with self._guard.contain("grads"):
-            self._grads = _build_grad_probe(model, optimizer, cfg)
+            self._grads = _build_grad_probe(model, optimizer, cfg, self._limiter)
         self._placement: PlacementWatch | None = None
         if cfg.device_check != "off":
             named = list(unwrap_model(model).named_parameters())
@@ -417,6 +424,14 @@ class Monitor:
                 f"cannot install hooks on {type(model).__name__}: {error}; attach to the "
                 "Python nn.Module before scripting it"
             ) from error
+        with self._guard.contain("hooks"):
+            # Held weakly by the clip wrappers; removed with the hooks.
+            this = weakref.ref(self)
+            self._resources.hooks.keep(
+                watch_clipping(
+                    functools.partial(_owns_param, this), functools.partial(_clip_seen, this)
+                )
+            )
         environment = self._describe_environment(probe)
         self._recorder.write(
             "attach",
@@ -726,22 +741,63 @@ class Monitor:
         if self._readings.steps % self._measure_every:
             return
         try:
-            groups = optimizer.param_groups
-            count = 0
-            for group in groups:  # _param_signature, inlined: this runs every measured step
-                count += len(group["params"])
-            probe = self._grads
-            if (len(groups), count) != self._param_signature or probe is None:
-                self._param_signature = (len(groups), count)  # add_param_group(): measure anew
-                probe = self._grads = _build_grad_probe(self._model, optimizer, self.config)
-            sample = probe.measure()
+            preclip = self._preclip
+            if preclip is not None and preclip[0] == self._readings.steps:
+                # Measured by this step's clip call, before clipping scaled the gradients.
+                self._preclip = None
+                sample, layout = preclip[1], preclip[2]
+            else:
+                groups = optimizer.param_groups
+                count = 0
+                for group in groups:  # _param_signature, inlined: this runs every measured step
+                    count += len(group["params"])
+                probe = self._current_probe(optimizer, groups, count)
+                sample = probe.measure()
+                layout = probe.layout  # measure() rebuilt it first if the model moved
             if sample is not None:
-                # measure() rebuilt the layout first if the model moved: this is the sample's
-                tag = _tuple_new(_GradTag, (self._recorder.global_step, probe.layout))
+                tag = _tuple_new(_GradTag, (self._recorder.global_step, layout))
                 with self._judging:
                     self._readback.submit(tag, sample.packed)
         except Exception as error:
             self._guard.record("grads", error)
+
+    def _current_probe(
+        self, optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]], count: int
+    ) -> GradProbe:
+        probe = self._grads
+        if (len(groups), count) != self._param_signature or probe is None:
+            self._param_signature = (len(groups), count)  # add_param_group(): measure anew
+            probe = self._grads = _build_grad_probe(
+                self._model, optimizer, self.config, self._limiter
+            )
+        return probe
+
+    def _on_clip(self, params: Any, max_norm: float) -> None:
+        """A clip of our parameters is about to scale the gradients: measure them first.
+
+        The measurement is the one the step pre-hook would take (moved earlier, same cost);
+        ``max_norm`` goes to the recorder for the clip coefficient. Never a sync.
+        """
+        try:
+            step = self._recorder.global_step
+            if self._clip_after_measure:
+                step = max(step - 1, 0)  # Lightning: the step was measured (and counted) already
+            elif self._readings.steps % self._measure_every == 0:
+                groups = self._optimizer.param_groups
+                count = sum(len(group["params"]) for group in groups)
+                probe = self._current_probe(self._optimizer, groups, count)
+                sample = probe.measure()
+                self._preclip = (
+                    None if sample is None else (self._readings.steps, sample, probe.layout)
+                )
+            with self._judging:
+                self._readback.submit(_tuple_new(_ValueTag, ("clip", step)), [max_norm])
+        except Exception as error:
+            self._guard.record("grads", error)
+
+    def _clips_after_measuring(self) -> None:
+        """For adapters that step the Monitor before the framework clips (Lightning)."""
+        self._clip_after_measure = True
 
     def _on_step_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         now = self._judged_at  # if the timer fails: collect, and judge at the next due step
@@ -770,6 +826,7 @@ class Monitor:
             self._steps_at_update = self._readings.steps
             if not stepped:
                 self._timer.iteration_skipped()  # the step hooks never ran
+                self._preclip = None  # measured by a clip whose step was skipped
             step = self._recorder.global_step - (1 if stepped else 0)
             scale = scale_tensor(self._scaler)
             with self._judging:
@@ -889,6 +946,8 @@ class Monitor:
                     self._judge_dead(tag.step, summary)
                 elif tag.kind == "loss":
                     self._recorder.loss(tag.step, values[0])
+                elif tag.kind == "clip":
+                    self._recorder.clip(tag.step, values[0])
                 else:
                     self._recorder.scale(tag.step, values[0])
             except Exception as error:
@@ -920,7 +979,9 @@ class Monitor:
             self._recorder.epoch(samples, peaks)
             self._start_snapshot()
             if self._grads is not None and self._grads.trainable_changed():
-                self._grads = _build_grad_probe(self._model, self._optimizer, self.config)
+                self._grads = _build_grad_probe(
+                    self._model, self._optimizer, self.config, self._limiter
+                )
 
     def _start_snapshot(self) -> None:
         """When the leak rule holds on a CUDA device, record its allocator (if configured)."""
@@ -1006,6 +1067,19 @@ def _record_exit(registration: weakref.ref[Registration]) -> None:
             pass  # the daemon then sees a process that vanished: reported as down
 
 
+def _owns_param(monitor: weakref.ref[Monitor], param: torch.Tensor) -> bool:
+    """Whether ``param`` is measured by the Monitor (held weakly by the clip wrappers)."""
+    target = monitor()
+    probe = None if target is None or target._detached else target._grads
+    return probe is not None and probe.owns(param)
+
+
+def _clip_seen(monitor: weakref.ref[Monitor], params: Any, max_norm: float) -> None:
+    target = monitor()
+    if target is not None:
+        target._on_clip(params, max_norm)
+
+
 def _param_signature(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
     """Cheap per-step check for ``add_param_group``: group count and parameter count."""
     groups = optimizer.param_groups
@@ -1013,9 +1087,13 @@ def _param_signature(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
 
 
 def _build_grad_probe(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Config
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Config, limiter: LogLimiter
 ) -> GradProbe:
-    """A probe over the optimizer's trainable parameters, named from the (unwrapped) model."""
+    """A probe over the optimizer's trainable parameters, named from the (unwrapped) model.
+
+    Complex-valued parameters are left out (logged once): their norms are not comparable
+    with the real ones, and the fused kernel takes one dtype per bucket.
+    """
     names = {id(param): name for name, param in unwrap_model(model).named_parameters()}
     named: list[tuple[str, torch.Tensor]] = []
     seen: set[int] = set()
@@ -1024,6 +1102,15 @@ def _build_grad_probe(
             if id(param) in seen or not param.requires_grad:
                 continue
             seen.add(id(param))
+            if param.is_complex():
+                limiter.once(
+                    "complex-param",
+                    logging.WARNING,
+                    "stabmon: parameter %s is complex-valued; its gradient is left out of the "
+                    "gradient norms (the others are measured; logged once)",
+                    names.get(id(param), f"group{group_index}.param{param_index}"),
+                )
+                continue
             named.append((names.get(id(param), f"group{group_index}.param{param_index}"), param))
     return GradProbe(
         named,

@@ -27,6 +27,7 @@ from typing import Any
 
 from stabmon.config import Config
 from stabmon.detectors.dead import DeadReport, module_of
+from stabmon.detectors.episodes import EpisodeChange, Episodes
 from stabmon.detectors.leak import LeakDetector
 from stabmon.detectors.spike import Spike, SpikeDetector
 from stabmon.detectors.stall import StallReport
@@ -61,6 +62,15 @@ class Recorder:
         self.step_offset = 0
         self._loss_spikes, self._grad_spikes = self._new_spike_detectors()
         self._leaks: dict[str, LeakDetector] = {}
+        # Non-finite gradients and losses: one anomaly per episode, not one per step.
+        self._nonfinite_grad_episodes = Episodes(config.spike_episode_gap)
+        self._nonfinite_loss_episodes = Episodes(config.spike_episode_gap)
+        self._nonfinite_groups: set[str] = set()
+        # Clip coefficient: the clip's max_norm and the pre-clip total of the same step may
+        # come in either order (a plain loop clips before its step is measured, Lightning after).
+        self._clip_limit: tuple[int, float] | None = None
+        self._measured_total: tuple[int, float] | None = None
+        self._clip_judged = -1
         self._scale = ScaleTracker()
         #: step_sample records; the Monitor closes their step-time windows at step ends.
         self.sampler = StepSampler(config.sample_every, readings, self.write)
@@ -80,19 +90,32 @@ class Recorder:
         self._readings.grads = summary  # group sums are computed when a scrape reads them
         if step >= self.sampler.due:  # between samples: this comparison is all
             self.sampler.grads(step, summary.total_norm, summary.group_norms)
+        change = self._nonfinite_grad_episodes.update(step, bad=summary.nonfinite)
         if summary.nonfinite:
             self._readings.nonfinite_grad_steps += 1
+            groups = sorted(
+                group for group, norm in summary.group_norms.items() if not math.isfinite(norm)
+            )
+            if change is None:  # the episode goes on: one record for all of it
+                self._nonfinite_groups.update(groups)
+                return
+            self._nonfinite_groups = set(groups)
             names = offenders(summary)
             self.anomaly(
                 "nonfinite_grad",
                 step,
-                f"non-finite gradient norm {summary.total_norm} at step {step}; first offending "
-                f"parameters: {', '.join(names) or 'unknown'}",
+                f"non-finite gradient norm {summary.total_norm} at step {step} in module "
+                f"group(s) {', '.join(groups) or 'unknown'}; further non-finite steps of this "
+                "episode are counted, not recorded again",
                 grad_norm=summary.total_norm,
+                modules=groups,
                 parameters=names,
-                modules=sorted({name.rsplit(".", 1)[0] for name in names}),
             )
             return
+        if change is not None:
+            self._episode_end("nonfinite_grad", change, modules=sorted(self._nonfinite_groups))
+        self._measured_total = (step, summary.total_norm)
+        self._judge_clip()
         spike = self._grad_spikes.update(summary.total_norm)
         if spike is not None:
             self._spike("grad_spike", "gradient norm", "grad_norm", step, spike)
@@ -102,15 +125,56 @@ class Recorder:
         readings.loss = value
         if step >= self.sampler.due:
             self.sampler.loss(step, value)
+        change = self._nonfinite_loss_episodes.update(step, bad=not math.isfinite(value))
         if not math.isfinite(value):
             readings.nonfinite_losses += 1
-            self.anomaly(
-                "nonfinite_loss", step, f"non-finite loss {value} at step {step}", loss=value
-            )
+            if change is not None:
+                self.anomaly(
+                    "nonfinite_loss",
+                    step,
+                    f"non-finite loss {value} at step {step}; further non-finite losses of this "
+                    "episode are counted, not recorded again",
+                    loss=value,
+                )
             return
+        if change is not None:
+            self._episode_end("nonfinite_loss", change)
         spike = self._loss_spikes.update(value)
         if spike is not None:
             self._spike("loss_spike", "loss", "loss", step, spike)
+
+    def clip(self, step: int, max_norm: float) -> None:
+        """The ``max_norm`` of the clip call of ``step`` (its pre-clip total comes from grads)."""
+        self._clip_limit = (step, max_norm)
+        self._judge_clip()
+
+    def _judge_clip(self) -> None:
+        limit, measured = self._clip_limit, self._measured_total
+        if measured is None:
+            return
+        step, total = measured
+        if step == self._clip_judged:
+            return
+        readings = self._readings
+        if limit is None or limit[0] != step:
+            readings.grad_clip_coefficient = 1.0  # not clipped (yet: a later clip may say so)
+            return
+        self._clip_judged = step
+        # What torch's clip_grad_norm_ multiplies the gradients by.
+        coefficient = min(1.0, limit[1] / (total + 1e-6))
+        readings.grad_clip_coefficient = coefficient
+        if coefficient < 1.0:
+            readings.grad_clipped_steps += 1
+
+    def _episode_end(self, kind: str, change: EpisodeChange, **details: Any) -> None:
+        self.write(
+            f"{kind}_end",
+            step=change.last_step,
+            first_step=change.first_step,
+            last_step=change.last_step,
+            count=change.count,
+            **details,
+        )
 
     def _spike(self, kind: str, what: str, field: str, step: int, spike: Spike) -> None:
         if spike.run_length != 1:  # one incident, one anomaly
@@ -127,9 +191,20 @@ class Recorder:
 
     def dead(self, step: int, report: DeadReport, by_group: Mapping[str, int]) -> None:
         """Dead branches: name the modules whose gradients stayed exactly zero for a window."""
+        before = {group for group, count in self._readings.dead_grad_params.items() if count}
         self._readings.dead_grad_params = dict(by_group)
         if report.newly_dead:
             modules = sorted({module_of(name) or "(root)" for name in report.newly_dead})
+            groups = sorted(group for group, count in by_group.items() if count)
+            if set(groups) - before:  # a module group newly dead: one anomaly per episode
+                self.anomaly(
+                    "dead_grad",
+                    step,
+                    f"gradients of module group(s) {', '.join(groups)} have been exactly zero "
+                    f"for {self._config.dead_grad_steps} measured steps at step {step}",
+                    modules=groups,
+                    parameters=list(report.newly_dead[:20]),
+                )
             self.write(
                 "dead_gradients",
                 step=step,
@@ -253,8 +328,14 @@ class Recorder:
     # --- records ------------------------------------------------------------------------------
 
     def flush_sample(self) -> None:
-        """Write the step sample still waiting for a value (at detach)."""
+        """Write the step sample still waiting for a value, and end open episodes (at detach)."""
         self.sampler.flush()
+        change = self._nonfinite_grad_episodes.close()
+        if change is not None:
+            self._episode_end("nonfinite_grad", change, modules=sorted(self._nonfinite_groups))
+        change = self._nonfinite_loss_episodes.close()
+        if change is not None:
+            self._episode_end("nonfinite_loss", change)
 
     def anomaly(self, kind: str, step: int, message: str, **details: Any) -> None:
         self._readings.count_anomaly(kind)
@@ -317,10 +398,17 @@ class Recorder:
         """Loss (linear) and gradient-norm (log scale: norms vary multiplicatively) detectors."""
         cfg = self._config
         threshold, warmup, alpha = cfg.spike_threshold, cfg.spike_warmup_steps, cfg.spike_ema_alpha
+        gap = cfg.spike_episode_gap
         return (
-            SpikeDetector(threshold=threshold, warmup=warmup, alpha=alpha),
-            SpikeDetector(threshold=threshold, warmup=warmup, alpha=alpha, log_scale=True),
-        )
+            SpikeDetector(
+                threshold=threshold, warmup=warmup, alpha=alpha, min_delta=cfg.loss_spike_min_delta,
+                min_ratio=cfg.loss_spike_min_ratio, episode_gap=gap,
+            ),
+            SpikeDetector(
+                threshold=threshold, warmup=warmup, alpha=alpha, log_scale=True,
+                min_ratio=cfg.grad_spike_min_ratio, episode_gap=gap,
+            ),
+        )  # fmt: skip
 
     def _leak_detector(self, label: str) -> LeakDetector:
         detector = self._leaks.get(label)
