@@ -710,6 +710,7 @@ class Monitor:
                 self._guard.record("hooks", error)
         if not torch.is_grad_enabled():
             return  # evaluation or inference: not part of a training step
+        self._preclip = None  # new gradients are coming: a clip measured before is stale
         try:
             self._timer.forward_start()
         except Exception as error:
