@@ -708,8 +708,13 @@ class Monitor:
                 raise  # device_check: raise asked for it, before PyTorch's vaguer error
             except Exception as error:
                 self._guard.record("hooks", error)
-        if not torch.is_grad_enabled():
-            return  # evaluation or inference: not part of a training step
+        if not torch.is_grad_enabled() or not module.training:
+            # Evaluation or inference: not part of a training step, but progress.
+            try:
+                self._timer.eval_forward()
+            except Exception as error:
+                self._guard.record("hooks", error)
+            return
         self._preclip = None  # new gradients are coming: a clip measured before is stale
         try:
             self._timer.forward_start()
@@ -717,7 +722,7 @@ class Monitor:
             self._guard.record("hooks", error)
 
     def _on_forward_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or not module.training:
             return
         try:
             self._timer.forward_end()

@@ -11,7 +11,11 @@ With gradient accumulation, the stretch from one micro-batch's forward end to
 the next forward start is ``backward`` (it holds the backward pass and the next
 batch's fetch); only the wait before a step's first forward is ``data_wait``.
 Named phases (``with mon.phase("eval")``) take all the time inside them, and
-the hook boundaries they contain are ignored.
+the hook boundaries they contain are ignored. A forward outside training (under
+``torch.no_grad()``/``inference_mode()``, or of a model in ``eval()`` mode) outside
+a named phase enters an automatic ``eval`` phase: it keeps the heartbeat alive (an
+evaluation that nobody wrapped in ``mon.phase`` is no stall), its time is ``eval``
+rather than ``data_wait``, and a stall inside it is reported in phase ``eval``.
 
 These are host timestamps. On CUDA they measure when the host got there, not
 when the device finished: a sync-free loop runs ahead of the device, so host
@@ -36,6 +40,8 @@ _DATA_WAIT = "data_wait"
 _FORWARD = "forward"
 _BACKWARD = "backward"
 _OPTIMIZER = "optimizer"
+#: The automatic phase of forwards outside training (see the module docstring).
+EVAL_PHASE = "eval"
 
 
 class LoopTimer:
@@ -96,6 +102,8 @@ class LoopTimer:
             if not self._loader_tracked and self._last_step_end is not None:
                 self._readings.data_wait.observe(elapsed)
             self.in_iteration = True
+        elif state == EVAL_PHASE:
+            self.in_iteration = True  # training resumes after an evaluation
         self.forward_seen = True
         phases = self._phases
         phases[state] = phases.get(state, 0.0) + elapsed
@@ -104,6 +112,24 @@ class LoopTimer:
         self._loader_seconds = 0.0
         if self._device_mark is not None:
             self._device_mark(_FORWARD, False)
+
+    def eval_forward(self) -> None:
+        """A forward outside training and outside named phases: the automatic ``eval`` phase.
+
+        Each one is progress for the heartbeat, so an unwrapped evaluation is no stall.
+        """
+        if self._named:
+            return
+        now = self._clock()
+        if self._state != EVAL_PHASE:
+            phases = self._phases
+            phases[self._state] = phases.get(self._state, 0.0) + (now - self._mark)
+            self._mark = now
+            self._loader_seconds = 0.0
+            self._state = self._heartbeat.phase = EVAL_PHASE
+            if self._device_mark is not None:
+                self._device_mark(EVAL_PHASE, False)
+        self._heartbeat.progress(now)
 
     def forward_end(self) -> None:
         if self._named:
