@@ -73,7 +73,7 @@ from stabmon.probes.loader import WorkerWatch, loader_problem
 from stabmon.probes.memory import HostMemory, MemorySampler, cuda_devices
 from stabmon.probes.memory_snapshot import SnapshotRecorder
 from stabmon.probes.placement import Misplaced, PlacementWatch
-from stabmon.probes.timing import LoopTimer, timed_iteration
+from stabmon.probes.timing import LoopTimer, TrackedLoader, timed_iteration
 from stabmon.readback import Readback
 from stabmon.readings import Readings
 from stabmon.recorder import Recorder
@@ -216,6 +216,13 @@ class Monitor:
         config: str | os.PathLike[str] | Mapping[str, Any] | Config | None = None,
         **overrides: Any,
     ) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise StabmonError(
+                f"attach() needs the torch.optim.Optimizer whose step() ends each training "
+                f"step, got {type(optimizer).__name__}. A loop that updates parameters by hand "
+                "can pass torch.optim.SGD(model.parameters(), lr=0.0) and call its step() after "
+                "each update (lr=0 changes nothing); stabmon measures the gradients there"
+            )
         self.config: Config = load_config(config, overrides)
         identity = process_identity(os.environ)
         self.run_id: str = self.config.run_id or default_run_id(os.environ)
@@ -564,13 +571,18 @@ class Monitor:
                 step -= 1  # observed after the step it belongs to
             tag = _tuple_new(_ValueTag, ("loss", step))
             if isinstance(loss, torch.Tensor):
+                if loss.is_complex():
+                    raise TypeError(
+                        "observe() got a complex-valued loss; pass a real loss (its real part or "
+                        "abs()); complex losses are skipped"
+                    )
                 value = loss if loss.numel() == 1 else loss.detach().float().mean()
                 if value.is_cpu:  # host memory: no device to wait for
                     host: torch.Tensor | list[float] = [value.item()]
                 else:
                     host = value.detach().reshape(1).double()
             else:
-                host = [float(loss)]  # through the queue too: in order with the rest
+                host = [float(loss)]  # through the queue too (a complex raises here: skipped)
             with self._judging:
                 waiting = self._readback.submit(tag, host)
                 if not self._judge_seconds or waiting >= MAX_WAITING_RESULTS:
@@ -592,11 +604,12 @@ class Monitor:
             return  # track() closed this very epoch a moment ago: the same boundary, once
         self._close_epoch()
 
-    def track(self, loader: Iterable[T]) -> Iterator[T]:
+    def track(self, loader: Iterable[T]) -> TrackedLoader[T]:
         """Iterate ``loader``, timing the input wait; its exhaustion marks an epoch end.
 
         A pass in which no optimizer step happened (a validation loader) marks
-        no epoch, and neither does any pass once ``epoch_end()`` is called.
+        no epoch, and neither does any pass once ``epoch_end()`` is called. The
+        result keeps the loader's ``len()`` and attributes (``.dataset``, ``.sampler``).
         """
         self._timer.track_loader()
         self._loader_marks_epochs = True
@@ -604,6 +617,30 @@ class Monitor:
             problem = loader_problem(loader)
             if problem is not None:
                 self._limiter.once("loader:timeout", logging.WARNING, "stabmon: %s", problem)
+        return TrackedLoader(loader, functools.partial(self._timed_pass, loader))
+
+    @contextlib.contextmanager
+    def data_wait(self) -> Iterator[None]:
+        """Time the block as input wait: for loops that fetch batches with a function.
+
+        Example (a GPT-style loop without a DataLoader)::
+
+            with mon.data_wait():
+                x, y = get_batch("train")
+
+        A fetch in the middle of an iteration (the next micro-batch, fetched between
+        forward and backward) is taken out of that phase and booked as ``data_wait``.
+        """
+        timer = self._timer
+        timer.track_loader()  # from now on input wait is what these blocks time
+        start = timer.clock()
+        try:
+            yield
+        finally:
+            self._loader_wait(timer.clock() - start)
+
+    def _timed_pass(self, loader: Iterable[T]) -> Iterator[T]:
+        """One timed pass over ``loader`` (each ``iter()`` of what ``track()`` returned)."""
         steps_at_start = self._readings.steps
 
         def exhausted() -> None:
