@@ -293,6 +293,8 @@ class Monitor:
         self._param_signature = _param_signature(optimizer)
         self._measure_every = cfg.measure_every
         self._window_steps = cfg.window_steps
+        self._leak_sample_steps = cfg.leak_sample_steps
+        self._leak_warmup_steps = cfg.leak_trend_warmup_steps
         # A measurement taken by a clip call before the step it belongs to (pre-clip norms):
         # (steps completed when taken, sample, layout), used by that step's pre-hook.
         self._preclip: tuple[int, Any, GradLayout] | None = None
@@ -861,6 +863,18 @@ class Monitor:
             self._user_marks_epochs or self._loader_marks_epochs
         ):
             self._close_epoch()
+        steps = self._readings.steps
+        if steps % self._leak_sample_steps == 0 and steps > self._leak_warmup_steps:
+            self._sample_memory_trend()
+
+    def _sample_memory_trend(self) -> None:
+        """Every ``leak_sample_steps`` steps: memory for the trend leak rule (any loop shape)."""
+        with self._guard.contain("memory"):
+            samples = self._memory.trend_samples()
+            with self._judging:
+                self._recorder.memory_trend(
+                    samples, self._memory.limits, self._heartbeat.median_step_seconds()
+                )
 
     def _on_scaler_update(self) -> None:
         """After ``GradScaler.update()``: read the new scale; close a skipped iteration."""

@@ -31,6 +31,7 @@ from stabmon.detectors.episodes import EpisodeChange, Episodes
 from stabmon.detectors.leak import LeakDetector
 from stabmon.detectors.spike import Spike, SpikeDetector
 from stabmon.detectors.stall import StallReport
+from stabmon.detectors.trend import MemoryTrend, TrendVerdict
 from stabmon.errors import StabmonError
 from stabmon.export.event_log import EventLog, StepSampler
 from stabmon.log import LOGGER, LogLimiter
@@ -62,6 +63,11 @@ class Recorder:
         self.step_offset = 0
         self._loss_spikes, self._grad_spikes = self._new_spike_detectors()
         self._leaks: dict[str, LeakDetector] = {}
+        self._trends: dict[str, MemoryTrend] = {}
+        # Labels whose leak was reported and still holds (by either rule): one anomaly per leak.
+        self._leak_reported: set[str] = set()
+        self._epoch_suspected: dict[str, bool] = {}
+        self._trend_suspected: dict[str, bool] = {}
         # Non-finite gradients and losses: one anomaly per episode, not one per step.
         self._nonfinite_grad_episodes = Episodes(config.spike_episode_gap)
         self._nonfinite_loss_episodes = Episodes(config.spike_episode_gap)
@@ -275,8 +281,10 @@ class Recorder:
             drift[label] = verdict.drift
             if verdict.drift is not None:
                 readings.memory_drift[label] = verdict.drift
-            readings.memory_leak_suspected[label] = int(verdict.suspected)
-            if verdict.newly_suspected:
+            if self._config.leak_rule == "trend":
+                continue
+            self._epoch_suspected[label] = verdict.suspected
+            if not self._leak_holds(label) and verdict.newly_suspected:
                 cfg = self._config
                 self.anomaly(
                     "memory_leak",
@@ -302,6 +310,81 @@ class Recorder:
             anomalies={kind: n for kind, n in readings.anomalies.items() if n},
         )
         readings.epoch = epoch + 1
+
+    def memory_trend(
+        self,
+        samples: Mapping[str, float],
+        limits: Callable[[], Mapping[str, float]],
+        step_seconds: float | None,
+    ) -> None:
+        """Memory samples taken every ``leak_sample_steps`` steps: the trend rule, drift in loops
+        whose epochs never end, and the time-to-exhaustion estimate."""
+        cfg = self._config
+        readings = self._readings
+        step = self.global_step
+        for label, value in samples.items():
+            trend = self._trends.get(label)
+            if trend is None:
+                trend = self._trends[label] = MemoryTrend(
+                    bucket=cfg.leak_trend_bucket, window=cfg.leak_trend_window,
+                    min_floors=cfg.leak_trend_window // 2, z_threshold=cfg.leak_trend_z,
+                    min_growth=cfg.leak_trend_min_growth,
+                )  # fmt: skip
+            verdict = trend.update(value)
+            if verdict is None:
+                continue
+            if trend.baseline and label not in readings.epoch_memory:  # no epoch ended yet
+                readings.memory_drift[label] = (verdict.floor - trend.baseline) / trend.baseline
+            self._exhaustion(label, value, verdict, limits, step_seconds)
+            if cfg.leak_rule == "epoch_windows":
+                continue
+            reported = self._leak_holds(label)
+            self._trend_suspected[label] = verdict.suspected
+            if verdict.newly_suspected and not reported:
+                self.anomaly(
+                    "memory_leak",
+                    step,
+                    f"memory on {label} keeps growing: {verdict.growth:+.1%} over the last "
+                    f"{cfg.leak_trend_window} floors of {cfg.leak_trend_bucket} samples "
+                    f"(Mann-Kendall z={verdict.zscore:.1f}, "
+                    f"{verdict.slope / cfg.leak_sample_steps:.0f} bytes/step); now "
+                    f"{value / 2**20:.1f} MiB",
+                    device=label,
+                    bytes=value,
+                    rule="trend",
+                    zscore=round(verdict.zscore, 2),
+                    bytes_per_step=verdict.slope / cfg.leak_sample_steps,
+                )
+            self._leak_holds(label)
+
+    def _leak_holds(self, label: str) -> bool:
+        """Whether either rule holds for ``label`` now; keeps the suspected gauge and the
+        reported set (a leak reported by one rule is not reported again by the other)."""
+        holds = self._epoch_suspected.get(label, False) or self._trend_suspected.get(label, False)
+        self._readings.memory_leak_suspected[label] = int(holds)
+        was = label in self._leak_reported
+        if holds:
+            self._leak_reported.add(label)
+        else:
+            self._leak_reported.discard(label)
+        return was
+
+    def _exhaustion(
+        self,
+        label: str,
+        value: float,
+        verdict: TrendVerdict,
+        limits: Callable[[], Mapping[str, float]],
+        step_seconds: float | None,
+    ) -> None:
+        """Seconds until ``label`` runs out at the window's trend; +Inf while it does not grow."""
+        seconds = math.inf
+        per_step = verdict.slope / self._config.leak_sample_steps
+        if verdict.zscore >= 2.0 and per_step > 0 and step_seconds:
+            limit = limits().get(label)
+            if limit is not None:
+                seconds = max(0.0, limit - value) / (per_step / step_seconds)
+        self._readings.memory_exhaustion_seconds[label] = seconds
 
     # --- stalls (watchdog thread) -------------------------------------------------------------
 
