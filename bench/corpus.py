@@ -75,8 +75,10 @@ class Outcome:
             return False
         if self.fault == "clean":
             return True
-        return self.detected_at is not None and self.fault_step is not None and (
-            self.detected_at - self.fault_step <= DEADLINE[self.fault]
+        return (
+            self.detected_at is not None
+            and self.fault_step is not None
+            and (self.detected_at - self.fault_step <= DEADLINE[self.fault])
         )
 
 
@@ -133,7 +135,9 @@ class _Block(torch.nn.Module):
 
 
 class TinyGPT(torch.nn.Module):
-    def __init__(self, vocab: int = 64, width: int = 32, layers: int = 2, context: int = 32) -> None:
+    def __init__(
+        self, vocab: int = 64, width: int = 32, layers: int = 2, context: int = 32
+    ) -> None:
         super().__init__()
         self.tok = torch.nn.Embedding(vocab, width)
         self.pos = torch.nn.Embedding(context, width)
@@ -344,8 +348,11 @@ def _finish(
             if outcome.detected_at is None:
                 outcome.detected_at = step
             continue
-        if fault == "lr_blowup" and fault_step is not None and step > fault_step and kind in (
-            "loss_spike", "nonfinite_loss"
+        if (
+            fault == "lr_blowup"
+            and fault_step is not None
+            and step > fault_step
+            and kind in ("loss_spike", "nonfinite_loss")
         ):
             continue  # the same incident seen in the loss too
         outcome.false_positives.append({"kind": kind, "step": step, "detail": event.get("detail")})
