@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import subprocess
 import sys
 import tempfile
 import time
@@ -420,15 +421,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loops", default=",".join(LOOPS))
     parser.add_argument("--faults", default=",".join(FAULTS))
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--one", nargs=2, metavar=("LOOP", "FAULT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.one:  # one run in this process, its outcome as JSON on the last line
+        loop, fault = args.one
+        steps = args.steps if fault == "clean" else args.fault_steps
+        with tempfile.TemporaryDirectory() as run_dir:
+            outcome = run(loop, fault, steps, args.fault_step, run_dir)
+        print(json.dumps(outcome.__dict__))
+        return 0
     outcomes: list[Outcome] = []
-    with tempfile.TemporaryDirectory() as run_dir:
-        for loop in args.loops.split(","):
-            for fault in args.faults.split(","):
-                steps = args.steps if fault == "clean" else args.fault_steps
-                outcome = run(loop, fault, steps, args.fault_step, run_dir)
-                outcomes.append(outcome)
+    for loop in args.loops.split(","):
+        for fault in args.faults.split(","):
+            # Each run in its own process: memory freed by an earlier run would hide a leak
+            # in RSS until it is used up, and detector state must not carry over.
+            done = subprocess.run(
+                [sys.executable, __file__, "--one", loop, fault, "--steps", str(args.steps),
+                 "--fault-steps", str(args.fault_steps), "--fault-step", str(args.fault_step)],
+                capture_output=True, text=True, check=True,
+            )  # fmt: skip
+            outcome = Outcome(**json.loads(done.stdout.strip().splitlines()[-1]))
+            outcomes.append(outcome)
                 print(f"{loop:5s} {fault:9s} {steps:6d} steps in {outcome.seconds:6.1f} s: "
                       f"detected at {outcome.detected_at}, false positives "
                       f"{outcome.false_positives[:3]}, pre-clip {outcome.last_preclip_norm} "

@@ -256,7 +256,7 @@ class Config(_Section):
         ),
     )
     grad_spike_min_ratio: float = field(
-        default=5.0,
+        default=10.0,
         metadata=_meta(
             "A gradient-norm spike must also be at least this multiple of the running "
             "(geometric) mean of the pre-clip norm.",
