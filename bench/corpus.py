@@ -443,10 +443,10 @@ def main(argv: list[str] | None = None) -> int:
             )  # fmt: skip
             outcome = Outcome(**json.loads(done.stdout.strip().splitlines()[-1]))
             outcomes.append(outcome)
-                print(f"{loop:5s} {fault:9s} {steps:6d} steps in {outcome.seconds:6.1f} s: "
-                      f"detected at {outcome.detected_at}, false positives "
-                      f"{outcome.false_positives[:3]}, pre-clip {outcome.last_preclip_norm} "
-                      f"exported {outcome.exported_grad_norm}", flush=True)  # fmt: skip
+            print(f"{loop:5s} {fault:9s} {outcome.steps:6d} steps in {outcome.seconds:6.1f} s: "
+                  f"detected at {outcome.detected_at}, false positives "
+                  f"{outcome.false_positives[:3]}, pre-clip {outcome.last_preclip_norm} "
+                  f"exported {outcome.exported_grad_norm}", flush=True)  # fmt: skip
     print()
     print(table(outcomes))
     false_positives = sum(len(o.false_positives) for o in outcomes)
