@@ -74,8 +74,9 @@ def test_a_dead_branch_is_one_dead_grad_anomaly_naming_its_module_group(
 
 def test_episodes_end_after_the_gap_and_a_new_bad_value_starts_another() -> None:
     episodes = Episodes(gap=2)
-    changes = [episodes.update(step, bad=bad) for step, bad in enumerate([1, 1, 0, 1, 0, 0, 1])]
-    starts = [c.first_step for c in changes if c is not None and c.started]
-    ends = [(c.first_step, c.count, c.last_step) for c in changes if c is not None and not c.started]
+    values = [1, 1, 0, 1, 0, 0, 1]
+    changes = [c for step, bad in enumerate(values) if (c := episodes.update(step, bad=bool(bad)))]
+    starts = [c.first_step for c in changes if c.started]
+    ends = [(c.first_step, c.count, c.last_step) for c in changes if not c.started]
     assert starts == [0, 6]
     assert ends == [(0, 3, 3)]

@@ -34,9 +34,7 @@ def test_corpus_loop_finds_an_lr_blowup_within_two_steps_and_nothing_else(
 
 
 @pytest.mark.parametrize("loop", ["gpt", "lstm", "cnn"])
-def test_corpus_loop_exports_the_pre_clip_norm_of_its_last_step(
-    loop: str, tmp_path: Path
-) -> None:
+def test_corpus_loop_exports_the_pre_clip_norm_of_its_last_step(loop: str, tmp_path: Path) -> None:
     outcome = corpus.run(loop, "clean", 60, 0, str(tmp_path))
     assert outcome.false_positives == []
     assert outcome.exported_grad_norm == pytest.approx(outcome.last_preclip_norm, rel=1e-5)
