@@ -13,7 +13,8 @@ of allocators and RSS (page cache, arenas, a garbage collection):
 - *Theil-Sen*: the median of the pairwise slopes is the growth rate, robust to
   outliers; the rule also needs the window to have grown by ``min_growth`` of its
   median level, and its *second half* to grow too, so a warm-up that rose and then
-  flattened is not a leak.
+  flattened is not a leak. Once suspected, the suspicion holds until no upward trend is
+  left (z below half the threshold): a leak that grows in steps is one leak, not one per step.
 
 State is bounded: ``window`` floors and one bucket's running minimum.
 
@@ -141,11 +142,16 @@ class MemoryTrend:
         half = values[len(values) // 2 :]
         late_slope = theil_sen_slope(half)
         late_growth = late_slope * (len(half) - 1) / level if level > 0 else 0.0
-        holds = (
-            zscore >= self._z_threshold
-            and growth >= self._min_growth
-            and late_growth >= self._min_growth / 2
-        )
+        if self._suspected:
+            # Hysteresis: a leak that grows in steps (a batch of objects kept each epoch) has
+            # flat stretches; it is over once no trend is left at all, not at the first pause.
+            holds = zscore >= self._z_threshold / 2 and growth > 0
+        else:
+            holds = (
+                zscore >= self._z_threshold
+                and growth >= self._min_growth
+                and late_growth >= self._min_growth / 2
+            )
         newly = holds and not self._suspected
         self._suspected = holds
         # Per sample, not per floor: a floor spans ``bucket`` samples.

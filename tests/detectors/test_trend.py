@@ -86,3 +86,13 @@ def test_trend_rejects_bad_settings_with_an_example(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         MemoryTrend(**settings)  # type: ignore[arg-type]
+
+
+def test_trend_rule_reports_a_staircase_leak_once() -> None:
+    # 32 MiB kept once every 100 samples (an epoch's worth of objects), then freed.
+    series = [500 * MIB + 32 * MIB * min(i // 100, 12) for i in range(2000)]
+    series += [500 * MIB] * 1500
+    trend = MemoryTrend(bucket=10, window=24, min_floors=12)
+    verdicts = [v for value in series if (v := trend.update(value)) is not None]
+    assert [v.newly_suspected for v in verdicts].count(True) == 1
+    assert not verdicts[-1].suspected  # the leak was freed: the suspicion has ended
