@@ -248,7 +248,7 @@ class Config(_Section):
         ),
     )
     loss_spike_min_ratio: float = field(
-        default=1.2,
+        default=1.5,
         metadata=_meta(
             "A loss spike must also be at least this multiple of the running mean (when it is "
             "positive).",
