@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +14,8 @@ import torch
 from stabmon.clipping import clipping_wrapped
 from tests.conftest import MonitorFactory
 from tests.helpers import scrape, value
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _model(seed: int = 0) -> torch.nn.Module:
@@ -159,3 +165,46 @@ def test_a_clip_whose_step_is_skipped_is_not_used_for_the_next_step(
     samples = scrape(monitor.metrics_url)
     # The stale pre-clip measurement of the abandoned iteration is not this step's norm.
     assert value(samples, "stabmon_grad_norm") == pytest.approx(fresh_norm, rel=1e-5)
+
+
+_FSDP_SCRIPT = """
+import os, socket, sys, tempfile, warnings
+warnings.simplefilter("ignore")
+import torch, torch.distributed as dist
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+import stabmon
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+dist.init_process_group("gloo", rank=0, world_size=1)
+torch.manual_seed(0)
+inner = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+model = FSDP(inner, device_id=torch.device("cpu"))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+with tempfile.TemporaryDirectory() as run_dir:
+    monitor = stabmon.attach(model, optimizer, serve_metrics=False, run_dir=run_dir,
+                             judge_seconds=0)
+    (model(torch.randn(4, 8)) * 100).pow(2).mean().backward()
+    total = model.clip_grad_norm_(1.0)  # FSDP's own clipping: it computes its own total
+    optimizer.step()
+    monitor.state_dict()
+    text = generate_latest(monitor.registry).decode()
+    monitor.detach()
+dist.destroy_process_group()
+found = {f.name: f.samples[0].value for f in text_string_to_metric_families(text) if f.samples}
+print(float(total), found["stabmon_grad_norm"], found["stabmon_grad_clipped_steps"])
+"""
+
+
+@pytest.mark.slow
+def test_grad_norm_is_the_pre_clip_norm_with_fsdp_clip_grad_norm(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-c", _FSDP_SCRIPT], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    total, exported, clipped = (float(v) for v in done.stdout.split()[-3:])
+    assert total > 1.0  # the clip bit
+    assert exported == pytest.approx(total, rel=1e-5)
+    assert clipped == 1
