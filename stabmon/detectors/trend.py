@@ -32,7 +32,20 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
+
 __all__ = ["MemoryTrend", "TrendVerdict", "mann_kendall_z", "theil_sen_slope"]
+
+
+def _pairs(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Index pairs (i < j) of ``n`` values; cached, windows have one or two sizes."""
+    pairs = _PAIRS.get(n)
+    if pairs is None:
+        pairs = _PAIRS[n] = np.triu_indices(n, 1)
+    return pairs
+
+
+_PAIRS: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
 
 def mann_kendall_z(values: list[float]) -> float:
@@ -40,11 +53,9 @@ def mann_kendall_z(values: list[float]) -> float:
     n = len(values)
     if n < 3:
         return 0.0
-    s = 0
-    for i in range(n - 1):
-        head = values[i]
-        for later in values[i + 1 :]:
-            s += (later > head) - (later < head)
+    array = np.asarray(values, dtype=np.float64)
+    first, later = _pairs(n)
+    s = int(np.sign(array[later] - array[first]).sum())
     variance = n * (n - 1) * (2 * n + 5) / 18.0
     if s > 0:
         return (s - 1) / math.sqrt(variance)
@@ -55,12 +66,11 @@ def mann_kendall_z(values: list[float]) -> float:
 
 def theil_sen_slope(values: list[float]) -> float:
     """Median of the pairwise slopes (per index) of evenly spaced ``values``."""
-    slopes = [
-        (values[j] - values[i]) / (j - i)
-        for i in range(len(values) - 1)
-        for j in range(i + 1, len(values))
-    ]
-    return statistics.median(slopes) if slopes else 0.0
+    if len(values) < 2:
+        return 0.0
+    array = np.asarray(values, dtype=np.float64)
+    first, later = _pairs(len(values))
+    return float(np.median((array[later] - array[first]) / (later - first)))
 
 
 @dataclass(frozen=True)
