@@ -77,6 +77,8 @@ class Recorder:
         self._clip_limit: tuple[int, float] | None = None
         self._measured_total: tuple[int, float] | None = None
         self._clip_judged = -1
+        # A spike the clip absorbed, waiting for the next measured step to confirm it.
+        self._pending_grad_spike: tuple[int, Spike] | None = None
         self._scale = ScaleTracker()
         #: step_sample records; the Monitor closes their step-time windows at step ends.
         self.sampler = StepSampler(config.sample_every, readings, self.write)
@@ -123,7 +125,24 @@ class Recorder:
         self._measured_total = (step, summary.total_norm)
         self._judge_clip()
         spike = self._grad_spikes.update(summary.total_norm)
-        if spike is not None:
+        pending, self._pending_grad_spike = self._pending_grad_spike, None
+        if pending is not None and (
+            summary.total_norm >= self._config.grad_spike_min_ratio * pending[1].mean
+        ):
+            # Still far above the level before the spike: it persists, an incident.
+            first_step, first = pending
+            self._spike("grad_spike", "gradient norm", "grad_norm", step, first,
+                        first_step=first_step)  # fmt: skip
+            return
+        if spike is None:
+            return
+        if spike.run_length == 1:
+            limit = self._clip_limit
+            if limit is not None and summary.total_norm > limit[1]:
+                # The clip absorbed it: one clipped spike (an RNN's exploding step) is no
+                # incident; a spike that persists at the next measured step is (an LR blow-up).
+                self._pending_grad_spike = (step, spike)
+                return
             self._spike("grad_spike", "gradient norm", "grad_norm", step, spike)
 
     def loss(self, step: int, value: float) -> None:
@@ -182,17 +201,22 @@ class Recorder:
             **details,
         )
 
-    def _spike(self, kind: str, what: str, field: str, step: int, spike: Spike) -> None:
-        if spike.run_length != 1:  # one incident, one anomaly
+    def _spike(
+        self, kind: str, what: str, field: str, step: int, spike: Spike,
+        first_step: int | None = None,
+    ) -> None:  # fmt: skip
+        if spike.run_length != 1 and first_step is None:  # one incident, one anomaly
             return
+        since = "" if first_step is None else f" (clipped at step {first_step}, and still high)"
         self.anomaly(
             kind,
             step,
             f"{what} spike at step {step}: {spike.value:.4g} (z={spike.zscore:.1f}, running "
-            f"mean {spike.mean:.4g})",
+            f"mean {spike.mean:.4g}){since}",
             **{field: spike.value},
             zscore=spike.zscore,
             mean=spike.mean,
+            first_step=step if first_step is None else first_step,
         )
 
     def dead(self, step: int, report: DeadReport, by_group: Mapping[str, int]) -> None:

@@ -208,3 +208,37 @@ def test_grad_norm_is_the_pre_clip_norm_with_fsdp_clip_grad_norm(tmp_path: Path)
     assert total > 1.0  # the clip bit
     assert exported == pytest.approx(total, rel=1e-5)
     assert clipped == 1
+
+
+def _clipped_run(attach: MonitorFactory, blown: set[int], clip: bool) -> list[tuple[str, int]]:
+    from tests.helpers import events
+
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # the weights stay as they are
+    monitor = attach(model, optimizer, judge_seconds=0, spike_warmup_steps=20)
+    for step in range(60):
+        _backward(model, scale=1.0)
+        if step in blown:
+            for param in model.parameters():
+                param.grad.mul_(1000.0)  # type: ignore[union-attr]
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+        optimizer.step()
+        optimizer.zero_grad()
+    path = monitor.event_log_path
+    monitor.detach()
+    return [(e["kind"], e["step"]) for e in events(path) if e["event"] == "anomaly"]
+
+
+def test_a_single_spike_that_the_clip_absorbed_is_no_anomaly(attach: MonitorFactory) -> None:
+    assert _clipped_run(attach, {40}, clip=True) == []
+
+
+def test_a_spike_that_persists_past_the_clip_is_a_grad_spike_at_its_second_step(
+    attach: MonitorFactory,
+) -> None:
+    assert _clipped_run(attach, {40, 41}, clip=True) == [("grad_spike", 41)]
+
+
+def test_an_unclipped_spike_is_a_grad_spike_at_once(attach: MonitorFactory) -> None:
+    assert _clipped_run(attach, {40}, clip=False) == [("grad_spike", 40)]
