@@ -42,6 +42,9 @@ from stabmon.readings import Readings
 __all__ = ["STATE_VERSION", "Recorder"]
 
 STATE_VERSION = 2
+#: A loss this many times its running mean is a spike at once (a corrupt batch); a smaller
+#: rise (loss_spike_min_ratio and up) is one when the next loss is still up.
+IMMEDIATE_LOSS_RATIO = 10.0
 HOST = "host"
 
 
@@ -79,6 +82,8 @@ class Recorder:
         self._clip_judged = -1
         # A spike the clip absorbed, waiting for the next measured step to confirm it.
         self._pending_grad_spike: tuple[int, Spike] | None = None
+        # A moderate loss spike, waiting for the next loss to confirm it.
+        self._pending_loss_spike: tuple[int, Spike] | None = None
         self._scale = ScaleTracker()
         #: step_sample records; the Monitor closes their step-time windows at step ends.
         self.sampler = StepSampler(config.sample_every, readings, self.write)
@@ -165,8 +170,19 @@ class Recorder:
         if change is not None:
             self._episode_end("nonfinite_loss", change)
         spike = self._loss_spikes.update(value)
-        if spike is not None:
-            self._spike("loss_spike", "loss", "loss", step, spike)
+        pending, self._pending_loss_spike = self._pending_loss_spike, None
+        if pending is not None and value >= self._config.loss_spike_min_ratio * pending[1].mean:
+            # The rise persists past one batch: an incident, recorded at its first step.
+            self._spike("loss_spike", "loss", "loss", pending[0], pending[1], first_step=pending[0])
+            return
+        if spike is None or spike.run_length != 1:
+            return
+        if spike.mean > 0 and value < IMMEDIATE_LOSS_RATIO * spike.mean:
+            # A few times the mean for one batch is a hard batch (label noise, a rare class);
+            # it is a spike if the next loss is still up.
+            self._pending_loss_spike = (step, spike)
+            return
+        self._spike("loss_spike", "loss", "loss", step, spike)
 
     def clip(self, step: int, max_norm: float) -> None:
         """The ``max_norm`` of the clip call of ``step`` (its pre-clip total comes from grads)."""
@@ -207,7 +223,7 @@ class Recorder:
     ) -> None:  # fmt: skip
         if spike.run_length != 1 and first_step is None:  # one incident, one anomaly
             return
-        since = "" if first_step is None else f" (clipped at step {first_step}, and still high)"
+        since = "" if first_step is None else f" (up since step {first_step}, and still up)"
         self.anomaly(
             kind,
             step,

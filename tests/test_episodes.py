@@ -80,3 +80,38 @@ def test_episodes_end_after_the_gap_and_a_new_bad_value_starts_another() -> None
     ends = [(c.first_step, c.count, c.last_step) for c in changes if not c.started]
     assert starts == [0, 6]
     assert ends == [(0, 3, 3)]
+
+
+def _loss_anomalies(attach: MonitorFactory, losses: list[float]) -> list[tuple[str, int]]:
+    model = TwoBranches()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    monitor = attach(model, optimizer, judge_seconds=0, spike_warmup_steps=20)
+    for loss in losses:
+        _step(model, optimizer, poison=False)
+        monitor.observe(loss=loss)
+    path = monitor.event_log_path
+    monitor.detach()
+    return [(e["kind"], e["step"]) for e in events(path) if e.get("kind") == "loss_spike"]
+
+
+def _noisy(count: int) -> list[float]:
+    generator = torch.Generator().manual_seed(0)
+    return (0.5 + 0.01 * torch.randn(count, generator=generator)).tolist()
+
+
+def test_one_hard_batch_a_few_times_the_mean_is_no_loss_spike(attach: MonitorFactory) -> None:
+    losses = _noisy(60)
+    losses[40] = 2.0  # 4x: a batch full of flipped labels
+    assert _loss_anomalies(attach, losses) == []
+
+
+def test_a_rise_that_persists_is_a_loss_spike_at_its_first_step(attach: MonitorFactory) -> None:
+    losses = _noisy(60)
+    losses[40] = losses[41] = 2.0
+    assert _loss_anomalies(attach, losses) == [("loss_spike", 40)]
+
+
+def test_a_loss_ten_times_the_mean_is_a_spike_at_once(attach: MonitorFactory) -> None:
+    losses = _noisy(60)
+    losses[40] = 500.0  # a corrupt batch
+    assert _loss_anomalies(attach, losses) == [("loss_spike", 40)]
