@@ -45,6 +45,10 @@ STATE_VERSION = 2
 #: A loss this many times its running mean is a spike at once (a corrupt batch); a smaller
 #: rise (loss_spike_min_ratio and up) is one when the next loss is still up.
 IMMEDIATE_LOSS_RATIO = 10.0
+#: A gradient spike that the loop's clip absorbed is an incident when this many consecutive
+#: measured steps are grad_spike_min_ratio above the level before it (an RNN clipped at 0.25
+#: explodes for one or two steps and recovers; weights wrecked by an LR blow-up do not).
+CLIPPED_SPIKE_STEPS = 3
 HOST = "host"
 
 
@@ -81,7 +85,7 @@ class Recorder:
         self._measured_total: tuple[int, float] | None = None
         self._clip_judged = -1
         # A spike the clip absorbed, waiting for the next measured step to confirm it.
-        self._pending_grad_spike: tuple[int, Spike] | None = None
+        self._pending_grad_spike: tuple[int, Spike, int] | None = None
         # A moderate loss spike, waiting for the next loss to confirm it.
         self._pending_loss_spike: tuple[int, Spike] | None = None
         self._scale = ScaleTracker()
@@ -134,9 +138,12 @@ class Recorder:
         if pending is not None and (
             summary.total_norm >= self._config.grad_spike_min_ratio * pending[1].mean
         ):
-            # Still far above the level before the spike: it persists, an incident.
-            first_step, first = pending
-            self._spike("grad_spike", "gradient norm", "grad_norm", step, first,
+            first_step, first, high = pending
+            if high + 1 < CLIPPED_SPIKE_STEPS:
+                self._pending_grad_spike = (first_step, first, high + 1)
+                return
+            # Still far above the level before it: an incident, recorded at its first step.
+            self._spike("grad_spike", "gradient norm", "grad_norm", first_step, first,
                         first_step=first_step)  # fmt: skip
             return
         if spike is None:
@@ -144,9 +151,9 @@ class Recorder:
         if spike.run_length == 1:
             limit = self._clip_limit
             if limit is not None and summary.total_norm > limit[1]:
-                # The clip absorbed it: one clipped spike (an RNN's exploding step) is no
-                # incident; a spike that persists at the next measured step is (an LR blow-up).
-                self._pending_grad_spike = (step, spike)
+                # The clip absorbed it: a clipped spike (an RNN's exploding step) is no
+                # incident unless it persists (an LR blow-up), see CLIPPED_SPIKE_STEPS.
+                self._pending_grad_spike = (step, spike, 1)
                 return
             self._spike("grad_spike", "gradient norm", "grad_norm", step, spike)
 

@@ -234,10 +234,14 @@ def test_a_single_spike_that_the_clip_absorbed_is_no_anomaly(attach: MonitorFact
     assert _clipped_run(attach, {40}, clip=True) == []
 
 
-def test_a_spike_that_persists_past_the_clip_is_a_grad_spike_at_its_second_step(
+def test_a_clipped_spike_of_two_steps_is_no_anomaly(attach: MonitorFactory) -> None:
+    assert _clipped_run(attach, {40, 41}, clip=True) == []
+
+
+def test_a_clipped_spike_that_persists_is_a_grad_spike_at_its_first_step(
     attach: MonitorFactory,
 ) -> None:
-    assert _clipped_run(attach, {40, 41}, clip=True) == [("grad_spike", 41)]
+    assert _clipped_run(attach, {40, 41, 42}, clip=True) == [("grad_spike", 40)]
 
 
 def test_an_unclipped_spike_is_a_grad_spike_at_once(attach: MonitorFactory) -> None:
