@@ -135,9 +135,10 @@ class Recorder:
         self._judge_clip()
         spike = self._grad_spikes.update(summary.total_norm)
         pending, self._pending_grad_spike = self._pending_grad_spike, None
-        if pending is not None and (
-            summary.total_norm >= self._config.grad_spike_min_ratio * pending[1].mean
-        ):
+        if pending is not None and _still_up(
+            summary.total_norm, pending[1], self._config.grad_spike_min_ratio,
+            self._config.spike_threshold, log_scale=True,
+        ):  # fmt: skip
             first_step, first, high = pending
             if high + 1 < CLIPPED_SPIKE_STEPS:
                 self._pending_grad_spike = (first_step, first, high + 1)
@@ -178,7 +179,10 @@ class Recorder:
             self._episode_end("nonfinite_loss", change)
         spike = self._loss_spikes.update(value)
         pending, self._pending_loss_spike = self._pending_loss_spike, None
-        if pending is not None and value >= self._config.loss_spike_min_ratio * pending[1].mean:
+        cfg = self._config
+        if pending is not None and _still_up(
+            value, pending[1], cfg.loss_spike_min_ratio, cfg.spike_threshold, log_scale=False
+        ):
             # The rise persists past one batch: an incident, recorded at its first step.
             self._spike("loss_spike", "loss", "loss", pending[0], pending[1], first_step=pending[0])
             return
@@ -554,6 +558,23 @@ class Recorder:
             window_epochs=cfg.leak_window_epochs,
             warmup_epochs=cfg.leak_warmup_epochs,
         )
+
+
+def _still_up(value: float, spike: Spike, min_ratio: float, threshold: float, *,
+              log_scale: bool) -> bool:  # fmt: skip
+    """Whether ``value`` (after ``spike``) is still abnormal: ``min_ratio`` times the level
+    before the spike, and half the spike threshold in standard deviations above it (the
+    deviation is the spike's own: its rise over its z-score)."""
+    mean = spike.mean
+    if not (value >= min_ratio * mean and spike.zscore > 0):
+        return False
+    if log_scale:
+        if not (mean > 0 and spike.value > 0 and value > 0):
+            return False
+        std = math.log(spike.value / mean) / spike.zscore
+        return math.log(value / mean) >= 0.5 * threshold * std
+    std = (spike.value - mean) / spike.zscore
+    return value - mean >= 0.5 * threshold * std
 
 
 def _is_count(value: object) -> bool:
