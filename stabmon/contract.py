@@ -18,10 +18,12 @@ __all__ = [
     "DAEMON_EXTENSION_METRICS",
     "DAEMON_METRICS",
     "EXTENSION_ALERT_NAMES",
+    "EXTENSION_ANOMALY_KINDS",
     "EXTENSION_METRICS",
     "INTERNAL_COMPONENTS",
     "MetricDef",
     "PHASES",
+    "PUBLISHED_ANOMALY_KINDS",
     "THROTTLE_REASONS",
     "TRAINING_METRICS",
 ]
@@ -31,8 +33,8 @@ MetricType = Literal["gauge", "counter", "histogram"]
 #: Labels on every series a training process exports.
 PROCESS_LABELS: tuple[str, ...] = ("rank", "run")
 
-#: Values of ``stabmon_anomalies_total{kind}``; each is exported as 0 from attach.
-ANOMALY_KINDS: tuple[str, ...] = (
+#: Values of ``stabmon_anomalies_total{kind}`` in the published contract v1.
+PUBLISHED_ANOMALY_KINDS: tuple[str, ...] = (
     "nonfinite_grad",
     "nonfinite_loss",
     "grad_spike",
@@ -41,6 +43,11 @@ ANOMALY_KINDS: tuple[str, ...] = (
     "stall",
     "device_mismatch",
 )
+#: Kinds beyond contract v1 (proposed in docs/metrics-contract-proposals.md): ``dead_grad``, a
+#: module group whose gradients stayed exactly zero for ``dead_grad_steps`` measured steps.
+EXTENSION_ANOMALY_KINDS: tuple[str, ...] = ("dead_grad",)
+#: Values of ``stabmon_anomalies_total{kind}``; each is exported as 0 from attach.
+ANOMALY_KINDS: tuple[str, ...] = PUBLISHED_ANOMALY_KINDS + EXTENSION_ANOMALY_KINDS
 
 #: Built-in values of ``stabmon_phase_seconds_total{phase}``; user-named phases add to these.
 PHASES: tuple[str, ...] = ("data_wait", "forward", "backward", "optimizer")
@@ -294,11 +301,32 @@ DEVICE_MEMORY_CACHE = MetricDef(
     "fragmentation, not a leak.",
     ("device",),
 )
+GRAD_CLIPPED_STEPS = MetricDef(
+    "stabmon_grad_clipped_steps_total",
+    "counter",
+    "Measured optimizer steps whose gradient clipping scaled the gradients down (pre-clip "
+    "norm above max_norm).",
+)
+GRAD_CLIP_COEFFICIENT = MetricDef(
+    "stabmon_grad_clip_coefficient",
+    "gauge",
+    "min(1, max_norm / pre-clip norm) at the last measured step; 1.0 when it was not clipped.",
+)
+MEMORY_EXHAUSTION = MetricDef(
+    "stabmon_memory_exhaustion_seconds",
+    "gauge",
+    "Estimated seconds until this device's memory (host: cgroup limit or available memory; "
+    "CUDA: device total) runs out at the current growth trend; +Inf while not growing.",
+    ("device",),
+)
 #: Values of ``stabmon_grad_norm_squared{placement}``.
 GRAD_PLACEMENTS: tuple[str, ...] = ("replicated", "sharded")
 
 EXTENSION_METRICS: tuple[MetricDef, ...] = (
     GRAD_NORM_SQUARED,
+    GRAD_CLIPPED_STEPS,
+    GRAD_CLIP_COEFFICIENT,
+    MEMORY_EXHAUSTION,
     DEAD_GRAD_PARAMS,
     DEVICE_INFO,
     DEVICE_MEMORY_CACHE,

@@ -491,7 +491,7 @@ def test_measure_every_measures_only_every_nth_step(attach: MonitorFactory) -> N
     nan_steps = [
         e["step"] for e in events(monitor.event_log_path) if e.get("kind") == "nonfinite_grad"
     ]
-    assert nan_steps == [3, 6]
+    assert nan_steps == [3]  # measured steps 3 and 6 are one episode, recorded at its start
 
 
 # --- timing, phases, epochs -----------------------------------------------------------------
@@ -830,9 +830,8 @@ def test_model_can_be_deep_copied_averaged_and_saved_while_attached(
     copied_scaler = copy.deepcopy(scaler)
     assert copied_scaler.update.__self__ is copied_scaler  # the plain method, on the copy
     loaded = torch.load(tmp_path / "model.pt", weights_only=False)
-    for copied in (ema.module, clone, loaded):  # the copies' hooks hold no Monitor
-        hooks = [*copied._forward_pre_hooks.values(), *copied._forward_hooks.values()]
-        assert len(hooks) == 2 and all(hook.__self__._owner() is None for hook in hooks)
+    for copied in (ema.module, clone, loaded):  # the copies carry none of stabmon's hooks
+        assert not copied._forward_pre_hooks and not copied._forward_hooks
     for other in (ema, clone, loaded):
         other(torch.randn(2, 8)).sum().backward()  # the copies' hooks are inert
     train_step(model, optimizer, monitor)

@@ -104,6 +104,9 @@ class LightningAdapter:
                     config=self._config,
                     **monitor_settings(self._config, self._overrides, index, len(optimizers)),
                 )
+                # Lightning clips after on_before_optimizer_step, where the marker measured the
+                # unclipped gradients: its clip only gives the coefficient of that step.
+                monitor._clips_after_measuring()
                 self._monitors.append(monitor)
                 self._phases.append(PhaseSwitch(monitor))
                 self._markers[id(optimizer)] = marker
