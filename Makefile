@@ -9,20 +9,35 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint typecheck tools dashboards deploy bench gpu-check clean
 
+# Ultralytics and its torchvision go to a folder of their own, which only the Ultralytics tests
+# put on their subprocess's path: on this CPU torch, torchvision fails to import, and
+# torchmetrics (so Lightning) imports it whenever it is installed. Ultralytics' other
+# dependencies go into the venv, with torch pinned in the same command.
+ULTRALYTICS_SITE := $(VENV)/ultralytics-site
+ULTRALYTICS := ultralytics==8.4.190 torchvision==0.28.0
+ULTRALYTICS_DEPS := opencv-python polars ultralytics-thop ultralytics-platform requests pillow
+
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check $(TORCH) -e '.[dev,dashboards,report,integrations]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check $(TORCH) -e '.[dev,dashboards,report,integrations]' $(ULTRALYTICS_DEPS)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps --upgrade --target $(ULTRALYTICS_SITE) $(ULTRALYTICS)
 	touch $(STAMP)
 
 # The real Prometheus and promtool, and Alertmanager's amtool (Debian's packages), for the
 # rule, deployment-config and end-to-end tests; headless Chromium to open `stabmon report` pages.
-# Without root they are not installed here: those tests skip locally and fail in CI.
+# It says what it installs before it does. Without root they are not installed: it names what
+# is missing, and those tests skip (CI runs as root, so there they run).
+TOOL_PACKAGES := prometheus prometheus-alertmanager chromium fonts-dejavu-core
 tools:
-	@{ command -v promtool && command -v amtool && command -v chromium; } >/dev/null || \
-		{ [ "$$(id -u)" = 0 ] && apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-		apt-get install -y -qq --no-install-recommends prometheus prometheus-alertmanager \
-		chromium fonts-dejavu-core >/dev/null; } || \
-		echo "make: promtool/amtool/chromium missing and not root: those tests will skip"
+	@if command -v promtool >/dev/null && command -v amtool >/dev/null && command -v chromium >/dev/null; then \
+		:; \
+	elif [ "$$(id -u)" = 0 ]; then \
+		echo "make tools: installing Debian packages $(TOOL_PACKAGES) with apt-get (for the promtool, amtool and report tests)"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+			apt-get install -y -qq --no-install-recommends $(TOOL_PACKAGES) >/dev/null; \
+	else \
+		echo "make tools: not root, so not installing $(TOOL_PACKAGES); the tests that need promtool, amtool or chromium will skip"; \
+	fi
 
 dashboards: $(STAMP)
 	$(BIN)/python dashboards/generate.py

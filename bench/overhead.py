@@ -13,7 +13,7 @@ Usage::
 
     python bench/overhead.py                  # full run: tables, 100,000-step RSS, exporter
     python bench/overhead.py --quick          # smoke test (5 rounds x 20 steps, short RSS run)
-    python bench/overhead.py --update-readme  # full run, then rewrite README.md's results block
+    python bench/overhead.py --update-readme  # full run, then rewrite bench/README.md results block
     python bench/overhead.py --device cuda    # GPT-2-small-sized model on CUDA, sync-checked
 """
 
@@ -77,7 +77,7 @@ BLOCK_STEPS = {"tiny": 32}  # other workloads: 1 step (50-100 ms on a CPU)
 BLOCK_PAIRS = {"tiny": 400}  # other workloads: 100
 DEFAULT_BLOCK_PAIRS = 100
 QUICK_BLOCK_PAIRS = 4
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parent / "README.md"
 # Targets of issue 7, evaluated in the summary (never typed into the README by hand).
 FLOOR_RATIO_TARGET = 1.05
 PYTHON_US_TARGET = 30.0
@@ -591,7 +591,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write results as JSON")
     parser.add_argument(
         "--update-readme", type=Path, nargs="?", const=README, metavar="PATH",
-        help="rewrite the block between <!-- bench:overhead --> markers (default README.md)",
+        help="rewrite the block between <!-- bench:overhead --> markers (default bench/README.md)",
     )  # fmt: skip
     args = parser.parse_args(argv)
     for key in ("rounds", "steps", "threads", "steps_rss", "block_pairs"):

@@ -19,6 +19,7 @@ Exit code 0 when every check holds, 1 otherwise.
 Usage::
 
     python bench/soak.py [--steps 1000000] [--epoch-steps 1000] [--json out.json]
+    python bench/soak.py --clean   # a clean million steps: any anomaly is a false positive
 """
 
 from __future__ import annotations
@@ -337,6 +338,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--fault-every", type=int, default=None, help="steps between faults (default: steps / 12)"
     )
+    parser.add_argument(
+        "--clean", action="store_true",
+        help="no faults and no leak: every anomaly is a false positive (must be none)",
+    )  # fmt: skip
     parser.add_argument("--run-dir", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None, help="also write the report here")
     args = parser.parse_args(argv)
@@ -344,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     fault_every = args.fault_every or max(args.steps // 12, 2000)
     schedule = Schedule.build(args.steps, args.epoch_steps, fault_every)
+    if args.clean:
+        schedule = Schedule(args.steps, args.epoch_steps, (), range(0))
     with tempfile.TemporaryDirectory(prefix="stabmon-soak-") as scratch:
         run_dir = args.run_dir or Path(scratch)
         report = run_soak(schedule, run_dir=run_dir, progress=lambda line: print(line, flush=True))

@@ -9,13 +9,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from stabmon import __version__
 from stabmon.config import load_config
-from stabmon.errors import StabmonError
+from stabmon.errors import ConfigError, StabmonError
 
 __all__ = ["main"]
 
@@ -99,7 +100,19 @@ def _report(args: argparse.Namespace) -> int:
     from stabmon.report.html import write_report  # lazily: matplotlib is an optional extra
 
     run_path, output = Path(args.run_dir), Path(args.output)
-    run = write_report(run_path, output, module_rank=args.module_rank)
+    folder = output.parent
+    if not folder.is_dir():
+        raise StabmonError(
+            f"cannot write the report to {output}: the folder {folder} does not exist; "
+            "create it, or name a file in an existing folder with -o"
+        )
+    try:
+        run = write_report(run_path, output, module_rank=args.module_rank)
+    except OSError as error:  # a folder we may not write to, a full disk
+        raise StabmonError(
+            f"cannot write the report to {output}: {error.strerror or error}; "
+            "name a file in a folder you can write to with -o"
+        ) from None
     for note in run.notes:
         print(f"stabmon report: {note}")
     print(f"stabmon report: {output} ({len(run.ranks)} rank(s) of run {run.run_id})")
@@ -121,16 +134,18 @@ def _status(args: argparse.Namespace) -> int:
     credentials = Credentials.from_files(args.cafile, args.basic_auth_file)
     urls = list(args.urls)
     untrusted: set[str] = set()
+    names: dict[str, tuple[str, str]] = {}
     if not urls:
         root = Path(args.run_dir or os.environ.get("STABMON_DIR") or DEFAULT_RUN_DIR)
         targets = registered_targets(root, args.run)
-        urls = [url for url, _ in targets]
+        urls = [target.url for target in targets]
         # Written by another user: scraped, but never sent our credentials.
-        mine = {url for url, owner in targets if owner == os.geteuid()}
-        untrusted = {url for url, _ in targets} - mine
+        untrusted = {target.url for target in targets if target.owner_uid != os.geteuid()}
+        # A rank that does not answer keeps the name its record gives it.
+        names = {target.url: (target.run, target.rank) for target in targets}
         require_urls(urls, root)
     statuses = scrape_status(
-        urls, timeout=args.timeout, credentials=credentials, untrusted=untrusted
+        urls, timeout=args.timeout, credentials=credentials, untrusted=untrusted, names=names
     )
     print(format_table(statuses))
     return 0 if all(status.healthy for status in statuses) else 1
@@ -140,17 +155,29 @@ def _run_daemon(args: argparse.Namespace) -> int:
     from stabmon.daemon.app import DaemonApp  # lazily: the library never loads the daemon
     from stabmon.export.exporter import Security
 
-    overrides = {
-        key: value
-        for key, value in (
-            ("daemon.port", args.port),
-            ("daemon.address", args.address),
-            ("daemon.interval", args.interval),
-            ("run_dir", args.run_dir),
-        )
-        if value is not None
-    }
-    config = load_config(args.config, overrides, env=os.environ)
+    flags = {"daemon.port": "--port", "daemon.address": "--address",
+             "daemon.interval": "--interval", "run_dir": "--run-dir"}  # fmt: skip
+    given = {"daemon.port": args.port, "daemon.address": args.address,
+             "daemon.interval": args.interval, "run_dir": args.run_dir}  # fmt: skip
+    overrides = {key: value for key, value in given.items() if value is not None}
+    try:
+        config = load_config(args.config, overrides, env=os.environ)
+    except ConfigError as error:
+        if error.key not in overrides or error.key not in flags:
+            raise
+        # The command line's values reach load_config as overrides: name the flag, not attach().
+        raise ConfigError(
+            error.problem, key=flags[error.key], source="the command line", allowed=error.allowed
+        ) from None
+    address = config.daemon.address
+    try:
+        socket.getaddrinfo(address, None)
+    except (OSError, UnicodeError) as error:
+        raise StabmonError(
+            f"--address {address} is not an address this machine can bind "
+            f"({getattr(error, 'strerror', None) or error}); use 0.0.0.0 for every interface, "
+            "127.0.0.1, or one of this node's own addresses"
+        ) from None
     problem = Security.from_config(config).problem()
     if problem is not None:
         where = f" in {args.config}" if args.config else ""
@@ -159,8 +186,9 @@ def _run_daemon(args: argparse.Namespace) -> int:
     app = DaemonApp(config)
     if not app.start():
         sys.stderr.write(
-            f"stabmon: error: could not bind {config.daemon.address}:{config.daemon.port}; "
-            "choose a free --port\n"
+            f"stabmon: error: could not bind {address}:{config.daemon.port}: the port is in use "
+            "or the address is not one of this machine's; choose a free --port (0: any) or "
+            "another --address\n"
         )
         return 2
     print(f"stabmon daemon: serving {app.url}", flush=True)

@@ -346,6 +346,85 @@ class Config(_Section):
         default=0.02,
         metadata=_meta("EMA weight of the spike statistics.", gt=0, lt=1),
     )
+    loss_spike_min_delta: float = field(
+        default=1e-4,
+        metadata=_meta(
+            "A loss spike must also exceed the running mean by this much (absolute): the float "
+            "noise of a converged loss is no spike, whatever its z-score.",
+            ge=0,
+        ),
+    )
+    loss_spike_min_ratio: float = field(
+        default=1.5,
+        metadata=_meta(
+            "A loss spike must also be at least this multiple of the running mean (when it is "
+            "positive).",
+            ge=1,
+        ),
+    )
+    grad_spike_min_ratio: float = field(
+        default=10.0,
+        metadata=_meta(
+            "A gradient-norm spike must also be at least this multiple of the running "
+            "(geometric) mean of the pre-clip norm.",
+            ge=1,
+        ),
+    )
+    spike_episode_gap: int = field(
+        default=20,
+        metadata=_meta(
+            "Spikes (and non-finite values) less than this many measured values apart are one "
+            "episode: one anomaly, one record.",
+            ge=1,
+        ),
+    )
+    leak_rule: str = field(
+        default="both",
+        metadata=_meta(
+            "Which leak rule raises memory_leak: 'trend' (a robust slope over memory floors "
+            "sampled every leak_sample_steps steps, any loop shape), 'epoch_windows' (the "
+            "leak_threshold x leak_windows rule over epoch-end samples) or 'both'.",
+            choices=("trend", "epoch_windows", "both"),
+        ),
+    )
+    leak_sample_steps: int = field(
+        default=10,
+        metadata=_meta(
+            "Steps between two memory samples of the trend leak rule (host RSS, CUDA "
+            "allocated bytes).",
+            ge=1,
+        ),
+    )
+    leak_trend_bucket: int = field(
+        default=10,
+        metadata=_meta(
+            "Samples per floor of the trend rule: only each bucket's minimum is kept.", ge=1
+        ),
+    )
+    leak_trend_window: int = field(
+        default=24,
+        metadata=_meta(
+            "Floors the trend rule judges (a sliding window; it judges from half of it).",
+            ge=8,
+            le=256,
+        ),
+    )
+    leak_trend_z: float = field(
+        default=4.0,
+        metadata=_meta("Mann-Kendall z score the trend rule needs (one-sided).", gt=0),
+    )
+    leak_trend_min_growth: float = field(
+        default=0.02,
+        metadata=_meta(
+            "Growth over the trend window, relative to its level, that the trend rule needs "
+            "(0.02 = +2%; its second half must grow by half of it).",
+            ge=0,
+        ),
+    )
+    leak_trend_warmup_steps: int = field(
+        default=200,
+        metadata=_meta("Steps before the trend rule takes memory samples.", ge=0),
+    )
     leak_threshold: float = field(
         default=0.03,
         metadata=_meta(

@@ -43,9 +43,11 @@ PUBLISHED_ANOMALY_KINDS: tuple[str, ...] = (
     "stall",
     "device_mismatch",
 )
-#: Kinds beyond contract v1 (proposed in docs/metrics-contract-proposals.md): ``slowdown``, a
-#: sustained shift of the step time against the run's recent baseline (detectors/slowdown.py).
-EXTENSION_ANOMALY_KINDS: tuple[str, ...] = ("slowdown",)
+#: Kinds beyond contract v1 (proposed in docs/metrics-contract-proposals.md): ``dead_grad``, a
+#: module group whose gradients stayed exactly zero for ``dead_grad_steps`` measured steps;
+#: ``slowdown``, a sustained shift of the step time against the run's recent baseline
+#: (detectors/slowdown.py).
+EXTENSION_ANOMALY_KINDS: tuple[str, ...] = ("dead_grad", "slowdown")
 #: Values of ``stabmon_anomalies_total{kind}``; each is exported as 0 from attach.
 ANOMALY_KINDS: tuple[str, ...] = PUBLISHED_ANOMALY_KINDS + EXTENSION_ANOMALY_KINDS
 
@@ -301,6 +303,24 @@ DEVICE_MEMORY_CACHE = MetricDef(
     "fragmentation, not a leak.",
     ("device",),
 )
+GRAD_CLIPPED_STEPS = MetricDef(
+    "stabmon_grad_clipped_steps_total",
+    "counter",
+    "Measured optimizer steps whose gradient clipping scaled the gradients down (pre-clip "
+    "norm above max_norm).",
+)
+GRAD_CLIP_COEFFICIENT = MetricDef(
+    "stabmon_grad_clip_coefficient",
+    "gauge",
+    "min(1, max_norm / pre-clip norm) at the last measured step; 1.0 when it was not clipped.",
+)
+MEMORY_EXHAUSTION = MetricDef(
+    "stabmon_memory_exhaustion_seconds",
+    "gauge",
+    "Estimated seconds until this device's memory (host: cgroup limit or available memory; "
+    "CUDA: device total) runs out at the current growth trend; +Inf while not growing.",
+    ("device",),
+)
 #: Values of ``stabmon_grad_norm_squared{placement}``.
 GRAD_PLACEMENTS: tuple[str, ...] = ("replicated", "sharded")
 
@@ -350,6 +370,9 @@ STEP_TIME_BASELINE = MetricDef(
 
 EXTENSION_METRICS: tuple[MetricDef, ...] = (
     GRAD_NORM_SQUARED,
+    GRAD_CLIPPED_STEPS,
+    GRAD_CLIP_COEFFICIENT,
+    MEMORY_EXHAUSTION,
     DEAD_GRAD_PARAMS,
     DEVICE_INFO,
     DEVICE_MEMORY_CACHE,

@@ -198,16 +198,22 @@ def _summary(plan: DemoPlan, detected: dict[str, Any], events_path: Path | None)
         ("memory_leak", f"leak of {plan.leak_bytes_per_epoch >> 20} MiB/epoch"),
     ]
     lines = ["", "stabmon demo summary", "--------------------"]
+
+    def at(record: dict[str, Any]) -> str:
+        return f"step {record.get('step')}, epoch {record.get('epoch')}"
+
     for kind, injected in expected:
         records = detected.get(kind, [])
         if records:
-            first = records[0]
-            where = f"step {first.get('step')}, epoch {first.get('epoch')}"
-            lines.append(f"  detected  {kind:15s} at {where:22s} <- {injected}")
+            lines.append(f"  detected  {kind:15s} at {at(records[0]):22s} <- {injected}")
         else:
             lines.append(f"  MISSED    {kind:15s} {'':25s} <- {injected}")
-    unexpected = sorted(set(detected) - {kind for kind, _ in expected})
-    for kind in unexpected:
-        lines.append(f"  also      {kind} x{len(detected[kind])}")
-    lines.append(f"event log: {events_path}")
+    # Every other anomaly too (a loss settling back after the corrupt batch spikes again):
+    # the summary lists all that the event log holds, not only the first of each kind.
+    first = {id(records[0]) for records in detected.values() if records}
+    others = [r for records in detected.values() for r in records if id(r) not in first]
+    for record in sorted(others, key=lambda r: (r.get("step") or 0, str(r.get("kind")))):
+        lines.append(f"  also      {str(record.get('kind')):15s} at {at(record)}")
+    total = sum(len(records) for records in detected.values())
+    lines.append(f"{total} anomalies in the event log: {events_path}")
     return "\n".join(lines)

@@ -15,6 +15,12 @@ a step that stabmon did not see would be a lost measurement and a false stall.
 Hooks hold the Monitor weakly and are inert when copied or pickled: EMA and SWA
 code deep-copies the model mid-run (``AveragedModel``), and ``torch.save(model)``
 pickles its hooks; neither may drag the Monitor, its threads and locks along.
+Better still, they are not pickled at all: when the model's hook dicts are empty at
+attach (the usual case), they are replaced by :class:`_HookDict`, an ``OrderedDict``
+that pickles (and deep-copies) as a plain ``OrderedDict`` without stabmon's entries.
+So ``torch.save(model)`` while attached writes no stabmon global, and the file loads
+in a process that never imported stabmon, with ``weights_only=True`` too. (Dicts
+that already hold hooks are left alone: their handles point at them.)
 
 Which objects carry a Monitor is process-wide truth (hooks are process-wide
 too), so it is kept in a module-level weak mapping: attaching a second Monitor
@@ -25,7 +31,8 @@ from __future__ import annotations
 
 import types
 import weakref
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -133,6 +140,25 @@ class _Hooks:
         return (_inert_hooks, ())
 
 
+class _HookDict(OrderedDict[int, Any]):
+    """A module's hook dict whose stabmon entries are left out of pickles and copies."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ours: set[int] = set()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The plain class, so the pickle names collections.OrderedDict and nothing of ours.
+        items: Iterator[tuple[int, Any]] = (
+            (key, hook) for key, hook in list(self.items()) if key not in self.ours
+        )
+        return (OrderedDict, (), None, None, items)
+
+
+#: The hook dicts of a module that stabmon's root-module hooks write to.
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks")
+
+
 def _function_of(method: Callable[..., None], owner: object) -> Callable[..., None]:
     if getattr(method, "__self__", None) is not owner:
         raise TypeError("every hook must be a bound method of the same object")
@@ -237,8 +263,9 @@ class HookSet:
         self._model = model
         self._optimizer = optimizer
         self._scaler = scaler
-        self._handles: list[RemovableHandle] = []
+        self._handles: list[RemovableHandle | Any] = []
         self._scaler_update: Any = None
+        self._swapped: tuple[str, ...] = ()
         self._token = _Token()
         _ATTACHED[model] = weakref.ref(self._token)
         _ATTACHED[optimizer] = weakref.ref(self._token)
@@ -260,10 +287,12 @@ class HookSet:
             step_post=step_post,
             scaler_update=scaler_update if self._scaler is not None else None,
         )
-        self._handles.append(
-            self._model.register_forward_pre_hook(hooks.forward_pre, with_kwargs=True)
-        )
-        self._handles.append(self._model.register_forward_hook(hooks.forward_post))
+        self._swapped = _own_hook_dicts(self._model)
+        pre = self._model.register_forward_pre_hook(hooks.forward_pre, with_kwargs=True)
+        post = self._model.register_forward_hook(hooks.forward_post)
+        for name in self._swapped:
+            getattr(self._model, name).ours.update((pre.id, post.id))
+        self._handles += [pre, post]
         self._handles.append(self._optimizer.register_step_pre_hook(hooks.step_pre))
         self._handles.append(self._optimizer.register_step_post_hook(hooks.step_post))
         if self._scaler is not None and scaler_update is not None:
@@ -271,11 +300,22 @@ class HookSet:
             original = getattr(self._scaler, "update")  # noqa: B009 - the bound method, wrapped
             self._scaler.__dict__["update"] = _WrappedUpdate(original, hooks.scaler_update)
 
+    def keep(self, handle: Any) -> None:
+        """Remove ``handle`` (anything with ``remove()``, e.g. a clip watch) with the hooks."""
+        self._handles.append(handle)
+
     def remove(self) -> None:
         """Remove every hook and release the model and optimizer for another Monitor."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for name in getattr(self, "_swapped", ()):
+            hook_dict = vars(self._model).get(name)
+            if isinstance(hook_dict, _HookDict) and not hook_dict:
+                # Empty again: the plain dict back (a user's hook added meanwhile keeps ours,
+                # which its handle points at; it pickles as a plain dict all the same).
+                object.__setattr__(self._model, name, OrderedDict())
+        self._swapped = ()
         if self._scaler is not None and self._scaler_update is not None:
             if self._scaler_update is _MISSING:
                 self._scaler.__dict__.pop("update", None)
@@ -286,6 +326,17 @@ class HookSet:
             owner = _ATTACHED.get(target)
             if owner is not None and owner() is self._token:  # type: ignore[operator]
                 del _ATTACHED[target]
+
+
+def _own_hook_dicts(model: torch.nn.Module) -> tuple[str, ...]:
+    """Replace the model's empty hook dicts by :class:`_HookDict`; the names replaced."""
+    swapped = []
+    for name in _HOOK_DICTS:
+        hook_dict = vars(model).get(name)
+        if type(hook_dict) is OrderedDict and not hook_dict:
+            object.__setattr__(model, name, _HookDict())
+            swapped.append(name)
+    return tuple(swapped)
 
 
 class _Token:

@@ -46,6 +46,7 @@ from prometheus_client import CollectorRegistry
 
 from stabmon import __version__
 from stabmon.background import PeriodicThread
+from stabmon.clipping import watch_clipping
 from stabmon.config import Config, load_config
 from stabmon.contract import INTERNAL_COMPONENTS, PHASES
 from stabmon.detectors.dead import DeadGradients
@@ -73,7 +74,7 @@ from stabmon.probes.loader import WorkerWatch, loader_problem
 from stabmon.probes.memory import HostMemory, MemorySampler, cuda_devices
 from stabmon.probes.memory_snapshot import SnapshotRecorder
 from stabmon.probes.placement import Misplaced, PlacementWatch
-from stabmon.probes.timing import LoopTimer, timed_iteration
+from stabmon.probes.timing import LoopTimer, TrackedLoader, timed_iteration
 from stabmon.readback import Readback
 from stabmon.readings import Readings
 from stabmon.recorder import Recorder
@@ -135,7 +136,7 @@ class _GradTag(NamedTuple):
 class _ValueTag(NamedTuple):
     """Built with ``_tuple_new`` on the hot path (see :class:`~stabmon.probes.grads.GradSample`)."""
 
-    kind: Literal["loss", "scale"]
+    kind: Literal["loss", "scale", "clip"]
     step: int
 
 
@@ -222,6 +223,13 @@ class Monitor:
         config: str | os.PathLike[str] | Mapping[str, Any] | Config | None = None,
         **overrides: Any,
     ) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise StabmonError(
+                f"attach() needs the torch.optim.Optimizer whose step() ends each training "
+                f"step, got {type(optimizer).__name__}. A loop that updates parameters by hand "
+                "can pass torch.optim.SGD(model.parameters(), lr=0.0) and call its step() after "
+                "each update (lr=0 changes nothing); stabmon measures the gradients there"
+            )
         self.config: Config = load_config(config, overrides)
         identity = process_identity(os.environ)
         self.run_id: str = self.config.run_id or default_run_id(os.environ)
@@ -292,8 +300,16 @@ class Monitor:
         self._param_signature = _param_signature(optimizer)
         self._measure_every = cfg.measure_every
         self._window_steps = cfg.window_steps
+        self._leak_sample_steps = cfg.leak_sample_steps
+        self._leak_warmup_steps = cfg.leak_trend_warmup_steps
+        # A measurement taken by a clip call before the step it belongs to (pre-clip norms):
+        # (steps completed when taken, sample, layout), used by that step's pre-hook.
+        self._preclip: tuple[int, Any, GradLayout] | None = None
+        # Lightning measures at on_before_optimizer_step, before it clips: its clip belongs
+        # to the step just measured (set by the adapter through _clips_after_measuring()).
+        self._clip_after_measure = False
         with self._guard.contain("grads"):
-            self._grads = _build_grad_probe(model, optimizer, cfg)
+            self._grads = _build_grad_probe(model, optimizer, cfg, self._limiter)
         self._placement: PlacementWatch | None = None
         if cfg.device_check != "off":
             named = list(unwrap_model(model).named_parameters())
@@ -320,6 +336,7 @@ class Monitor:
         # One clock for the loop timer, the heartbeat and the watchdog: the timer's reading at
         # a step's end is the beat.
         self._heartbeat = Heartbeat(time.perf_counter)
+        loop_started = time.perf_counter()  # at or before the loop timer's first mark
         self._timer = LoopTimer(
             self._readings,
             self._heartbeat,
@@ -327,7 +344,7 @@ class Monitor:
             device_mark=self._device_timer.mark if self._device_timer else None,
         )
         self._device_type = "cuda" if devices else "cpu"
-        self._throughput = _build_throughput(self, devices, probe)
+        self._throughput = _build_throughput(self, devices, probe, loop_started)
         self._user_marks_epochs = False
         self._loader_marks_epochs = False
         self._loader_closed_at: int | None = None
@@ -431,6 +448,14 @@ class Monitor:
                 f"cannot install hooks on {type(model).__name__}: {error}; attach to the "
                 "Python nn.Module before scripting it"
             ) from error
+        with self._guard.contain("hooks"):
+            # Held weakly by the clip wrappers; removed with the hooks.
+            this = weakref.ref(self)
+            self._resources.hooks.keep(
+                watch_clipping(
+                    functools.partial(_owns_param, this), functools.partial(_clip_seen, this)
+                )
+            )
         environment = self._describe_environment(probe)
         self._recorder.write(
             "attach",
@@ -595,13 +620,18 @@ class Monitor:
                 step -= 1  # observed after the step it belongs to
             tag = _tuple_new(_ValueTag, ("loss", step))
             if isinstance(loss, torch.Tensor):
+                if loss.is_complex():
+                    raise TypeError(
+                        "observe() got a complex-valued loss; pass a real loss (its real part or "
+                        "abs()); complex losses are skipped"
+                    )
                 value = loss if loss.numel() == 1 else loss.detach().float().mean()
                 if value.is_cpu:  # host memory: no device to wait for
                     host: torch.Tensor | list[float] = [value.item()]
                 else:
                     host = value.detach().reshape(1).double()
             else:
-                host = [float(loss)]  # through the queue too: in order with the rest
+                host = [float(loss)]  # through the queue too (a complex raises here: skipped)
             with self._judging:
                 waiting = self._readback.submit(tag, host)
                 if not self._judge_seconds or waiting >= MAX_WAITING_RESULTS:
@@ -623,11 +653,12 @@ class Monitor:
             return  # track() closed this very epoch a moment ago: the same boundary, once
         self._close_epoch()
 
-    def track(self, loader: Iterable[T]) -> Iterator[T]:
+    def track(self, loader: Iterable[T]) -> TrackedLoader[T]:
         """Iterate ``loader``, timing the input wait; its exhaustion marks an epoch end.
 
         A pass in which no optimizer step happened (a validation loader) marks
-        no epoch, and neither does any pass once ``epoch_end()`` is called.
+        no epoch, and neither does any pass once ``epoch_end()`` is called. The
+        result keeps the loader's ``len()`` and attributes (``.dataset``, ``.sampler``).
         """
         self._timer.track_loader()
         self._loader_marks_epochs = True
@@ -635,6 +666,30 @@ class Monitor:
             problem = loader_problem(loader)
             if problem is not None:
                 self._limiter.once("loader:timeout", logging.WARNING, "stabmon: %s", problem)
+        return TrackedLoader(loader, functools.partial(self._timed_pass, loader))
+
+    @contextlib.contextmanager
+    def data_wait(self) -> Iterator[None]:
+        """Time the block as input wait: for loops that fetch batches with a function.
+
+        Example (a GPT-style loop without a DataLoader)::
+
+            with mon.data_wait():
+                x, y = get_batch("train")
+
+        A fetch in the middle of an iteration (the next micro-batch, fetched between
+        forward and backward) is taken out of that phase and booked as ``data_wait``.
+        """
+        timer = self._timer
+        timer.track_loader()  # from now on input wait is what these blocks time
+        start = timer.clock()
+        try:
+            yield
+        finally:
+            self._loader_wait(timer.clock() - start)
+
+    def _timed_pass(self, loader: Iterable[T]) -> Iterator[T]:
+        """One timed pass over ``loader`` (each ``iter()`` of what ``track()`` returned)."""
         steps_at_start = self._readings.steps
 
         def exhausted() -> None:
@@ -676,6 +731,29 @@ class Monitor:
             with self._guard.contain("hooks"):
                 self._timer.exit_named()
             self._judge_waiting()
+
+    def mark_forward(self) -> None:
+        """A training step's forward pass begins now; the time before it was input wait.
+
+        The model's own forward hooks mark this when the loop calls ``model(...)``. For
+        trainers that run the step through another method of the model (Lightning's
+        ``training_step`` calling submodules), the adapter marks it instead.
+        """
+        if self._detached or not torch.is_grad_enabled():
+            return
+        with self._guard.contain("hooks"):
+            self._timer.forward_start()
+
+    def mark_backward(self) -> None:
+        """The backward pass begins now: the time since the forward began was the forward's.
+
+        A no-op when the model's forward hooks have already ended the forward pass.
+        """
+        if self._detached:
+            return
+        with self._guard.contain("hooks"):
+            if self._timer.phase == "forward":
+                self._timer.forward_end()
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint must carry so a resumed run keeps its numbering and baselines.
@@ -747,8 +825,14 @@ class Monitor:
                 raise  # device_check: raise asked for it, before PyTorch's vaguer error
             except Exception as error:
                 self._guard.record("hooks", error)
-        if not torch.is_grad_enabled():
-            return  # evaluation or inference: not part of a training step
+        if not torch.is_grad_enabled() or not module.training:
+            # Evaluation or inference: not part of a training step, but progress.
+            try:
+                self._timer.eval_forward()
+            except Exception as error:
+                self._guard.record("hooks", error)
+            return
+        self._preclip = None  # new gradients are coming: a clip measured before is stale
         try:
             self._timer.forward_start()
             watch = self._throughput
@@ -760,7 +844,7 @@ class Monitor:
             self._guard.record("hooks", error)
 
     def _on_forward_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or not module.training:
             return
         try:
             self._timer.forward_end()
@@ -787,22 +871,63 @@ class Monitor:
         if self._readings.steps % self._measure_every:
             return
         try:
-            groups = optimizer.param_groups
-            count = 0
-            for group in groups:  # _param_signature, inlined: this runs every measured step
-                count += len(group["params"])
-            probe = self._grads
-            if (len(groups), count) != self._param_signature or probe is None:
-                self._param_signature = (len(groups), count)  # add_param_group(): measure anew
-                probe = self._grads = _build_grad_probe(self._model, optimizer, self.config)
-            sample = probe.measure()
+            preclip = self._preclip
+            if preclip is not None and preclip[0] == self._readings.steps:
+                # Measured by this step's clip call, before clipping scaled the gradients.
+                self._preclip = None
+                sample, layout = preclip[1], preclip[2]
+            else:
+                groups = optimizer.param_groups
+                count = 0
+                for group in groups:  # _param_signature, inlined: this runs every measured step
+                    count += len(group["params"])
+                probe = self._current_probe(optimizer, groups, count)
+                sample = probe.measure()
+                layout = probe.layout  # measure() rebuilt it first if the model moved
             if sample is not None:
-                # measure() rebuilt the layout first if the model moved: this is the sample's
-                tag = _tuple_new(_GradTag, (self._recorder.global_step, probe.layout))
+                tag = _tuple_new(_GradTag, (self._recorder.global_step, layout))
                 with self._judging:
                     self._readback.submit(tag, sample.packed)
         except Exception as error:
             self._guard.record("grads", error)
+
+    def _current_probe(
+        self, optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]], count: int
+    ) -> GradProbe:
+        probe = self._grads
+        if (len(groups), count) != self._param_signature or probe is None:
+            self._param_signature = (len(groups), count)  # add_param_group(): measure anew
+            probe = self._grads = _build_grad_probe(
+                self._model, optimizer, self.config, self._limiter
+            )
+        return probe
+
+    def _on_clip(self, params: Any, max_norm: float) -> None:
+        """A clip of our parameters is about to scale the gradients: measure them first.
+
+        The measurement is the one the step pre-hook would take (moved earlier, same cost);
+        ``max_norm`` goes to the recorder for the clip coefficient. Never a sync.
+        """
+        try:
+            step = self._recorder.global_step
+            if self._clip_after_measure:
+                step = max(step - 1, 0)  # Lightning: the step was measured (and counted) already
+            elif self._readings.steps % self._measure_every == 0:
+                groups = self._optimizer.param_groups
+                count = sum(len(group["params"]) for group in groups)
+                probe = self._current_probe(self._optimizer, groups, count)
+                sample = probe.measure()
+                self._preclip = (
+                    None if sample is None else (self._readings.steps, sample, probe.layout)
+                )
+            with self._judging:
+                self._readback.submit(_tuple_new(_ValueTag, ("clip", step)), [max_norm])
+        except Exception as error:
+            self._guard.record("grads", error)
+
+    def _clips_after_measuring(self) -> None:
+        """For adapters that step the Monitor before the framework clips (Lightning)."""
+        self._clip_after_measure = True
 
     def _on_step_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         now = self._judged_at  # if the timer fails: collect, and judge at the next due step
@@ -826,6 +951,18 @@ class Monitor:
             self._user_marks_epochs or self._loader_marks_epochs
         ):
             self._close_epoch()
+        steps = self._readings.steps
+        if steps % self._leak_sample_steps == 0 and steps > self._leak_warmup_steps:
+            self._sample_memory_trend()
+
+    def _sample_memory_trend(self) -> None:
+        """Every ``leak_sample_steps`` steps: memory for the trend leak rule (any loop shape)."""
+        with self._guard.contain("memory"):
+            samples = self._memory.trend_samples()
+            with self._judging:
+                self._recorder.memory_trend(
+                    samples, self._memory.limits, self._heartbeat.median_step_seconds()
+                )
 
     def _on_scaler_update(self) -> None:
         """After ``GradScaler.update()``: read the new scale; close a skipped iteration."""
@@ -834,6 +971,7 @@ class Monitor:
             self._steps_at_update = self._readings.steps
             if not stepped:
                 self._timer.iteration_skipped()  # the step hooks never ran
+                self._preclip = None  # measured by a clip whose step was skipped
                 self._throughput.abandon(self._readings.steps)
             step = self._recorder.global_step - (1 if stepped else 0)
             scale = scale_tensor(self._scaler)
@@ -954,6 +1092,8 @@ class Monitor:
                     self._judge_dead(tag.step, summary)
                 elif tag.kind == "loss":
                     self._recorder.loss(tag.step, values[0])
+                elif tag.kind == "clip":
+                    self._recorder.clip(tag.step, values[0])
                 else:
                     self._recorder.scale(tag.step, values[0])
             except Exception as error:
@@ -985,7 +1125,9 @@ class Monitor:
             self._recorder.epoch(samples, peaks)
             self._start_snapshot()
             if self._grads is not None and self._grads.trainable_changed():
-                self._grads = _build_grad_probe(self._model, self._optimizer, self.config)
+                self._grads = _build_grad_probe(
+                    self._model, self._optimizer, self.config, self._limiter
+                )
 
     def _start_snapshot(self) -> None:
         """When the leak rule holds on a CUDA device, record its allocator (if configured)."""
@@ -1084,8 +1226,21 @@ def _record_sigterm(registration: weakref.ref[Registration]) -> None:
         target.exited("signal", time.time(), signal_name="SIGTERM")
 
 
+def _owns_param(monitor: weakref.ref[Monitor], param: torch.Tensor) -> bool:
+    """Whether ``param`` is measured by the Monitor (held weakly by the clip wrappers)."""
+    target = monitor()
+    probe = None if target is None or target._detached else target._grads
+    return probe is not None and probe.owns(param)
+
+
+def _clip_seen(monitor: weakref.ref[Monitor], params: Any, max_norm: float) -> None:
+    target = monitor()
+    if target is not None:
+        target._on_clip(params, max_norm)
+
+
 def _build_throughput(
-    monitor: Monitor, devices: tuple[torch.device, ...], probe: GradProbe | None
+    monitor: Monitor, devices: tuple[torch.device, ...], probe: GradProbe | None, started: float
 ) -> ThroughputWatch:
     """Throughput and slowdown accounting; MFU only where a CUDA device's peak is known."""
     device_name = None
@@ -1098,7 +1253,7 @@ def _build_throughput(
     return ThroughputWatch(
         monitor.config.throughput,
         monitor._readings,
-        now=monitor._timer.clock(),
+        now=started,  # uptime then covers every phase second the loop timer books
         device_name=device_name,
         parameter_dtype=probe.params[0].dtype if probe and probe.params else torch.float32,
         model=unwrap_model(monitor._model),
@@ -1116,9 +1271,13 @@ def _param_signature(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
 
 
 def _build_grad_probe(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Config
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Config, limiter: LogLimiter
 ) -> GradProbe:
-    """A probe over the optimizer's trainable parameters, named from the (unwrapped) model."""
+    """A probe over the optimizer's trainable parameters, named from the (unwrapped) model.
+
+    Complex-valued parameters are left out (logged once): their norms are not comparable
+    with the real ones, and the fused kernel takes one dtype per bucket.
+    """
     names = {id(param): name for name, param in unwrap_model(model).named_parameters()}
     named: list[tuple[str, torch.Tensor]] = []
     seen: set[int] = set()
@@ -1127,6 +1286,15 @@ def _build_grad_probe(
             if id(param) in seen or not param.requires_grad:
                 continue
             seen.add(id(param))
+            if param.is_complex():
+                limiter.once(
+                    "complex-param",
+                    logging.WARNING,
+                    "stabmon: parameter %s is complex-valued; its gradient is left out of the "
+                    "gradient norms (the others are measured; logged once)",
+                    names.get(id(param), f"group{group_index}.param{param_index}"),
+                )
+                continue
             named.append((names.get(id(param), f"group{group_index}.param{param_index}"), param))
     return GradProbe(
         named,

@@ -114,6 +114,11 @@ class Readings:
     #: figures below are derived from it when read.
     grads: GradReading | None = None
     nonfinite_grad_steps: int = 0
+    #: Measured steps whose clip scaled the gradients; the last step's clip coefficient.
+    grad_clipped_steps: int = 0
+    grad_clip_coefficient: float | None = None
+    #: Seconds until memory runs out at the current trend, by device label (+inf: not growing).
+    memory_exhaustion_seconds: dict[str, float] = field(default_factory=dict)
     nonfinite_losses: int = 0
     #: Dead parameters per module group (see stabmon.detectors.dead); empty before measuring.
     dead_grad_params: dict[str, int] = field(default_factory=dict)

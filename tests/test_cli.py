@@ -55,6 +55,14 @@ def test_demo_detects_every_injected_fault(tmp_path: Path) -> None:
     for kind in ("nonfinite_grad", "loss_spike", "grad_spike", "stall", "memory_leak"):
         assert f"detected  {kind}" in summary
     assert "at step 100," in summary  # the NaN is reported at the step it was injected
+    # Every anomaly of the event log is listed, not only the first of each kind.
+    log = Path(summary.rsplit("event log: ", 1)[1].split()[0])
+    anomalies = [
+        r for r in map(json.loads, log.read_text().splitlines()) if r["event"] == "anomaly"
+    ]
+    listed = [line for line in summary.splitlines() if line.startswith(("  detected", "  also"))]
+    assert len(listed) == len(anomalies)
+    assert f"{len(anomalies)} anomalies in the event log" in summary
 
 
 def test_daemon_on_a_taken_port_exits_2_with_one_line(tmp_path: Path) -> None:

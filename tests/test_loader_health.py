@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -61,21 +62,39 @@ def test_a_loader_with_workers_and_no_timeout_is_warned_about_once(
 
 
 def test_a_killed_worker_is_named_in_the_event_log(attach: MonitorFactory) -> None:
+    """The loader's workers are shut down before the test ends, whatever it asserts.
+
+    PyTorch's SIGCHLD handler raises "DataLoader worker ... is killed" in the main thread
+    whenever any child exits while the broken iterator still lists the dead worker. The
+    iterator is kept alive by the caught exception's traceback (a reference cycle): left to
+    a later garbage collection, the next child to exit in any later test raised that error
+    at a random point, inside pytest itself (INTERNALERROR). Collecting it here shuts the
+    workers down, which removes their pids from the handler's list first.
+    """
+    import psutil
+
     monitor = _attach(attach)
+    before = {child.pid for child in psutil.Process().children()}
     loader = DataLoader(SlowSquares(), batch_size=4, num_workers=2, timeout=60)
     batches = monitor.track(loader)
-    next(batches)  # the workers run
-    (victim, *_) = [child.pid for child in __import__("psutil").Process().children()]
-    with pytest.raises(RuntimeError, match="DataLoader worker"):  # PyTorch's own error
-        os.kill(victim, signal.SIGKILL)
-        for _ in batches:
-            pass
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        died = [e for e in _events(monitor) if e["event"] == "loader_worker_died"]
-        if died:
-            break
-        time.sleep(0.1)
-    (event,) = died
-    assert (event["pid"], event["signal"], event["exitcode"]) == (victim, "SIGKILL", -9)
-    del batches
+    try:
+        next(batches)  # the workers run
+        workers = [c.pid for c in psutil.Process().children() if c.pid not in before]
+        assert len(workers) == 2, workers
+        victim = workers[0]
+        with pytest.raises(RuntimeError, match="DataLoader worker"):  # PyTorch's own error
+            os.kill(victim, signal.SIGKILL)
+            for _ in batches:
+                pass
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            died = [e for e in _events(monitor) if e["event"] == "loader_worker_died"]
+            if died:
+                break
+            time.sleep(0.1)
+        (event,) = died
+        assert (event["pid"], event["signal"], event["exitcode"]) == (victim, "SIGKILL", -9)
+    finally:
+        batches.close()
+        del batches, loader
+        gc.collect()  # the iterator, held by the caught exception's traceback, shuts down

@@ -80,13 +80,13 @@ def test_monitor_is_a_context_manager_that_detaches(tmp_path: Path) -> None:
     assert not model._forward_pre_hooks
 
 
-def test_detach_stops_every_thread_within_a_second(attach: MonitorFactory) -> None:
+def test_detach_stops_every_thread_without_waiting_out_their_intervals(
+    attach: MonitorFactory,
+) -> None:
     import threading
 
     monitor = attach(tiny_model(), _sgd(tiny_model()), sample_seconds=3600)
-    started = time.monotonic()
-    monitor.detach()
-    assert time.monotonic() - started < 1.0
+    monitor.detach()  # a detach that waited out the sampler's hour would hang here
     names = {thread.name for thread in threading.enumerate()}
     assert not {"stabmon-watchdog", "stabmon-sampler"} & names
 
@@ -491,7 +491,7 @@ def test_measure_every_measures_only_every_nth_step(attach: MonitorFactory) -> N
     nan_steps = [
         e["step"] for e in events(monitor.event_log_path) if e.get("kind") == "nonfinite_grad"
     ]
-    assert nan_steps == [3, 6]
+    assert nan_steps == [3]  # measured steps 3 and 6 are one episode, recorded at its start
 
 
 # --- timing, phases, epochs -----------------------------------------------------------------
@@ -501,9 +501,11 @@ def test_steps_durations_and_phases_are_exported(attach: MonitorFactory) -> None
     model = tiny_model()
     optimizer = _sgd(model)
     monitor = attach(model, optimizer)
+    started = time.time()
     for _ in range(5):
         time.sleep(0.02)  # input wait
         train_step(model, optimizer, monitor)
+    ended = time.time()
     with monitor.phase("eval"):
         time.sleep(0.05)
     samples = scrape(monitor.metrics_url)
@@ -515,7 +517,7 @@ def test_steps_durations_and_phases_are_exported(attach: MonitorFactory) -> None
     for phase in ("data_wait", "forward", "backward", "optimizer"):
         assert value(samples, "stabmon_phase_seconds_total", phase=phase) > 0
     last = value(samples, "stabmon_last_step_timestamp_seconds")
-    assert last is not None and abs(time.time() - last) < 5
+    assert last is not None and started <= last <= ended
 
 
 def test_track_times_the_loader_and_marks_epochs(attach: MonitorFactory) -> None:
@@ -828,9 +830,8 @@ def test_model_can_be_deep_copied_averaged_and_saved_while_attached(
     copied_scaler = copy.deepcopy(scaler)
     assert copied_scaler.update.__self__ is copied_scaler  # the plain method, on the copy
     loaded = torch.load(tmp_path / "model.pt", weights_only=False)
-    for copied in (ema.module, clone, loaded):  # the copies' hooks hold no Monitor
-        hooks = [*copied._forward_pre_hooks.values(), *copied._forward_hooks.values()]
-        assert len(hooks) == 2 and all(hook.__self__._owner() is None for hook in hooks)
+    for copied in (ema.module, clone, loaded):  # the copies carry none of stabmon's hooks
+        assert not copied._forward_pre_hooks and not copied._forward_hooks
     for other in (ema, clone, loaded):
         other(torch.randn(2, 8)).sum().backward()  # the copies' hooks are inert
     train_step(model, optimizer, monitor)

@@ -12,7 +12,14 @@ keep the z-score honest:
   so one spike barely moves them and the next spike is still seen, while a genuine
   level shift is still followed, gradually;
 - a standard-deviation floor, so a perfectly flat series (a constant loss) does not
-  turn a rounding wiggle into a huge z-score.
+  turn a rounding wiggle into a huge z-score;
+- a floor on the size of the rise itself: a value must also exceed the mean by
+  ``min_delta`` (absolute, in the original space) and by the factor ``min_ratio``.
+  A converged loss of 1e-5 whose float noise is a 6-sigma event is still 1e-5, and a
+  tiny model's gradient norm that doubles is no incident: z-scores alone page on both;
+- episodes: spikes that follow each other within ``episode_gap`` values are one
+  incident (``run_length`` counts on), so a blow-up that spikes on and off is
+  reported once.
 
 With ``log_scale=True`` (gradient norms, which vary multiplicatively) all of this runs
 on ``log(value)``, so the z-score measures a ratio rather than a difference.
@@ -66,7 +73,15 @@ class SpikeDetector:
     """
 
     def __init__(
-        self, *, threshold: float, warmup: int, alpha: float, log_scale: bool = False
+        self,
+        *,
+        threshold: float,
+        warmup: int,
+        alpha: float,
+        log_scale: bool = False,
+        min_delta: float = 0.0,
+        min_ratio: float = 1.0,
+        episode_gap: int = 1,
     ) -> None:
         if not threshold > 0:
             raise ValueError(
@@ -83,6 +98,16 @@ class SpikeDetector:
                 f"SpikeDetector alpha must be an EMA weight in (0, 1) (for example 0.01), "
                 f"got {alpha!r}"
             )
+        if not (min_delta >= 0 and min_ratio >= 1 and episode_gap >= 1):
+            raise ValueError(
+                f"SpikeDetector needs min_delta >= 0, min_ratio >= 1 and episode_gap >= 1 "
+                f"(for example 1e-3, 1.1, 20), got {min_delta!r}, {min_ratio!r}, {episode_gap!r}"
+            )
+        self._min_delta = min_delta
+        self._min_ratio = min_ratio
+        self._episode_gap = episode_gap
+        # Values since the last spike: an episode ends after episode_gap quiet values.
+        self._quiet = 0
         self._threshold = threshold
         self._warmup = warmup
         self._alpha = alpha
@@ -134,18 +159,21 @@ class SpikeDetector:
             zscore = diff / std
             threshold = self._threshold
             if zscore > threshold:
-                self._run += 1
-                spike = Spike(
-                    value=float(value),
-                    zscore=zscore,
-                    mean=math.exp(mean) if self._log_scale else mean,
-                    run_length=self._run,
-                )
+                level = math.exp(mean) if self._log_scale else mean
+                if value - level >= self._min_delta and (
+                    value >= level * self._min_ratio if level > 0 else True
+                ):
+                    self._run += 1
+                    self._quiet = 0
+                    spike = Spike(value=float(value), zscore=zscore, mean=level,
+                                  run_length=self._run)  # fmt: skip
                 diff = threshold * std  # enters the statistics clamped to mean + threshold*std
-            else:
-                self._run = 0
-                if zscore < -threshold:
-                    diff = -threshold * std
+            elif zscore < -threshold:
+                diff = -threshold * std
+            if spike is None and self._run:
+                self._quiet += 1
+                if self._quiet >= self._episode_gap:
+                    self._run = 0  # the episode is over: the next spike is a new incident
             weight = self._alpha
         increment = weight * diff
         self._mean = mean + increment

@@ -17,6 +17,11 @@ With several optimizers (manual optimization), each gets a Monitor with run id
 (a model carries one Monitor); the others watch a module that shares the
 LightningModule's submodules, so they name parameters alike but do not time the
 forward pass. The first gets the training loss and the precision plugin's scaler.
+
+Phases: Lightning calls ``training_step``, not the LightningModule itself, so its
+forward hooks fire only when ``training_step`` calls ``self(...)``. The adapter marks the
+forward pass from ``on_train_batch_start`` (the batch is fetched) and the backward pass
+from ``on_before_backward``; without that, the backward was timed as forward.
 """
 
 from __future__ import annotations
@@ -99,6 +104,9 @@ class LightningAdapter:
                     config=self._config,
                     **monitor_settings(self._config, self._overrides, index, len(optimizers)),
                 )
+                # Lightning clips after on_before_optimizer_step, where the marker measured the
+                # unclipped gradients: its clip only gives the coefficient of that step.
+                monitor._clips_after_measuring()
                 self._monitors.append(monitor)
                 self._phases.append(PhaseSwitch(monitor))
                 self._markers[id(optimizer)] = marker
@@ -140,7 +148,17 @@ class LightningAdapter:
     def on_train_batch_start(
         self, trainer: Any, pl_module: torch.nn.Module, batch: Any, batch_idx: int
     ) -> None:
+        """The batch is fetched: the forward pass begins (training_step may not call forward)."""
         self._close_phases()
+        for monitor in self._monitors:
+            monitor.mark_forward()
+
+    def on_before_backward(
+        self, trainer: Any, pl_module: torch.nn.Module, loss: torch.Tensor
+    ) -> None:
+        """The backward pass begins: timed as ``backward``, not as part of the forward."""
+        for monitor in self._monitors:
+            monitor.mark_backward()
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: torch.nn.Module, outputs: Any, batch: Any, batch_idx: int

@@ -16,13 +16,24 @@ never imported:
 - ``on_pretrain_routine_end`` (``on_train_start`` if that was missed): attach a
   Monitor to ``trainer.model`` and ``trainer.optimizer``, with ``trainer.scaler``
   when AMP is on; on resume (``trainer.start_epoch > 0``) load the state saved
-  in ``trainer.wdir``;
+  in ``trainer.wdir``. Gradient-norm groups are YOLO's layers (``module_depth`` 2:
+  ``model.0`` ... ``model.23``) unless ``module_depth`` is set to something else;
+- ``on_train_epoch_start`` and ``on_train_batch_start``: leave any phase (training);
 - ``on_train_batch_end``: observe ``trainer.loss`` (kept on the device);
-- ``on_train_epoch_end``: mark the epoch end; the epoch-end work that follows is
-  phase ``checkpoint``, and validation (``on_val_start`` to ``on_val_end``, which the
-  validator runs from the trainer's callbacks) is phase ``eval``;
-- ``on_model_save``: write the Monitor's state to ``trainer.wdir / "stabmon-rank<rank>.pt"``;
-- ``on_fit_epoch_end`` and ``on_train_end``: leave the phase; ``teardown``: detach.
+- ``on_train_epoch_end``: the epoch-end work that follows is phase ``checkpoint``, and
+  validation (``on_val_start`` to ``on_val_end``, which the validator runs from the
+  trainer's callbacks) is phase ``eval``;
+- ``on_model_save``: mark the epoch end, then write the Monitor's state to
+  ``trainer.wdir / "stabmon-rank<rank>.pt"``;
+- ``on_fit_epoch_end``: leave the phase and mark the epoch end if not saved. Not at
+  ``on_train_epoch_end``: when the loss or fitness is NaN, Ultralytics reloads
+  ``last.pt`` and repeats the epoch (before saving, and without ``on_fit_epoch_end``),
+  and the repeat is the same epoch, not another one;
+- ``on_train_end``: leave the phase; training ended normally;
+- ``teardown`` (Ultralytics runs it in a ``finally``): detach after a normal end. After
+  an exception the Monitor stays attached, so that interpreter exit records the crash
+  in the run directory (``exit_status: exception``) instead of a clean detach; call
+  :meth:`UltralyticsStabmon.detach` to detach anyway (e.g. to go on in the same process).
 
 See docs/integrations/ultralytics.md.
 """
@@ -35,10 +46,13 @@ from typing import Any, Protocol
 
 import torch
 
+from stabmon.config import load_config
 from stabmon.integrations._common import ConfigSource, PhaseSwitch, load_state, save_state
 from stabmon.monitor import Monitor
 
 __all__ = ["UltralyticsStabmon", "add_stabmon", "state_file"]
+
+_YOLO_MODULE_DEPTH = 2  # model.0 ... model.23 for YOLO11: within max_modules (32)
 
 
 class _HasCallbacks(Protocol):
@@ -71,25 +85,34 @@ class UltralyticsStabmon:
         self._overrides = overrides
         self._monitor: Monitor | None = None
         self._phase: PhaseSwitch | None = None
+        self._epoch_pending = False  # on_train_epoch_end seen, on_fit_epoch_end not yet
+        self._ended = False  # on_train_end seen: teardown follows a normal end
 
     @property
     def monitor(self) -> Monitor | None:
         """The attached Monitor, or None outside training."""
         return self._monitor
 
+    @property
+    def phase(self) -> str | None:
+        """The phase held open between events (``eval``, ``checkpoint``), or None in training."""
+        return self._phase.name if self._phase is not None else None
+
     def callbacks(self) -> dict[str, Callable[[Any], None]]:
         """Event name → callback, as Ultralytics' ``add_callback`` takes them."""
         return {
             "on_pretrain_routine_end": self.attach,
             "on_train_start": self.attach,
+            "on_train_epoch_start": self.epoch_start,
+            "on_train_batch_start": lambda trainer: self._leave(),
             "on_train_batch_end": self.observe_loss,
-            "on_train_epoch_end": self.epoch_end,
+            "on_train_epoch_end": self.train_epoch_end,
             "on_val_start": lambda validator: self._enter("eval"),
             "on_val_end": lambda validator: self._enter("checkpoint"),
             "on_model_save": self.save,
-            "on_fit_epoch_end": lambda trainer: self._leave(),
-            "on_train_end": lambda trainer: self._leave(),
-            "teardown": lambda trainer: self.detach(),
+            "on_fit_epoch_end": self.fit_epoch_end,
+            "on_train_end": self.train_end,
+            "teardown": self.teardown,
         }
 
     def attach(self, trainer: Any) -> None:
@@ -98,14 +121,22 @@ class UltralyticsStabmon:
             return
         scaler = getattr(trainer, "scaler", None)
         enabled = scaler is not None and bool(getattr(scaler, "is_enabled", lambda: False)())
+        overrides = dict(self._overrides)
+        if (
+            "module_depth" not in overrides
+            and load_config(self._config, overrides).module_depth == 1
+        ):
+            # YOLO's layers are all children of one Sequential (`model`): depth 1 is one group.
+            overrides["module_depth"] = _YOLO_MODULE_DEPTH
         monitor = Monitor(
             trainer.model,
             trainer.optimizer,
             scaler=scaler if enabled else None,  # a disabled GradScaler never changes its scale
             config=self._config,
-            **self._overrides,
+            **overrides,
         )
         self._monitor, self._phase = monitor, PhaseSwitch(monitor)
+        self._epoch_pending = self._ended = False
         if getattr(trainer, "start_epoch", 0) > 0:  # resume_training() ran before this event
             load_state(monitor, state_file(trainer.wdir, monitor.rank))
 
@@ -115,16 +146,45 @@ class UltralyticsStabmon:
         if self._monitor is not None and isinstance(loss, torch.Tensor):
             self._monitor.observe(loss=loss)
 
-    def epoch_end(self, trainer: Any) -> None:
-        """Mark the epoch end; validation and saving follow, in phase ``checkpoint`` or ``eval``."""
-        if self._monitor is not None:
-            self._monitor.epoch_end()
+    def epoch_start(self, trainer: Any) -> None:
+        """Training again. An epoch whose end was not confirmed is being repeated (NaN recovery)."""
+        self._leave()
+        self._epoch_pending = False
+
+    def train_epoch_end(self, trainer: Any) -> None:
+        """The epoch's training is over: validation and saving follow (``checkpoint``, ``eval``)."""
+        self._epoch_pending = True
         self._enter("checkpoint")
 
+    def fit_epoch_end(self, trainer: Any) -> None:
+        """Leave the phase; the epoch is over and will not be repeated: mark its end."""
+        self._leave()
+        self._confirm_epoch()
+
+    def train_end(self, trainer: Any) -> None:
+        """Training ended normally (Ultralytics does not call this after an exception)."""
+        self.fit_epoch_end(trainer)
+        self._ended = True
+
+    def teardown(self, trainer: Any) -> None:
+        """Detach after a normal end; after an exception, leave the crash to be recorded at exit."""
+        if self._ended:
+            self.detach()
+
     def save(self, trainer: Any) -> None:
-        """Write the Monitor's state next to the checkpoint Ultralytics has just written."""
+        """Mark the epoch end, then write the Monitor's state next to the checkpoint just written.
+
+        Ultralytics saves only after its NaN check: a saved epoch is not repeated, and a
+        run resumed from this checkpoint starts after it.
+        """
+        self._confirm_epoch()
         if self._monitor is not None:
             save_state(self._monitor, state_file(trainer.wdir, self._monitor.rank))
+
+    def _confirm_epoch(self) -> None:
+        if self._epoch_pending and self._monitor is not None:
+            self._monitor.epoch_end()
+        self._epoch_pending = False
 
     def detach(self) -> None:
         """Remove every hook, stop every thread and free the port; idempotent."""
@@ -132,6 +192,7 @@ class UltralyticsStabmon:
         if self._monitor is not None:
             self._monitor.detach()
         self._monitor, self._phase = None, None
+        self._epoch_pending = self._ended = False
 
     def _enter(self, name: str) -> None:
         if self._phase is not None:

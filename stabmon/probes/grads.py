@@ -243,6 +243,7 @@ class GradProbe:
         self._candidates = tuple(candidates)
         self._trainable = tuple(param.requires_grad for param in self._candidates)
         self._params: tuple[torch.Tensor, ...] = tuple(param for _, param in named_params)
+        self._ids = frozenset(id(param) for param in self._params)
         self.groups, self._group_of = _assign_groups(
             self.names, self._params, module_depth, max_modules
         )
@@ -256,6 +257,10 @@ class GradProbe:
     @property
     def params(self) -> tuple[torch.Tensor, ...]:
         return self._params
+
+    def owns(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` is one of the measured parameters (a clip of it is ours to see)."""
+        return id(param) in self._ids
 
     @property
     def sharded(self) -> bool:

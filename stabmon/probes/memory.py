@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 import torch
@@ -76,6 +77,26 @@ class HostMemory:
     def rss_bytes(self) -> int:
         return int(self._process.memory_info().rss)
 
+    def limit_bytes(self) -> float:
+        """Memory this process may reach: its cgroup's limit, else RSS plus available memory."""
+        limit = cgroup_memory_limit()
+        if limit is not None:
+            return float(limit)
+        return float(self.rss_bytes() + psutil.virtual_memory().available)
+
+
+def cgroup_memory_limit(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """The memory limit of this process's cgroup (v2 ``memory.max``, v1 ``limit_in_bytes``)."""
+    for candidate in (root / "memory.max", root / "memory" / "memory.limit_in_bytes"):
+        try:
+            text = candidate.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 2**60:  # v1 says "no limit" with a huge number
+            return int(text)
+        return None  # "max": no limit
+    return None
+
 
 HOST = "host"
 
@@ -111,6 +132,26 @@ class MemorySampler:
                 except Exception as error:  # pynvml.NVMLError is not imported outside the daemon
                     self._utilization = False  # no NVML here (no library, MIG): the daemon's job
                     LOGGER.info("stabmon: no GPU utilization from this process: %s", error)
+
+    def trend_samples(self) -> dict[str, float]:
+        """Bytes now by label for the trend leak rule: RSS for host, allocated per device."""
+        samples: dict[str, float] = {
+            device_label(device): float(torch.cuda.memory_allocated(device))
+            for device in self._devices()
+        }
+        if self._host is not None:
+            samples[HOST] = float(self._host.rss_bytes())
+        return samples
+
+    def limits(self) -> dict[str, float]:
+        """Bytes each label may reach: host as :meth:`HostMemory.limit_bytes`, CUDA device total."""
+        limits: dict[str, float] = {
+            device_label(device): float(torch.cuda.get_device_properties(device).total_memory)
+            for device in self._devices()
+        }
+        if self._host is not None:
+            limits[HOST] = self._host.limit_bytes()
+        return limits
 
     def epoch_samples(self) -> tuple[dict[str, float], dict[str, float]]:
         """Epoch-end bytes by label (allocated per device, RSS for host) and the epoch peaks;

@@ -11,7 +11,11 @@ With gradient accumulation, the stretch from one micro-batch's forward end to
 the next forward start is ``backward`` (it holds the backward pass and the next
 batch's fetch); only the wait before a step's first forward is ``data_wait``.
 Named phases (``with mon.phase("eval")``) take all the time inside them, and
-the hook boundaries they contain are ignored.
+the hook boundaries they contain are ignored. A forward outside training (under
+``torch.no_grad()``/``inference_mode()``, or of a model in ``eval()`` mode) outside
+a named phase enters an automatic ``eval`` phase: it keeps the heartbeat alive (an
+evaluation that nobody wrapped in ``mon.phase`` is no stall), its time is ``eval``
+rather than ``data_wait``, and a stall inside it is reported in phase ``eval``.
 
 These are host timestamps. On CUDA they measure when the host got there, not
 when the device finished: a sync-free loop runs ahead of the device, so host
@@ -23,12 +27,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import TypeVar
+from typing import Any, Generic, TypeVar
 
 from stabmon.detectors.stall import Heartbeat
 from stabmon.readings import Readings
 
-__all__ = ["LoopTimer", "timed_iteration"]
+__all__ = ["LoopTimer", "TrackedLoader", "timed_iteration"]
 
 T = TypeVar("T")
 
@@ -36,6 +40,8 @@ _DATA_WAIT = "data_wait"
 _FORWARD = "forward"
 _BACKWARD = "backward"
 _OPTIMIZER = "optimizer"
+#: The automatic phase of forwards outside training (see the module docstring).
+EVAL_PHASE = "eval"
 
 
 class LoopTimer:
@@ -96,6 +102,8 @@ class LoopTimer:
             if not self._loader_tracked and self._last_step_end is not None:
                 self._readings.data_wait.observe(elapsed)
             self.in_iteration = True
+        elif state == EVAL_PHASE:
+            self.in_iteration = True  # training resumes after an evaluation
         self.forward_seen = True
         phases = self._phases
         phases[state] = phases.get(state, 0.0) + elapsed
@@ -104,6 +112,24 @@ class LoopTimer:
         self._loader_seconds = 0.0
         if self._device_mark is not None:
             self._device_mark(_FORWARD, False)
+
+    def eval_forward(self) -> None:
+        """A forward outside training and outside named phases: the automatic ``eval`` phase.
+
+        Each one is progress for the heartbeat, so an unwrapped evaluation is no stall.
+        """
+        if self._named:
+            return
+        now = self._clock()
+        if self._state != EVAL_PHASE:
+            phases = self._phases
+            phases[self._state] = phases.get(self._state, 0.0) + (now - self._mark)
+            self._mark = now
+            self._loader_seconds = 0.0
+            self._state = self._heartbeat.phase = EVAL_PHASE
+            if self._device_mark is not None:
+                self._device_mark(EVAL_PHASE, False)
+        self._heartbeat.progress(now)
 
     def forward_end(self) -> None:
         if self._named:
@@ -168,10 +194,22 @@ class LoopTimer:
         return now
 
     def loader_wait(self, seconds: float) -> None:
-        """Input wait measured around the loader's ``next()`` by ``track()``."""
-        if not self._named:  # a validation loader inside mon.phase("eval") is not input wait
-            self._readings.data_wait.observe(seconds)
+        """Input wait measured around a batch fetch (``track()``'s ``next()``, ``data_wait()``).
+
+        A fetch in the middle of an iteration (the next micro-batch, fetched between
+        forward and backward) is taken out of the phase it interrupted and booked as
+        ``data_wait``: input starvation is never counted as backward.
+        """
+        if self._named:  # a validation loader inside mon.phase("eval") is not input wait
+            return
+        self._readings.data_wait.observe(seconds)
+        state = self._state
+        if state == _DATA_WAIT:
             self._loader_seconds += seconds
+        elif state != EVAL_PHASE:
+            phases = self._phases
+            phases[_DATA_WAIT] = phases.get(_DATA_WAIT, 0.0) + seconds
+            self._mark += seconds  # the interrupted phase resumes after the fetch
 
     def iteration_skipped(self) -> None:
         """The optimizer step was skipped (GradScaler): end the iteration without a step."""
@@ -224,6 +262,41 @@ class LoopTimer:
         self._heartbeat.phase = state
         if self._device_mark is not None:
             self._device_mark(state, False)
+
+
+class TrackedLoader(Generic[T]):
+    """What ``Monitor.track(loader)`` returns: iterates as the loader does, timing each fetch.
+
+    ``len()`` and attribute access are the loader's (``tracked.dataset``,
+    ``tracked.sampler.set_epoch(epoch)``); each ``iter()`` is a new timed pass, except
+    that a pass begun with ``next()`` is continued by the next ``iter()``, as a generator is.
+    """
+
+    def __init__(self, loader: Iterable[T], start: Callable[[], Iterator[T]]) -> None:
+        self._loader = loader
+        self._start = start
+        self._current: Iterator[T] | None = None
+
+    def __iter__(self) -> Iterator[T]:
+        current = self._current
+        if current is not None:  # a pass begun with next(): the for loop continues it
+            self._current = None
+            return current
+        return self._start()
+
+    def __next__(self) -> T:  # next(mon.track(loader)) without a for loop
+        if self._current is None:
+            self._current = self._start()
+        return next(self._current)
+
+    def __len__(self) -> int:
+        return len(self._loader)  # type: ignore[arg-type]  # a TypeError, as len(loader) gives
+
+    def __getattr__(self, name: str) -> Any:
+        loader = self.__dict__.get("_loader")
+        if loader is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(loader, name)
 
 
 def timed_iteration(

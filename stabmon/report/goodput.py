@@ -112,7 +112,8 @@ def rank_goodput(log: RankLog) -> RankGoodput | None:
             for name, value in _mapping(last.get("phase_seconds")).items()
             if (seconds := number(value)) is not None and seconds >= 0
         }
-        uptime = number(last.get("uptime_seconds")) or 0.0
+        # Phases never outlast the process; if rounding says so, they are the process's time.
+        uptime = max(number(last.get("uptime_seconds")) or 0.0, sum(phases.values()))
         accounted += uptime
         stalled = 0.0
         for phase, seconds in _stalls(records):

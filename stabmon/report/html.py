@@ -144,7 +144,8 @@ def _rank_row(log: RankLog) -> str:
     cells = (
         str(log.rank),
         str(environment.get("hostname", "")),
-        str(attach.get("pid", "")),
+        # Every process of the rank, in order: a resumed run is several.
+        ", ".join(dict.fromkeys(str(a["pid"]) for a in log.of("attach") if "pid" in a)),
         state,
         f"{log.last_step:,}",
         str(len(log.of("epoch"))),

@@ -157,7 +157,10 @@ class Plots:
         return _svg(figure)
 
     def _mark(self, axes: Axes, kinds: Sequence[str], field: str | None) -> None:
-        """Anomalies as vertical lines at their step, and a cross at their value when finite."""
+        """Anomalies as vertical lines at their step, a cross at their value when finite, and a
+        triangle at the top when their value is NaN or Inf."""
+        from matplotlib.transforms import blended_transform_factory
+
         seen: set[str] = set()
         for record in self._anomalies:
             kind = str(record.get("kind"))
@@ -171,6 +174,13 @@ class Plots:
             value = number(record.get(field)) if field else None
             if value is not None and math.isfinite(value) and value > 0:
                 axes.plot([step], [value], marker="X", markersize=10, color=color, linestyle="none")
+            elif value is not None and not math.isfinite(value):
+                # A NaN or Inf has no place on the value axis: drawn at the top, at its step.
+                top = blended_transform_factory(axes.transData, axes.transAxes)
+                label = None if "not finite" in seen else f"{field} not finite (NaN/Inf)"
+                axes.plot([step], [0.97], marker="v", markersize=11, color=color,
+                          linestyle="none", transform=top, label=label)  # fmt: skip
+                seen.add("not finite")
 
 
 def _samples(log: RankLog) -> list[dict[str, Any]]:
@@ -240,8 +250,8 @@ def _leak_windows(
             windows.append((start, epoch, start_value * (1 + threshold)))
             start, start_value = epoch, value
     last = usable[-1][0]
-    if last < start + length:  # the open window: drawn to where it will close
-        windows.append((start, start + length, start_value * (1 + threshold)))
+    if start < last < start + length:  # the open window: drawn as far as the run got
+        windows.append((start, last, start_value * (1 + threshold)))
     return windows
 
 

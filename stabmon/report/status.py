@@ -30,9 +30,10 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -51,6 +52,7 @@ __all__ = [
     "Credentials",
     "RankStatus",
     "format_table",
+    "RegisteredTarget",
     "registered_targets",
     "registered_urls",
     "require_urls",
@@ -104,11 +106,20 @@ class RankStatus:
 
 def registered_urls(root: Path, run: str | None = None) -> list[str]:
     """Metrics URLs of the live processes registered under ``root`` (a run dir root or one run)."""
-    return [url for url, _ in registered_targets(root, run)]
+    return [target.url for target in registered_targets(root, run)]
 
 
-def registered_targets(root: Path, run: str | None = None) -> list[tuple[str, int]]:
-    """As :func:`registered_urls`, each URL with the uid that owns the record naming it."""
+class RegisteredTarget(NamedTuple):
+    """A live rank's metrics URL, the uid that owns the record naming it, and its run and rank."""
+
+    url: str
+    owner_uid: int
+    run: str
+    rank: str
+
+
+def registered_targets(root: Path, run: str | None = None) -> list[RegisteredTarget]:
+    """As :func:`registered_urls`, each URL with its record's owner, run and rank."""
     records, _ = read_owned_records(root)
     if not records and any(root.glob("rank-*.json")):  # ``root`` is one run's directory
         records = [r for r in read_owned_records(root.parent)[0] if _in_directory(r.record, root)]
@@ -122,7 +133,9 @@ def registered_targets(root: Path, run: str | None = None) -> list[tuple[str, in
             continue
         if record.boot_id and this_boot and record.boot_id != this_boot:
             continue  # from before a reboot: nothing serves there any more
-        targets.append((record.metrics_url, owned.owner_uid))
+        targets.append(
+            RegisteredTarget(record.metrics_url, owned.owner_uid, record.run, str(record.rank))
+        )
     return targets
 
 
@@ -163,19 +176,22 @@ def scrape_status(
     credentials: Credentials = Credentials(),  # noqa: B008 - frozen, so one shared default is safe
     clock: Callable[[], float] = time.time,
     untrusted: Collection[str] = (),
+    names: Mapping[str, tuple[str, str]] | None = None,
 ) -> list[RankStatus]:
     """One status per URL; a URL that does not answer is a status with ``error`` set.
 
     URLs in ``untrusted`` (written by another user) are scraped without the
     basic-auth credentials. Only http and https are scraped; each scrape ends
-    within ``timeout`` seconds in all.
+    within ``timeout`` seconds in all. ``names`` (URL to run and rank, from the run
+    directory's records) names a rank that does not answer.
     """
     statuses = []
     for url in urls:
+        run, rank = (names or {}).get(url, ("?", "?"))
         scheme = urllib.parse.urlsplit(url).scheme.lower()
         if scheme not in _SCHEMES:
             refused = f"not scraped: {scheme or 'no'} scheme; stabmon status reads only http(s)"
-            statuses.append(RankStatus(url=url, error=refused + ":// URLs"))
+            statuses.append(RankStatus(url=url, run=run, rank=rank, error=refused + ":// URLs"))
             continue
         sent = credentials
         if url in untrusted and credentials.authorization is not None:
@@ -184,11 +200,13 @@ def scrape_status(
             samples = _scrape_within(url, timeout, sent)
         except urllib.error.HTTPError as error:  # before URLError, its base class
             hint = " (see --basic-auth-file)" if error.code == 401 else ""
-            statuses.append(RankStatus(url=url, error=f"HTTP {error.code} {error.reason}{hint}"))
+            problem = f"HTTP {error.code} {error.reason}{hint}"
+            statuses.append(RankStatus(url=url, run=run, rank=rank, error=problem))
             continue
         except (OSError, ValueError, urllib.error.URLError) as error:
             reason = getattr(error, "reason", None) or error
-            statuses.append(RankStatus(url=url, error=f"{type(error).__name__}: {reason}"))
+            statuses.append(RankStatus(url=url, run=run, rank=rank,
+                                       error=f"{type(error).__name__}: {reason}"))  # fmt: skip
             continue
         statuses.extend(_statuses(url, samples, clock()))
     return statuses
@@ -201,7 +219,7 @@ def format_table(statuses: Sequence[RankStatus]) -> str:
     rows = [header]
     for status in statuses:
         if status.error is not None:
-            rows.append(("?", "?", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-",
+            rows.append((status.run, status.rank, "-", "-", "-", "-", "-", "-", "-", "-", "-", "-",
                          f"UNREACHABLE {status.url}: {status.error}"))  # fmt: skip
             continue
         rows.append((

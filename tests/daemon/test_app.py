@@ -15,7 +15,7 @@ from helpers import scrape
 
 from stabmon import contract
 from stabmon.config import load_config
-from stabmon.daemon.app import STOP_SECONDS, DaemonApp
+from stabmon.daemon.app import DaemonApp
 from stabmon.daemon.nvml import GpuProcess
 from stabmon.rundir import ProcessRecord, boot_id, write_atomic
 
@@ -94,13 +94,16 @@ def test_daemon_exposition_has_one_help_line_per_metric(app: DaemonApp) -> None:
     assert len(helps) == len(set(helps))  # strict parsers reject a family declared twice
 
 
-def test_daemon_stop_returns_within_a_second(tmp_path: Path) -> None:
-    config = load_config({"run_dir": str(tmp_path), "daemon": {"port": 0, "interval": 30}}, env={})
+def test_daemon_stop_returns_without_waiting_out_the_poll_interval(tmp_path: Path) -> None:
+    config = load_config(
+        {"run_dir": str(tmp_path), "daemon": {"port": 0, "interval": 3600}}, env={}
+    )
     daemon = DaemonApp(config, reader=FakeNvml([FakeGpu(uuid=UUIDS[0])]))
     assert daemon.start()
     started = time.monotonic()
     daemon.stop()
-    assert time.monotonic() - started < STOP_SECONDS + 0.2
+    # Not a timing window: a stop that waited for the next poll would take an hour.
+    assert time.monotonic() - started < 600
 
 
 def test_daemon_without_a_driver_serves_process_metrics(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ read it (module-scoped fixtures), because Lightning's import and setup cost seco
 from __future__ import annotations
 
 import socket
+import time
 import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -269,3 +270,35 @@ def test_lightning_module_uses_lightning_pytorch_else_pytorch_lightning() -> Non
     except ImportError:
         Callback = pl.callbacks.Callback  # noqa: N806 - the class the module falls back to
     assert issubclass(lightning.StabmonCallback, Callback)
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward sleeps: a backward pass that takes a known least time."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        time.sleep(BACKWARD_SLEEP)
+        return grad
+
+
+BACKWARD_SLEEP = 0.02
+
+
+class SubmoduleStepModule(TinyModule):
+    """A training_step that calls its submodule, not ``self(...)``: no root forward hook fires."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        inputs, targets = batch
+        return torch.nn.functional.mse_loss(_SlowBackward.apply(self.net(inputs)), targets)
+
+
+def test_lightning_callback_times_the_backward_pass_as_backward(tmp_path: Path) -> None:
+    run = fit(tmp_path, SubmoduleStepModule(), epochs=1)
+    # Lower bounds only (a sleep lasts at least as long as asked): every step's backward slept.
+    backward = run.metric("stabmon_phase_seconds_total", phase="backward") or 0.0
+    assert backward >= BATCHES_PER_EPOCH * BACKWARD_SLEEP
+    assert (run.metric("stabmon_phase_seconds_total", phase="forward") or 0.0) > 0

@@ -1,7 +1,8 @@
 """add_stabmon on a stand-in of Ultralytics' trainer (ultralytics_standin.py), scraped over HTTP.
 
-Ultralytics itself cannot run here; the stand-in follows its callback protocol and
-attribute names, so these tests check the adapter's wiring, not Ultralytics.
+The stand-in follows Ultralytics' callback protocol and attribute names, and reaches paths a
+CPU run of the real trainer cannot (a GradScaler that skips); test_ultralytics_real.py runs
+the adapter on the real trainer.
 """
 
 from __future__ import annotations

@@ -84,7 +84,9 @@ def test_forward_returning_unusual_types_is_measured_without_an_exception(
 def test_run_nobody_scrapes_keeps_every_anomaly_in_the_event_log(attach: MonitorFactory) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    monitor = attach(model, optimizer, spike_warmup_steps=20, stall_seconds=0.3)
+    # Episodes of at most 5 quiet values: the NaN steps 25 and 40 are two incidents.
+    monitor = attach(model, optimizer, spike_warmup_steps=20, stall_seconds=0.3,
+                     spike_episode_gap=5)  # fmt: skip
     batch = torch.randn(16, 8)
     nan_steps = {25, 40}
     for step in range(60):

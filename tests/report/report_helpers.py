@@ -37,7 +37,7 @@ def train_with_faults(run_dir: Path) -> FaultyRun:
     leaked: list[bytearray] = []
     with stabmon.attach(
         model, optimizer, port=0, address="127.0.0.1", run_dir=str(run_dir), run_id="faulty",
-        sample_every=5, spike_warmup_steps=20, stall_seconds=0.5, leak_warmup_epochs=1,
+        sample_every=5, spike_warmup_steps=20, stall_seconds=2.0, leak_warmup_epochs=1,
         leak_window_epochs=1, leak_windows=2, leak_threshold=0.02, sample_seconds=0.2,
     ) as monitor:  # fmt: skip
         step = 0
@@ -48,7 +48,7 @@ def train_with_faults(run_dir: Path) -> FaultyRun:
                 else:
                     train_step(model, optimizer, monitor, nan_grad=step == NAN_STEP)
                 if step == STALL_AFTER_STEP:
-                    time.sleep(1.5)  # past stall_seconds: the watchdog reports it
+                    time.sleep(4.0)  # past stall_seconds: the watchdog reports it
                 step += 1
             leaked.append(bytearray(24 * 2**20))  # touched: RSS grows 24 MiB an epoch
             leaked[-1][::4096] = b"\1" * len(range(0, 24 * 2**20, 4096))

@@ -141,3 +141,29 @@ def test_status_with_an_unreadable_cafile_exits_2_with_one_line(tmp_path: Path) 
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1
     assert result.stderr.startswith(f"stabmon: error: --cafile {tmp_path / 'absent.pem'}: ")
+
+
+def test_status_names_the_run_and_rank_of_a_registered_rank_that_does_not_answer(
+    tmp_path: Path,
+) -> None:
+    import json
+    import os
+    import socket
+
+    with socket.socket() as listener:  # a port nobody serves once closed
+        listener.bind(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+    record = {"pid": os.getpid(), "create_time": 1.0, "run": "job", "rank": 3, "local_rank": 3,
+              "hostname": "h", "gpu_uuids": [], "cuda_visible_devices": None,
+              "metrics_url": f"http://127.0.0.1:{port}/metrics", "attached_unix": 1.0,
+              "last_step_unix": None, "steps": 0, "updated_unix": 1.0, "stall_seconds": None,
+              "boot_id": "", "pid_namespace": "", "exited_unix": None, "exit_status": None,
+              "version": 1}  # fmt: skip
+    (tmp_path / "job").mkdir()
+    (tmp_path / "job" / "rank-3.json").write_text(json.dumps(record))
+
+    result = stabmon_cli("status", "--run-dir", str(tmp_path), "--timeout", "2")
+
+    assert result.returncode == 1, result.stderr
+    (row,) = [line for line in result.stdout.splitlines() if "UNREACHABLE" in line]
+    assert row.split()[:2] == ["job", "3"]

@@ -108,8 +108,11 @@ def test_step_samples_keep_their_own_step_times_when_many_windows_wait(tmp_path:
     samples = _samples(monitor)
 
     assert [sample["step"] for sample in samples] == list(range(160))
-    # Each record has its own step's time, not a mean over the windows judged with it.
-    for sample in samples[1:]:
-        slow = sample["step"] % 2 == 1
-        assert (sample["step_seconds"] >= 0.05) is slow, sample
-        assert (sample["data_wait_seconds"] >= 0.05) is slow, sample
+    # Each record has its own step's time, not a mean over the windows judged with it (a mean
+    # would be about 25 ms). Only lower bounds: a sleep lasts at least as long as asked, while
+    # an un-slept step may take any time on a busy machine.
+    slow = [sample for sample in samples[1:] if sample["step"] % 2 == 1]
+    assert len(slow) == 80
+    for sample in slow:
+        assert sample["step_seconds"] >= 0.05, sample
+        assert sample["data_wait_seconds"] >= 0.05, sample

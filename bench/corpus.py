@@ -1,0 +1,461 @@
+"""Loops written the way real projects write them, trained on CPU with faults injected.
+
+Each loop is a small model with its project's habits, not stabmon's:
+
+- ``gpt``: a nanoGPT-style decoder, AdamW, ``get_batch()`` instead of a DataLoader,
+  gradient accumulation (4 micro-batches), ``clip_grad_norm_(..., 1.0)``, one endless
+  epoch, an evaluation every ``eval_every`` steps under ``torch.no_grad()`` (no ``mon.phase``);
+- ``lstm``: pytorch/examples' word language model: an LSTM LM, plain SGD at lr 20,
+  ``clip_grad_norm_(..., 0.25)``, ``get_batch(source, i)`` over BPTT windows, epochs marked
+  by ``epoch_end()``;
+- ``cnn``: a CNN classifier with a ``DataLoader`` through ``mon.track()``, SGD with
+  momentum, no clipping.
+
+(The Lightning and Hugging Face integrations with clipping on are trained by
+``tests/corpus/`` through their own trainers.)
+
+Faults, each at ``fault_step``:
+
+- ``lr_blowup``: the learning rate is multiplied by 1,000 for one step, as a bad
+  schedule or a unit mistake does; expected: a ``grad_spike`` within 2 steps;
+- ``leak``: the classic ``total_loss += loss`` (the tensor, graph and all) from then on;
+  expected: a ``memory_leak`` within 2,000 steps;
+- ``clean``: nothing; expected: no anomaly of any kind.
+
+Usage::
+
+    python bench/corpus.py [--steps 20000] [--fault-steps 3000] [--json out.json]
+
+prints the detection table (fault x loop: the step of the first matching anomaly
+after the fault, or ``missed``) and the false-positive count (anomalies in the clean
+runs, and anomalies of another kind or before the fault in the faulty ones).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import stabmon
+
+LOOPS = ("gpt", "lstm", "cnn")
+FAULTS = ("clean", "lr_blowup", "leak")
+#: The anomaly kind each fault must raise.
+EXPECTED = {"lr_blowup": "grad_spike", "leak": "memory_leak"}
+#: How many steps after the fault the detection may come.
+DEADLINE = {"lr_blowup": 2, "leak": 2000}
+
+
+@dataclass
+class Outcome:
+    loop: str
+    fault: str
+    steps: int
+    fault_step: int | None
+    detected_at: int | None
+    false_positives: list[dict[str, Any]] = field(default_factory=list)
+    seconds: float = 0.0
+    last_preclip_norm: float | None = None
+    exported_grad_norm: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        if self.false_positives:
+            return False
+        if self.fault == "clean":
+            return True
+        return (
+            self.detected_at is not None
+            and self.fault_step is not None
+            and (self.detected_at - self.fault_step <= DEADLINE[self.fault])
+        )
+
+
+class _Injector:
+    """The fault, applied by the loop at each step."""
+
+    def __init__(self, fault: str, fault_step: int) -> None:
+        self.fault = fault
+        self.fault_step = fault_step
+        self.kept: Any = 0.0  # total_loss, as the leaky loop writes it
+
+    def before_step(self, step: int, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+        """Called before ``optimizer.step()``; returns what to call after it."""
+        if self.fault == "lr_blowup" and step == self.fault_step:
+            saved = [group["lr"] for group in optimizer.param_groups]
+            for group in optimizer.param_groups:
+                group["lr"] = group["lr"] * 1000.0
+
+            def restore() -> None:
+                for group, lr in zip(optimizer.param_groups, saved, strict=True):
+                    group["lr"] = lr
+
+            return restore
+        return _nothing
+
+    def after_loss(self, step: int, loss: torch.Tensor) -> None:
+        if self.fault == "leak" and step >= self.fault_step:
+            self.kept = self.kept + loss  # the bug: the graph of every step is kept
+
+
+def _nothing() -> None:
+    return None
+
+
+# --- gpt: nanoGPT-style ----------------------------------------------------------------------
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.ln1 = torch.nn.LayerNorm(width)
+        self.attn = torch.nn.MultiheadAttention(width, heads, batch_first=True)
+        self.ln2 = torch.nn.LayerNorm(width)
+        self.mlp = torch.nn.Sequential(
+            torch.nn.Linear(width, 4 * width), torch.nn.GELU(), torch.nn.Linear(4 * width, width)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        length = x.shape[1]
+        mask = torch.triu(torch.ones(length, length, dtype=torch.bool), 1)
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(torch.nn.Module):
+    def __init__(
+        self, vocab: int = 64, width: int = 32, layers: int = 2, context: int = 32
+    ) -> None:
+        super().__init__()
+        self.tok = torch.nn.Embedding(vocab, width)
+        self.pos = torch.nn.Embedding(context, width)
+        self.blocks = torch.nn.Sequential(*[_Block(width, 4) for _ in range(layers)])
+        self.ln_f = torch.nn.LayerNorm(width)
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        logits = self.head(self.ln_f(self.blocks(x)))
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+
+def _text(vocab: int, length: int, seed: int) -> torch.Tensor:
+    """A learnable token stream: a noisy cyclic pattern."""
+    generator = torch.Generator().manual_seed(seed)
+    base = torch.arange(length) % vocab
+    noise = torch.randint(0, vocab, (length,), generator=generator)
+    keep = torch.rand(length, generator=generator) < 0.9
+    return torch.where(keep, base, noise)
+
+
+def run_gpt(monitor_config: dict[str, Any], steps: int, injector: _Injector,
+            eval_every: int = 500) -> Outcome:  # fmt: skip
+    torch.manual_seed(0)
+    data = _text(64, 50_000, 0)
+    model = TinyGPT()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    mon = stabmon.attach(model, optimizer, **monitor_config)
+    generator = torch.Generator().manual_seed(1)
+
+    def get_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        ix = torch.randint(len(data) - 33, (8,), generator=generator)
+        x = torch.stack([data[i : i + 32] for i in ix])
+        y = torch.stack([data[i + 1 : i + 33] for i in ix])
+        return x, y
+
+    accumulation = 4
+    with mon.data_wait():
+        x, y = get_batch()
+    preclip = None
+    for step in range(steps):
+        if step and step % eval_every == 0:
+            model.eval()
+            with torch.no_grad():  # evaluation without mon.phase, as nanoGPT's estimate_loss
+                for _ in range(5):
+                    ex, ey = get_batch()
+                    model(ex, ey)
+            model.train()
+        total = torch.zeros(())
+        for _ in range(accumulation):
+            loss = model(x, y) / accumulation
+            with mon.data_wait():  # the next micro-batch, fetched before backward (nanoGPT)
+                x, y = get_batch()
+            loss.backward()
+            total += loss.detach()
+            injector.after_loss(step, loss)
+        if step == steps - 1:
+            preclip = float(torch.nn.utils.get_total_norm(
+                [p.grad for p in model.parameters() if p.grad is not None]))  # fmt: skip
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        restore = injector.before_step(step, optimizer)
+        optimizer.step()
+        restore()
+        optimizer.zero_grad(set_to_none=True)
+        mon.observe(loss=total)
+    return _finish(mon, "gpt", steps, injector, preclip)
+
+
+# --- lstm: pytorch/examples word_language_model ----------------------------------------------
+
+
+class LSTMLM(torch.nn.Module):
+    def __init__(self, vocab: int = 64, width: int = 64) -> None:
+        super().__init__()
+        self.encoder = torch.nn.Embedding(vocab, width)
+        self.rnn = torch.nn.LSTM(width, width, 2, dropout=0.2)
+        self.decoder = torch.nn.Linear(width, vocab)
+
+    def forward(
+        self, x: torch.Tensor, hidden: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        output, hidden = self.rnn(self.encoder(x), hidden)
+        return self.decoder(output), hidden
+
+
+def run_lstm(monitor_config: dict[str, Any], steps: int, injector: _Injector) -> Outcome:
+    torch.manual_seed(0)
+    bptt, batch = 20, 10
+    data = _text(64, 40_000, 1)
+    source = data[: len(data) // batch * batch].view(batch, -1).t().contiguous()
+    model = LSTMLM()
+    lr = 20.0
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)  # the example updates by hand
+    mon = stabmon.attach(model, optimizer, **monitor_config)
+
+    def get_batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        length = min(bptt, len(source) - 1 - i)
+        return source[i : i + length], source[i + 1 : i + 1 + length].reshape(-1)
+
+    step = 0
+    preclip = None
+    while step < steps:
+        hidden = (torch.zeros(2, batch, 64), torch.zeros(2, batch, 64))
+        for i in range(0, source.size(0) - 1, bptt):
+            if step >= steps:
+                break
+            with mon.data_wait():
+                x, y = get_batch(i)
+            hidden = (hidden[0].detach(), hidden[1].detach())  # repackage_hidden
+            model.zero_grad()
+            output, hidden = model(x, hidden)
+            loss = F.cross_entropy(output.view(-1, 64), y)
+            loss.backward()
+            injector.after_loss(step, loss)
+            if step == steps - 1:
+                preclip = float(torch.nn.utils.get_total_norm(
+                    [p.grad for p in model.parameters() if p.grad is not None]))  # fmt: skip
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
+            restore = injector.before_step(step, optimizer)
+            optimizer.step()
+            restore()
+            mon.observe(loss=loss.detach())
+            step += 1
+        mon.epoch_end()
+    return _finish(mon, "lstm", steps, injector, preclip)
+
+
+# --- cnn: a classifier with a DataLoader -----------------------------------------------------
+
+
+class SmallCNN(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = torch.nn.Sequential(
+            torch.nn.Conv2d(1, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+            torch.nn.Conv2d(8, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+        )  # fmt: skip
+        self.classifier = torch.nn.Linear(16 * 4 * 4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x).flatten(1))
+
+
+def _images(count: int, seed: int) -> torch.utils.data.TensorDataset:
+    generator = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, 4, (count,), generator=generator)
+    images = torch.randn(count, 1, 16, 16, generator=generator)
+    for k in range(4):  # a faintly brighter quadrant per class: learnable, never trivially
+        rows, cols = divmod(k, 2)
+        images[labels == k, :, rows * 8 : rows * 8 + 8, cols * 8 : cols * 8 + 8] += 0.15
+    flip = torch.rand(count, generator=generator) < 0.2  # label noise keeps the loss up
+    labels = torch.where(flip, torch.randint(0, 4, (count,), generator=generator), labels)
+    return torch.utils.data.TensorDataset(images, labels)
+
+
+def run_cnn(monitor_config: dict[str, Any], steps: int, injector: _Injector) -> Outcome:
+    torch.manual_seed(0)
+    loader = torch.utils.data.DataLoader(_images(2048, 2), batch_size=32, shuffle=True)
+    model = SmallCNN()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    mon = stabmon.attach(model, optimizer, **monitor_config)
+    step = 0
+    preclip = None
+    while step < steps:
+        model.train()
+        for images, labels in mon.track(loader):
+            if step >= steps:
+                break
+            loss = F.cross_entropy(model(images), labels)
+            optimizer.zero_grad()
+            loss.backward()
+            injector.after_loss(step, loss)
+            if step == steps - 1:
+                preclip = float(torch.nn.utils.get_total_norm(
+                    [p.grad for p in model.parameters() if p.grad is not None]))  # fmt: skip
+            restore = injector.before_step(step, optimizer)
+            optimizer.step()
+            restore()
+            mon.observe(loss=loss.detach())
+            step += 1
+    return _finish(mon, "cnn", steps, injector, preclip)
+
+
+RUNNERS: dict[str, Callable[[dict[str, Any], int, _Injector], Outcome]] = {
+    "gpt": run_gpt,
+    "lstm": run_lstm,
+    "cnn": run_cnn,
+}
+
+
+def _finish(
+    mon: stabmon.Monitor, loop: str, steps: int, injector: _Injector, preclip: float | None
+) -> Outcome:
+    mon.state_dict()  # judges the results still waiting: the export is the last step's
+    exported = _exported_grad_norm(mon)
+    path = mon.event_log_path
+    mon.detach()
+    fault = injector.fault
+    fault_step = None if fault == "clean" else injector.fault_step
+    outcome = Outcome(loop, fault, steps, fault_step, None, last_preclip_norm=preclip,
+                      exported_grad_norm=exported)  # fmt: skip
+    for event in _anomalies(path):
+        kind, step = event["kind"], int(event["step"])
+        expected = EXPECTED.get(fault)
+        if fault_step is not None and kind in {expected, "nonfinite_grad"} and step >= fault_step:
+            # A blow-up that reaches Inf/NaN at once is reported as non-finite: also found.
+            if outcome.detected_at is None:
+                outcome.detected_at = step
+            continue
+        if (
+            fault == "lr_blowup"
+            and fault_step is not None
+            and step > fault_step
+            and kind in ("loss_spike", "nonfinite_loss")
+        ):
+            continue  # the same incident seen in the loss too
+        outcome.false_positives.append({"kind": kind, "step": step, "detail": event.get("detail")})
+    return outcome
+
+
+def _exported_grad_norm(mon: stabmon.Monitor) -> float | None:
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = generate_latest(mon.registry).decode()
+    for family in text_string_to_metric_families(text):
+        if family.name == "stabmon_grad_norm":
+            return float(family.samples[0].value) if family.samples else None
+    return None
+
+
+def _anomalies(path: Path | None) -> Iterator[dict[str, Any]]:
+    if path is None:
+        return
+    for line in Path(path).read_text().splitlines():
+        event = json.loads(line)
+        if event.get("event") == "anomaly":
+            yield event
+
+
+def run(loop: str, fault: str, steps: int, fault_step: int, run_dir: str) -> Outcome:
+    config = {"serve_metrics": False, "run_dir": run_dir, "run_id": f"{loop}-{fault}",
+              "judge_seconds": 0.2, "stall_seconds": 120.0}  # fmt: skip
+    start = time.perf_counter()
+    outcome = RUNNERS[loop](config, steps, _Injector(fault, fault_step))
+    outcome.seconds = time.perf_counter() - start
+    return outcome
+
+
+def table(outcomes: list[Outcome]) -> str:
+    loops = sorted({o.loop for o in outcomes}, key=lambda name: (LOOPS + (name,)).index(name))
+    lines = ["| fault \\ loop | " + " | ".join(loops) + " |",
+             "|---" * (len(loops) + 1) + "|"]  # fmt: skip
+    for fault in FAULTS:
+        cells = []
+        for loop in loops:
+            found = [o for o in outcomes if o.loop == loop and o.fault == fault]
+            if not found:
+                cells.append("-")
+                continue
+            o = found[0]
+            if fault == "clean":
+                cells.append(f"{len(o.false_positives)} anomalies in {o.steps} steps")
+            elif o.detected_at is None:
+                cells.append(f"missed (fault at {o.fault_step})")
+            else:
+                assert o.fault_step is not None
+                cells.append(f"step {o.detected_at} (fault {o.fault_step}, "
+                             f"+{o.detected_at - o.fault_step})")  # fmt: skip
+        lines.append(f"| {fault} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=20_000, help="steps of each clean run")
+    parser.add_argument("--fault-steps", type=int, default=3_000, help="steps of each faulty run")
+    parser.add_argument("--fault-step", type=int, default=600)
+    parser.add_argument("--loops", default=",".join(LOOPS))
+    parser.add_argument("--faults", default=",".join(FAULTS))
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--one", nargs=2, metavar=("LOOP", "FAULT"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    if args.one:  # one run in this process, its outcome as JSON on the last line
+        loop, fault = args.one
+        steps = args.steps if fault == "clean" else args.fault_steps
+        with tempfile.TemporaryDirectory() as run_dir:
+            outcome = run(loop, fault, steps, args.fault_step, run_dir)
+        print(json.dumps(outcome.__dict__))
+        return 0
+    outcomes: list[Outcome] = []
+    for loop in args.loops.split(","):
+        for fault in args.faults.split(","):
+            # Each run in its own process: memory freed by an earlier run would hide a leak
+            # in RSS until it is used up, and detector state must not carry over.
+            done = subprocess.run(
+                [sys.executable, __file__, "--one", loop, fault, "--steps", str(args.steps),
+                 "--fault-steps", str(args.fault_steps), "--fault-step", str(args.fault_step)],
+                capture_output=True, text=True, check=True,
+            )  # fmt: skip
+            outcome = Outcome(**json.loads(done.stdout.strip().splitlines()[-1]))
+            outcomes.append(outcome)
+            print(f"{loop:5s} {fault:9s} {outcome.steps:6d} steps in {outcome.seconds:6.1f} s: "
+                  f"detected at {outcome.detected_at}, false positives "
+                  f"{outcome.false_positives[:3]}, pre-clip {outcome.last_preclip_norm} "
+                  f"exported {outcome.exported_grad_norm}", flush=True)  # fmt: skip
+    print()
+    print(table(outcomes))
+    false_positives = sum(len(o.false_positives) for o in outcomes)
+    print(f"\nfalse positives: {false_positives} "
+          f"(over {sum(o.steps for o in outcomes)} steps)")  # fmt: skip
+    if args.json is not None:
+        args.json.write_text(json.dumps([o.__dict__ for o in outcomes], indent=2, default=str))
+    return 0 if all(o.ok for o in outcomes) and not math.isnan(false_positives) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

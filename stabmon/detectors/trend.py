@@ -1,0 +1,168 @@
+"""Memory leak by trend: a robust slope over floors, with a significance test.
+
+Works for any loop shape: it is fed memory samples by step (every few steps,
+whether or not epochs end), not by epoch. Three steps make it robust to the noise
+of allocators and RSS (page cache, arenas, a garbage collection):
+
+- *floors*: samples are grouped into buckets of ``bucket`` samples and only each
+  bucket's minimum is kept. Upward noise (a transient allocation, RSS that has not
+  been returned yet) vanishes; a leak raises the floor itself.
+- *Mann-Kendall*: over the last ``window`` floors, the statistic S (sum of the signs
+  of all later-minus-earlier differences) against its no-trend variance gives a z
+  score; a leak is growth with ``z >= z_threshold`` (one-sided; 4.0 is p < 4e-5).
+- *Theil-Sen*: the median of the pairwise slopes is the growth rate, robust to
+  outliers; the rule also needs the window to have grown by ``min_growth`` of its
+  median level, and its *second half* to grow too, so a warm-up that rose and then
+  flattened is not a leak. Once suspected, the suspicion holds until no upward trend is
+  left (z below half the threshold): a leak that grows in steps is one leak, not one per step.
+
+State is bounded: ``window`` floors and one bucket's running minimum.
+
+    trend = MemoryTrend(bucket=10, window=24)
+    for step, rss in samples:
+        verdict = trend.update(rss)
+        if verdict is not None and verdict.newly_suspected:
+            print(f"leak: {verdict.slope:.0f} bytes/sample, z={verdict.zscore:.1f}")
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["MemoryTrend", "TrendVerdict", "mann_kendall_z", "theil_sen_slope"]
+
+
+def _pairs(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Index pairs (i < j) of ``n`` values; cached, windows have one or two sizes."""
+    pairs = _PAIRS.get(n)
+    if pairs is None:
+        pairs = _PAIRS[n] = np.triu_indices(n, 1)
+    return pairs
+
+
+_PAIRS: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+
+def mann_kendall_z(values: list[float]) -> float:
+    """Mann-Kendall trend z score (continuity-corrected, ties ignored in the variance)."""
+    n = len(values)
+    if n < 3:
+        return 0.0
+    array = np.asarray(values, dtype=np.float64)
+    first, later = _pairs(n)
+    s = int(np.sign(array[later] - array[first]).sum())
+    variance = n * (n - 1) * (2 * n + 5) / 18.0
+    if s > 0:
+        return (s - 1) / math.sqrt(variance)
+    if s < 0:
+        return (s + 1) / math.sqrt(variance)
+    return 0.0
+
+
+def theil_sen_slope(values: list[float]) -> float:
+    """Median of the pairwise slopes (per index) of evenly spaced ``values``."""
+    if len(values) < 2:
+        return 0.0
+    array = np.asarray(values, dtype=np.float64)
+    first, later = _pairs(len(values))
+    return float(np.median((array[later] - array[first]) / (later - first)))
+
+
+@dataclass(frozen=True)
+class TrendVerdict:
+    """The judgement made when a bucket closes."""
+
+    floor: float
+    """The minimum of the bucket that closed."""
+    zscore: float
+    """Mann-Kendall z of the window (0 until it holds ``min_floors`` floors)."""
+    slope: float
+    """Theil-Sen growth per *sample* (bytes), over the window."""
+    growth: float
+    """Growth over the window relative to its median level (0.05 = +5%)."""
+    suspected: bool
+    newly_suspected: bool
+
+
+class MemoryTrend:
+    """Judges one device's memory samples; :meth:`update` per sample."""
+
+    def __init__(
+        self,
+        *,
+        bucket: int = 10,
+        window: int = 24,
+        min_floors: int = 12,
+        z_threshold: float = 4.0,
+        min_growth: float = 0.02,
+        warmup_samples: int = 0,
+    ) -> None:
+        if bucket < 1 or window < 4 or not 4 <= min_floors <= window:
+            raise ValueError(
+                f"MemoryTrend needs bucket >= 1 and 4 <= min_floors <= window (for example "
+                f"10, 12, 24), got bucket={bucket!r}, min_floors={min_floors!r}, window={window!r}"
+            )
+        if not (z_threshold > 0 and min_growth >= 0 and warmup_samples >= 0):
+            raise ValueError(
+                f"MemoryTrend needs z_threshold > 0, min_growth >= 0 and warmup_samples >= 0, "
+                f"got {z_threshold!r}, {min_growth!r}, {warmup_samples!r}"
+            )
+        self._bucket = bucket
+        self._min_floors = min_floors
+        self._z_threshold = z_threshold
+        self._min_growth = min_growth
+        self._warmup = warmup_samples
+        self._floors: deque[float] = deque(maxlen=window)
+        self._seen = 0
+        self._in_bucket = 0
+        self._minimum = math.inf
+        self._suspected = False
+        #: The first floor after warm-up: the baseline of the drift ratio.
+        self.baseline: float | None = None
+
+    def update(self, value: float) -> TrendVerdict | None:
+        """One sample; a verdict when it closes a bucket, else None."""
+        self._seen += 1
+        if self._seen <= self._warmup or not math.isfinite(value):
+            return None
+        if value < self._minimum:
+            self._minimum = value
+        self._in_bucket += 1
+        if self._in_bucket < self._bucket:
+            return None
+        floor = self._minimum
+        self._in_bucket = 0
+        self._minimum = math.inf
+        if self.baseline is None:
+            self.baseline = floor
+        floors = self._floors
+        floors.append(floor)
+        if len(floors) < self._min_floors:
+            return TrendVerdict(floor, 0.0, 0.0, 0.0, self._suspected, False)
+        values = list(floors)
+        zscore = mann_kendall_z(values)
+        slope = theil_sen_slope(values)
+        level = statistics.median(values)
+        growth = slope * (len(values) - 1) / level if level > 0 else 0.0
+        half = values[len(values) // 2 :]
+        late_slope = theil_sen_slope(half)
+        late_growth = late_slope * (len(half) - 1) / level if level > 0 else 0.0
+        if self._suspected:
+            # Hysteresis: a leak that grows in steps (a batch of objects kept each epoch) has
+            # flat stretches; it is over once no trend is left at all, not at the first pause.
+            holds = zscore >= self._z_threshold / 2 and growth > 0
+        else:
+            holds = (
+                zscore >= self._z_threshold
+                and growth >= self._min_growth
+                and late_growth >= self._min_growth / 2
+            )
+        newly = holds and not self._suspected
+        self._suspected = holds
+        # Per sample, not per floor: a floor spans ``bucket`` samples.
+        return TrendVerdict(floor, zscore, slope / self._bucket, growth, holds, newly)

@@ -1,0 +1,47 @@
+"""The corpus loops of bench/corpus.py, scaled down for CI: each finds its LR blow-up within 2
+steps with no other anomaly, and exports the pre-clip norm. The leak and the 20,000-step clean
+runs are the bench's (``python bench/corpus.py``); the trend rule's detection within 2,000
+steps and its silence on noise are proven on series in tests/detectors/test_trend.py, and one
+real leak run is the slow test below."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import corpus  # noqa: E402 - bench/ is a directory of scripts, not a package
+
+FAULT_STEP = 80
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+@pytest.mark.parametrize("loop", ["gpt", "lstm", "cnn"])
+def test_corpus_loop_finds_an_lr_blowup_within_two_steps_and_nothing_else(
+    loop: str, tmp_path: Path
+) -> None:
+    outcome = corpus.run(loop, "lr_blowup", FAULT_STEP + 10, FAULT_STEP, str(tmp_path))
+    assert outcome.false_positives == []
+    assert outcome.detected_at is not None
+    assert FAULT_STEP < outcome.detected_at <= FAULT_STEP + 2
+
+
+@pytest.mark.parametrize("loop", ["gpt", "lstm", "cnn"])
+def test_corpus_loop_exports_the_pre_clip_norm_of_its_last_step(loop: str, tmp_path: Path) -> None:
+    outcome = corpus.run(loop, "clean", 60, 0, str(tmp_path))
+    assert outcome.false_positives == []
+    assert outcome.exported_grad_norm == pytest.approx(outcome.last_preclip_norm, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_corpus_lstm_leak_is_flagged_within_two_thousand_steps(tmp_path: Path) -> None:
+    outcome = corpus.run("lstm", "leak", 2600, 300, str(tmp_path))
+    assert outcome.false_positives == []
+    assert outcome.detected_at is not None and outcome.detected_at - 300 <= 2000
