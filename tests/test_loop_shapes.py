@@ -98,6 +98,21 @@ def test_track_keeps_the_loaders_len_and_attributes(attach: MonitorFactory) -> N
     assert [len(batch[0]) for batch in tracked] == [4, 4, 2]  # each pass is a new iteration
 
 
+def test_track_close_ends_the_pass_left_early_as_a_generators_close_did(
+    attach: MonitorFactory,
+) -> None:
+    model = _model()
+    monitor = attach(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(10, 8)))
+    tracked = monitor.track(loader)
+    passes = iter(tracked)
+    next(passes)
+    tracked.close()  # track() returned a generator before; loops that close() it keep working
+    with pytest.raises(StopIteration):
+        next(passes)
+    assert len(list(tracked)) == 10  # a new pass after close() starts from the beginning
+
+
 class FakeClock:
     def __init__(self) -> None:
         self.now = 0.0

@@ -26,6 +26,7 @@ true on average. This is documented in the README's "Which figure is which".
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
@@ -276,18 +277,37 @@ class TrackedLoader(Generic[T]):
         self._loader = loader
         self._start = start
         self._current: Iterator[T] | None = None
+        # The latest pass, weakly: close() can end it, and a loop left early still frees it.
+        self._latest: weakref.ref[Iterator[T]] | None = None
 
     def __iter__(self) -> Iterator[T]:
         current = self._current
         if current is not None:  # a pass begun with next(): the for loop continues it
             self._current = None
             return current
-        return self._start()
+        return self._begin()
 
     def __next__(self) -> T:  # next(mon.track(loader)) without a for loop
         if self._current is None:
-            self._current = self._start()
+            self._current = self._begin()
         return next(self._current)
+
+    def close(self) -> None:
+        """End the latest pass, as ``close()`` on a generator does: the loader's iterator
+        (and its worker processes) is released now rather than at garbage collection."""
+        self._current = None
+        latest = None if self._latest is None else self._latest()
+        close = getattr(latest, "close", None)
+        if close is not None:
+            close()
+
+    def _begin(self) -> Iterator[T]:
+        iterator = self._start()
+        try:
+            self._latest = weakref.ref(iterator)
+        except TypeError:  # an iterator that takes no weak reference cannot be closed here
+            self._latest = None
+        return iterator
 
     def __len__(self) -> int:
         return len(self._loader)  # type: ignore[arg-type]  # a TypeError, as len(loader) gives
