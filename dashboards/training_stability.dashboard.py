@@ -30,6 +30,7 @@ from panels import (
     sum_by,
     timeseries,
 )
+from throughput_panels import THROUGHPUT_PANELS
 
 from stabmon import contract as c
 from stabmon.config import Config
@@ -428,6 +429,7 @@ dashboard = Dashboard(
                 device_utilization,
             ],
         ),
+        ("Throughput, MFU and goodput", THROUGHPUT_PANELS),
         (
             "Optimisation health",
             [loss, grad_norm, module_grad_norm, nonfinite, spikes, zero_grads, loss_scale, skipped],

@@ -50,7 +50,7 @@ import yaml
 from stabmon.errors import ConfigError
 from stabmon.rundir import RUN_ID_PATTERN
 
-__all__ = ["Config", "DaemonConfig", "load_config"]
+__all__ = ["Config", "DaemonConfig", "ThroughputConfig", "load_config"]
 
 _MAX_FILE_BYTES = 1024 * 1024  # 1 MiB: a config is a few dozen lines
 # A config is a few dozen flat keys; anything far beyond is an attack or an accident
@@ -153,6 +153,91 @@ class DaemonConfig(_Section):
     interval: float = field(
         default=5.0,
         metadata=_meta("Seconds between two NVML/psutil polls.", gt=0),
+    )
+
+
+#: Dtypes the peak-FLOP/s table knows (stabmon.probes.flops).
+MFU_DTYPES: tuple[str, ...] = ("auto", "fp32", "tf32", "bf16", "fp16", "fp8")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ThroughputConfig(_Section):
+    """Throughput, MFU and the slowdown rule (docs/throughput.md)."""
+
+    flops_per_step: float | None = field(
+        default=None,
+        metadata=_meta(
+            "FLOPs of one optimizer step on this rank (forward and backward of every "
+            "micro-batch); None counts them once with FlopCounterMode at flops_measure_step.",
+            gt=0,
+        ),
+    )
+    flops_measure_step: int = field(
+        default=3,
+        metadata=_meta(
+            "The step (counted from attach) whose forward and backward are counted once with "
+            "FlopCounterMode, after warm-up; 0 never counts (give flops_per_step instead).",
+            ge=0,
+        ),
+    )
+    peak_flops: float | None = field(
+        default=None,
+        metadata=_meta(
+            "Peak dense FLOP/s of one device for MFU; None looks the GPU up in the built-in "
+            "table. MFU is exported only on CUDA devices.",
+            gt=0,
+        ),
+    )
+    mfu_dtype: str = field(
+        default="auto",
+        metadata=_meta(
+            "Which peak applies: 'auto' reads the autocast dtype (else the parameters' dtype; "
+            "fp32 matmuls allowed to use TF32 count as tf32) at flops_measure_step.",
+            choices=MFU_DTYPES,
+        ),
+    )
+    slowdown_threshold: float = field(
+        default=0.10,
+        metadata=_meta(
+            "Relative growth of the mean step time against the run's recent baseline that "
+            "counts as slow (0.10 = 10% slower).",
+            gt=0,
+        ),
+    )
+    slowdown_hold_seconds: float = field(
+        default=300.0,
+        metadata=_meta(
+            "How long every block of steps must stay slow before a slowdown anomaly.", gt=0
+        ),
+    )
+    slowdown_baseline_seconds: float = field(
+        default=600.0,
+        metadata=_meta(
+            "Span of recent normal blocks whose median step time is the baseline.", gt=0
+        ),
+    )
+    slowdown_block_seconds: float = field(
+        default=10.0,
+        metadata=_meta(
+            "Steps are judged in blocks at least this long (the mean step time of a block).",
+            gt=0,
+        ),
+    )
+    slowdown_warmup_steps: int = field(
+        default=100,
+        metadata=_meta(
+            "Steps after attach, or after load_state_dict() (a resume), left out of the "
+            "slowdown rule: compilation, cache warm-up, loader start.",
+            ge=0,
+        ),
+    )
+    record_seconds: float = field(
+        default=60.0,
+        metadata=_meta(
+            "Interval of the throughput records in the event log (phase seconds, steps, "
+            "samples, FLOPs), which `stabmon report` turns into goodput.",
+            gt=0,
+        ),
     )
 
 
@@ -451,6 +536,10 @@ class Config(_Section):
     daemon: DaemonConfig = field(
         default_factory=DaemonConfig,
         metadata=_meta("The node daemon section: daemon.port, daemon.address, daemon.interval."),
+    )
+    throughput: ThroughputConfig = field(
+        default_factory=ThroughputConfig,
+        metadata=_meta("Throughput, MFU and slowdown detection: throughput.<key>."),
     )
 
 

@@ -44,8 +44,10 @@ PUBLISHED_ANOMALY_KINDS: tuple[str, ...] = (
     "device_mismatch",
 )
 #: Kinds beyond contract v1 (proposed in docs/metrics-contract-proposals.md): ``dead_grad``, a
-#: module group whose gradients stayed exactly zero for ``dead_grad_steps`` measured steps.
-EXTENSION_ANOMALY_KINDS: tuple[str, ...] = ("dead_grad",)
+#: module group whose gradients stayed exactly zero for ``dead_grad_steps`` measured steps;
+#: ``slowdown``, a sustained shift of the step time against the run's recent baseline
+#: (detectors/slowdown.py).
+EXTENSION_ANOMALY_KINDS: tuple[str, ...] = ("dead_grad", "slowdown")
 #: Values of ``stabmon_anomalies_total{kind}``; each is exported as 0 from attach.
 ANOMALY_KINDS: tuple[str, ...] = PUBLISHED_ANOMALY_KINDS + EXTENSION_ANOMALY_KINDS
 
@@ -322,6 +324,50 @@ MEMORY_EXHAUSTION = MetricDef(
 #: Values of ``stabmon_grad_norm_squared{placement}``.
 GRAD_PLACEMENTS: tuple[str, ...] = ("replicated", "sharded")
 
+# Throughput (stabmon/throughput.py; proposed in docs/metrics-contract-proposals.md).
+SAMPLES = MetricDef(
+    "stabmon_samples_total",
+    "counter",
+    "Training samples handed to the loop: the leading dimension of each batch track() yields, "
+    "or what observe(samples=...) reports.",
+)
+TOKENS = MetricDef(
+    "stabmon_tokens_total",
+    "counter",
+    "Training tokens: input_ids of shape (batch, sequence) seen by track(), padding included, "
+    "or what observe(tokens=...) reports.",
+)
+MODEL_FLOPS = MetricDef(
+    "stabmon_model_flops_total",
+    "counter",
+    "FLOPs of the optimizer steps done: FLOPs per step (counted once, or throughput."
+    "flops_per_step) times steps. Absent until the FLOPs of a step are known.",
+)
+PEAK_FLOPS = MetricDef(
+    "stabmon_peak_flops_per_second",
+    "gauge",
+    "Peak dense FLOP/s of this rank's GPU for the dtype the step runs in (table or "
+    "throughput.peak_flops). Absent on CPU and for GPUs not in the table.",
+)
+MFU = MetricDef(
+    "stabmon_mfu_ratio",
+    "gauge",
+    "Model FLOPs utilization over the last block of steps: FLOPs per step x steps / training "
+    "seconds (named phases excluded) / peak FLOP/s. GPU only.",
+)
+SLOWDOWN_ACTIVE = MetricDef(
+    "stabmon_slowdown_active",
+    "gauge",
+    "1 while a sustained slowdown holds, on the phase whose time grew most, else 0.",
+    ("phase",),
+)
+STEP_TIME_BASELINE = MetricDef(
+    "stabmon_step_time_baseline_seconds",
+    "gauge",
+    "The slowdown rule's baseline: median mean step time (built-in phases) of the recent "
+    "normal blocks.",
+)
+
 EXTENSION_METRICS: tuple[MetricDef, ...] = (
     GRAD_NORM_SQUARED,
     GRAD_CLIPPED_STEPS,
@@ -333,6 +379,13 @@ EXTENSION_METRICS: tuple[MetricDef, ...] = (
     DEVICE_PHASE_SECONDS,
     DEVICE_STEP_DURATION,
     DEVICE_UTILIZATION,
+    SAMPLES,
+    TOKENS,
+    MODEL_FLOPS,
+    PEAK_FLOPS,
+    MFU,
+    SLOWDOWN_ACTIVE,
+    STEP_TIME_BASELINE,
 )
 
 # --- node daemon ------------------------------------------------------------------------------
@@ -486,8 +539,9 @@ ALERT_NAMES: tuple[str, ...] = (
     "StabmonStragglerRank",
 )
 SEVERITIES: tuple[str, ...] = ("critical", "warning", "info")
-#: Alerts beyond contract v1 (proposed in docs/contract-proposals.md), held to the same rules:
-#: severity, summary, description, runbook_url, a firing and a quiet promtool case each.
+#: Alerts beyond contract v1 (proposed in docs/contract-proposals.md and, for the throughput
+#: alert, docs/metrics-contract-proposals.md), held to the same rules: severity, summary,
+#: description, runbook_url, a firing and a quiet promtool case each.
 EXTENSION_ALERT_NAMES: tuple[str, ...] = (
     "StabmonDaemonDown",
     "StabmonDaemonNvmlDown",
@@ -498,4 +552,5 @@ EXTENSION_ALERT_NAMES: tuple[str, ...] = (
     "StabmonAmpLossScaleCollapse",
     "StabmonMemoryExhaustionForecast",
     "StabmonMemoryExhaustionImminent",
+    "StabmonTrainingSlowdown",
 )

@@ -87,6 +87,7 @@ from stabmon.rundir import (
     boot_id,
     pid_namespace,
 )
+from stabmon.throughput import ThroughputWatch
 
 __all__ = ["Monitor", "attach"]
 
@@ -335,11 +336,15 @@ class Monitor:
         # One clock for the loop timer, the heartbeat and the watchdog: the timer's reading at
         # a step's end is the beat.
         self._heartbeat = Heartbeat(time.perf_counter)
+        loop_started = time.perf_counter()  # at or before the loop timer's first mark
         self._timer = LoopTimer(
             self._readings,
             self._heartbeat,
+            clock=time.perf_counter,
             device_mark=self._device_timer.mark if self._device_timer else None,
         )
+        self._device_type = "cuda" if devices else "cpu"
+        self._throughput = _build_throughput(self, devices, probe, loop_started)
         self._user_marks_epochs = False
         self._loader_marks_epochs = False
         self._loader_closed_at: int | None = None
@@ -582,12 +587,23 @@ class Monitor:
         """The Monitor's own registry (no global state), e.g. for ``generate_latest``."""
         return self._registry
 
-    def observe(self, loss: torch.Tensor | float | None = None) -> None:
+    def observe(
+        self,
+        loss: torch.Tensor | float | None = None,
+        *,
+        samples: int | None = None,
+        tokens: int | None = None,
+    ) -> None:
         """Record this step's training loss: a tensor (kept on device, read later) or a float.
 
         Losses observed inside a named phase (``with mon.phase("eval")``) are
         evaluation losses and are left out of the training loss series.
+        ``samples`` and ``tokens`` (Python ints) add to ``stabmon_samples_total`` and
+        ``stabmon_tokens_total``; once given, ``track()`` no longer counts batches.
         """
+        if (samples is not None or tokens is not None) and not self._detached:
+            with self._guard.contain("hooks"):
+                self._throughput.observed(samples, tokens)
         timer = self._timer
         if loss is None or self._detached or timer.in_named_phase:
             return
@@ -688,8 +704,10 @@ class Monitor:
             with guard.contain("hooks"):
                 workers.failed(error)
 
-        return timed_iteration(
-            loader, self._loader_wait, exhausted, on_iterator=workers.follow, on_error=failed
+        return self._throughput.counted(
+            timed_iteration(
+                loader, self._loader_wait, exhausted, on_iterator=workers.follow, on_error=failed
+            )
         )
 
     @contextlib.contextmanager
@@ -705,6 +723,7 @@ class Monitor:
         # The device timer is left to the step ends, which poll it anyway.
         self._judge_waiting()
         with self._guard.contain("hooks"):
+            self._throughput.abandon(self._readings.steps)  # an eval is not the step's FLOPs
             self._timer.enter_named(label)
         try:
             yield
@@ -765,6 +784,8 @@ class Monitor:
         # in flight get a second, as in state_dict().
         self._judge_waiting(wait_seconds=1.0)
         self._recorder.load_state_dict(state)
+        with self._guard.contain("detectors"):
+            self._throughput.restart(self._timer.clock())  # the first steps after a resume
         if state.get("epochs_marked_by") == "user":
             self._user_marks_epochs = True
 
@@ -773,6 +794,9 @@ class Monitor:
         if self._detached:
             return
         self._judge_last(wait_seconds=1.0)  # bounded: never hang a detach
+        with self._guard.contain("detectors"):
+            self._throughput.close()
+            self._throughput.record(self._timer.clock())  # the totals goodput reads
         self._detached = True
         self._recorder.write("detach", step=self._recorder.global_step, epoch=self._readings.epoch)
         self._finalizer()
@@ -811,6 +835,11 @@ class Monitor:
         self._preclip = None  # new gradients are coming: a clip measured before is stale
         try:
             self._timer.forward_start()
+            watch = self._throughput
+            if self._readings.steps == watch.flops_step and not self._timer.in_named_phase:
+                watch.forward_start(self._device_type)  # once: the step whose FLOPs are counted
+            elif watch.counting:
+                watch.forward_counted(self._readings.steps)
         except Exception as error:
             self._guard.record("hooks", error)
 
@@ -824,6 +853,8 @@ class Monitor:
 
     def _on_step_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         try:
+            if self._throughput.counting:
+                self._throughput.optimizer_start()
             self._timer.optimizer_start()
         except Exception as error:
             self._guard.record("hooks", error)
@@ -911,6 +942,9 @@ class Monitor:
             except Exception as error:
                 self._guard.record("hooks", error)
             self._poll(now)
+        if now >= self._throughput.due:  # one comparison a step; a block every few seconds
+            with self._guard.contain("detectors"):
+                self._throughput.step_end(now)
         if self._snapshots.recording:
             self._finish_snapshot()
         if self._readings.steps % self._window_steps == 0 and not (
@@ -938,6 +972,7 @@ class Monitor:
             if not stepped:
                 self._timer.iteration_skipped()  # the step hooks never ran
                 self._preclip = None  # measured by a clip whose step was skipped
+                self._throughput.abandon(self._readings.steps)
             step = self._recorder.global_step - (1 if stepped else 0)
             scale = scale_tensor(self._scaler)
             with self._judging:
@@ -1202,6 +1237,31 @@ def _clip_seen(monitor: weakref.ref[Monitor], params: Any, max_norm: float) -> N
     target = monitor()
     if target is not None:
         target._on_clip(params, max_norm)
+
+
+def _build_throughput(
+    monitor: Monitor, devices: tuple[torch.device, ...], probe: GradProbe | None, started: float
+) -> ThroughputWatch:
+    """Throughput and slowdown accounting; MFU only where a CUDA device's peak is known."""
+    device_name = None
+    if devices:
+        try:
+            device_name = torch.cuda.get_device_name(devices[0])
+        except (AssertionError, RuntimeError):
+            device_name = ""  # a GPU without properties: in no table, so no MFU
+    recorder = monitor._recorder
+    return ThroughputWatch(
+        monitor.config.throughput,
+        monitor._readings,
+        now=started,  # uptime then covers every phase second the loop timer books
+        device_name=device_name,
+        parameter_dtype=probe.params[0].dtype if probe and probe.params else torch.float32,
+        model=unwrap_model(monitor._model),
+        anomaly=recorder.anomaly,
+        write=recorder.write,
+        global_step=lambda: recorder.global_step,
+        limiter=monitor._limiter,
+    )
 
 
 def _param_signature(optimizer: torch.optim.Optimizer) -> tuple[int, int]:

@@ -141,6 +141,15 @@ class Readings:
     device_utilization: dict[str, float] = field(default_factory=dict)
     device_step_duration: Histogram = field(default_factory=Histogram)
 
+    # Throughput (stabmon/throughput.py): counters from attach; MFU only with a CUDA peak.
+    samples: int = 0
+    tokens: int = 0
+    model_flops: float | None = None  # None until the FLOPs of a step are known
+    peak_flops: float | None = None
+    mfu: float | None = None
+    slowdown_active: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PHASES, 0))
+    step_time_baseline: float | None = None
+
     @property
     def grad_norm(self) -> float | None:
         grads = self.grads

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stabmon.config import Config, DaemonConfig, load_config
+from stabmon.config import Config, DaemonConfig, ThroughputConfig, load_config
 from stabmon.errors import ConfigError
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "config.md"
@@ -617,7 +617,7 @@ def test_docs_example_yaml_spells_out_the_defaults(tmp_path: Path) -> None:
 
 
 def test_config_fields_each_have_a_doc() -> None:
-    for section in (Config, DaemonConfig):
+    for section in (Config, DaemonConfig, ThroughputConfig):
         undocumented = [f.name for f in dataclasses.fields(section) if not f.metadata.get("doc")]
 
         assert undocumented == []
@@ -711,3 +711,19 @@ def test_load_config_raises_only_config_error_when_fed_arbitrary_environment(
     except ConfigError:
         return
     assert isinstance(config, Config)
+
+
+def test_throughput_section_rejects_a_non_positive_slowdown_threshold() -> None:
+    with pytest.raises(
+        ConfigError,
+        match=r"^throughput\.slowdown_threshold in attach\(\) keyword argument: expected a "
+        r"number > 0, got 0",
+    ):
+        load_config(overrides={"throughput.slowdown_threshold": 0}, env={})
+
+
+def test_throughput_section_rejects_an_unknown_mfu_dtype() -> None:
+    with pytest.raises(
+        ConfigError, match=r"^throughput\.mfu_dtype in config mapping: expected one"
+    ):
+        load_config({"throughput": {"mfu_dtype": "int4"}}, env={})

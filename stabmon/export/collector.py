@@ -91,6 +91,13 @@ class ReadingsCollector(Collector):
         if r.device_phase_seconds:  # CUDA only: absent rather than a misleading 0 on CPU
             yield _counter(c.DEVICE_PHASE_SECONDS, r.labels, _by_key(r.device_phase_seconds))
             yield _histogram(c.DEVICE_STEP_DURATION, r.labels, r.device_step_duration)
+        yield _counter(c.SAMPLES, r.labels, [((), r.samples)])
+        yield _counter(c.TOKENS, r.labels, [((), r.tokens)])
+        yield _counter(c.MODEL_FLOPS, r.labels, _optional(r.model_flops))
+        yield _gauge(c.PEAK_FLOPS, r.labels, _optional(r.peak_flops))
+        yield _gauge(c.MFU, r.labels, _optional(r.mfu if r.peak_flops else None))
+        yield _gauge(c.SLOWDOWN_ACTIVE, r.labels, _by_key(r.slowdown_active))
+        yield _gauge(c.STEP_TIME_BASELINE, r.labels, _optional(r.step_time_baseline))
 
 
 Samples = Iterable[tuple[tuple[str, ...], float]]

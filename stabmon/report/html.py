@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from stabmon.report.events import RankLog, Run, number, read_run
+from stabmon.report.goodput import goodput_section
 from stabmon.report.plots import KIND_COLORS, Plots, require_matplotlib
 from stabmon.report.verdict import judge, when
 
@@ -91,6 +92,7 @@ def render(run: Run, *, module_rank: int | None = None, now: float | None = None
         _plot_section(
             "step-time", "Step time and input wait", plots.step_time(), "No step was timed."
         ),
+        goodput_section(run),
         _plot_section(
             "memory",
             "Memory per epoch",

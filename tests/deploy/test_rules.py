@@ -24,6 +24,8 @@ RULES = ROOT / "deploy" / "prometheus" / "rules" / "stabmon.rules.yml"
 RULE_TESTS = ROOT / "deploy" / "prometheus" / "tests" / "stabmon.rules.test.yml"
 # Daemon restarts and outages, frozen ranks, exit classes, gaps, forecasts (issue 22).
 RESILIENCE_TESTS = ROOT / "deploy" / "prometheus" / "tests" / "stabmon.resilience.test.yml"
+# The stabmon.throughput group (issue 27).
+THROUGHPUT_TESTS = ROOT / "deploy" / "prometheus" / "tests" / "stabmon.throughput.test.yml"
 ALL_ALERTS = (*contract.ALERT_NAMES, *contract.EXTENSION_ALERT_NAMES)
 RUNBOOKS = ROOT / "docs" / "runbooks.md"
 RUNBOOK_BASE = "https://github.com/stabmon/stabmon/blob/main/docs/runbooks.md#"
@@ -138,7 +140,7 @@ def test_every_rule_has_a_comment_explaining_its_threshold() -> None:
 def test_each_alert_has_a_firing_and_a_quiet_promtool_case() -> None:
     fired: set[str] = set()
     quiet: set[str] = set()
-    for path in (RULE_TESTS, RESILIENCE_TESTS):
+    for path in (RULE_TESTS, RESILIENCE_TESTS, THROUGHPUT_TESTS):
         for case in yaml.safe_load(path.read_text())["tests"]:
             for check in case.get("alert_rule_test", []):
                 (fired if check["exp_alerts"] else quiet).add(check["alertname"])
@@ -154,7 +156,9 @@ def test_promtool_check_rules() -> None:
     assert f"SUCCESS: {len(ALL_ALERTS)} rules found" in result.stdout
 
 
-@pytest.mark.parametrize("tests", [RULE_TESTS, RESILIENCE_TESTS], ids=lambda path: path.name)
+@pytest.mark.parametrize(
+    "tests", [RULE_TESTS, RESILIENCE_TESTS, THROUGHPUT_TESTS], ids=lambda path: path.name
+)
 def test_promtool_test_rules(tests: Path) -> None:
     result = subprocess.run(
         [_promtool(), "test", "rules", tests.name],
