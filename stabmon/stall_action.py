@@ -86,7 +86,8 @@ class StallResponder:
         self.state: str | None = None
         self.where = ""
         self._exit_at: float | None = None
-        self._last_verdict: str | None = None
+        #: (culprits, reason) of the last verdict written: each is written once per stall.
+        self._last_verdict: tuple[tuple[int, ...], str] | None = None
         self._lock = threading.Lock()
 
     # --- watchdog thread ----------------------------------------------------------------------
@@ -139,8 +140,8 @@ class StallResponder:
                 return
             self._refresh(None)
             verdict = self.node_verdict()
-            if verdict is not None and verdict.message != self._last_verdict:
-                self._last_verdict = verdict.message
+            if verdict is not None and (verdict.culprits, verdict.reason) != self._last_verdict:
+                self._last_verdict = (verdict.culprits, verdict.reason)
                 self._recorder.write(
                     "hang_verdict",
                     step=self._recorder.global_step,

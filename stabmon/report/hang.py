@@ -11,9 +11,13 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from stabmon.detectors.hang import RankEvidence, judge
+from stabmon.report.events import Run
 from stabmon.report.status import RankStatus
 
-__all__ = ["format_verdicts"]
+__all__ = ["STALL_EXIT_CODE", "format_verdicts", "hang_findings"]
+
+#: stabmon.stall_action.STALL_EXIT_CODE, repeated: the report must not import the monitor side.
+STALL_EXIT_CODE = 75
 
 
 def format_verdicts(statuses: Sequence[RankStatus]) -> list[str]:
@@ -37,3 +41,18 @@ def format_verdicts(statuses: Sequence[RankStatus]) -> list[str]:
         if verdict is not None:
             lines.append(f"run {run}: HANG {verdict.message}")
     return lines
+
+
+def hang_findings(run: Run) -> list[str]:
+    """``stabmon report`` lines: each distinct hang verdict the ranks wrote, and stall exits."""
+    lines: dict[str, None] = {}
+    for log in run.ranks:
+        for record in log.of("hang_verdict"):
+            detail = record.get("detail")
+            if isinstance(detail, str):
+                lines[f"hang verdict at step {record.get('step')}: {detail}"] = None
+    exits = sorted(log.rank for log in run.ranks if log.of("stall_exit"))
+    if exits:
+        lines[f"stall_action exit: rank(s) {', '.join(map(str, exits))} ended the job "
+              f"(status {STALL_EXIT_CODE})"] = None  # fmt: skip
+    return list(lines)

@@ -17,6 +17,9 @@ from typing import Any
 import pytest
 from realstack import Processes, free_port, until
 
+from stabmon.report.events import read_run
+from stabmon.report.verdict import judge as judge_run
+
 pytestmark = pytest.mark.slow
 
 TRAINEE = Path(__file__).parent / "hang_trainee.py"
@@ -103,6 +106,11 @@ def test_a_hung_job_names_the_culprit_rank_and_reason_in_the_event_log_and_statu
 
     until("stabmon status naming the culprit", status_names_it, VERDICT_TIMEOUT)
     assert f"({reason})" in lines[0]
+    # stabmon report's verdict carries it too.
+    (directory,) = [path for path in run_dir.iterdir() if path.is_dir()]
+    findings = judge_run(read_run(directory)).findings
+    assert any("hang verdict" in line and f"rank {culprit} of {WORLD}" in line
+               for line in findings), findings  # fmt: skip
 
 
 @pytest.mark.parametrize("mode", ["checkpoint", "eval"])
