@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from realstack import Processes, free_port, until
+from realstack import Processes, announced, free_port, require, start_prometheus, until
 
 from stabmon.report.events import read_run
 from stabmon.report.verdict import judge as judge_run
@@ -142,3 +142,29 @@ def test_stall_action_exit_ends_a_hung_job_with_the_evidence_on_disk(
     assert len(_events(run_dir, "hang_evidence")) >= 1
     stalls = [e for e in _events(run_dir, "anomaly") if e["kind"] == "stall"]
     assert stalls and all(e["stacks"] for e in stalls)
+
+
+def test_the_shipped_stall_alert_names_the_culprit_through_a_real_prometheus(
+    tmp_path: Path, processes: Processes
+) -> None:
+    require("prometheus")
+    run_dir = tmp_path / "runs"
+    daemon = processes.start([sys.executable, "-m", "stabmon", "daemon", "--port", "0",
+                              "--address", "127.0.0.1", "--run-dir", str(run_dir),
+                              "--interval", "0.2"])  # fmt: skip
+    daemon_target = announced(daemon).split("/")[2]
+    _torchrun(processes, run_dir, "--mode", "data", "--culprit", "2")
+    prometheus = start_prometheus(processes, tmp_path, daemon_target)
+    verdict = "Verdict: rank 2 is stuck in data_wait (phase data_wait: data starvation)"
+
+    def described() -> bool:
+        try:
+            alerts = [a for a in prometheus.alerts() if a["labels"]["alertname"] ==
+                      "StabmonTrainingStalled"]  # fmt: skip
+        except OSError:
+            return False  # Prometheus still starting
+        ranks = {a["labels"]["rank"] for a in alerts if verdict in a["annotations"]["description"]}
+        return ranks == {"0", "1", "2", "3"}
+
+    # Pending alerts carry their annotations too: the rule's for: 1m is not waited for.
+    until("every rank's stall alert naming rank 2", described, VERDICT_TIMEOUT, 1.0)
