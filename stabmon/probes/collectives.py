@@ -12,7 +12,9 @@ Nested calls (``all_gather_object`` calls ``all_gather``) count once.
 The replacement is process-wide by nature; ``uninstall`` restores a function
 only while it is still this counter's wrapper, so two monitors in one process
 unwind in any order. DDP's gradient all-reduces are issued from C++ and are not
-counted: the loop phase (``backward``) covers them. NCCL's flight recorder
+counted: the loop phase (``backward``) covers them; nor are calls inside a
+``torch.compile``d region, which dynamo traces as if unwrapped (no graph break
+is added). NCCL's flight recorder
 (``TORCH_NCCL_TRACE_BUFFER_SIZE``) keeps its own sequence numbers; it does not
 exist for gloo, so it is not read here.
 """
@@ -79,9 +81,12 @@ class CollectiveCounter:
     def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         counter = self
         main = self._main
+        compiling = _is_compiling()
 
         @functools.wraps(original)
         def counted(*args: Any, **kwargs: Any) -> Any:
+            if compiling():  # dynamo traces the original, as if unwrapped: no graph break
+                return original(*args, **kwargs)
             if threading.get_ident() != main or counter.current is not None:
                 return original(*args, **kwargs)  # another thread's, or nested: counted once
             counter.issued += 1
@@ -92,6 +97,14 @@ class CollectiveCounter:
                 counter.current = None
 
         return counted
+
+
+def _is_compiling() -> Callable[[], bool]:
+    try:
+        import torch.compiler
+    except ImportError:
+        return lambda: False
+    return torch.compiler.is_compiling
 
 
 def _distributed_modules() -> tuple[ModuleType, ...]:
