@@ -167,3 +167,24 @@ def test_collective_counter_counts_a_real_gloo_all_reduce(tmp_path: Path) -> Non
             dist.destroy_process_group()
         counter.uninstall()
     assert dist.all_reduce is original
+
+
+def test_stall_action_raise_raises_training_stalled_in_the_main_thread(tmp_path: Path) -> None:
+    import threading
+
+    from stabmon import TrainingStalled
+
+    responder = _responder(tmp_path, "raise", Clock(), [])
+    watchdog = threading.Thread(target=responder.stalled, args=(_report(SLEEPING),))
+    with pytest.raises(TrainingStalled, match="stall_action: raise"):
+        watchdog.start()
+        for _ in range(3000):  # bounded: a broken raise fails the test instead of hanging it
+            threading.Event().wait(0.01)
+    watchdog.join(timeout=30)
+
+
+def test_stall_action_rejects_an_unknown_action_with_the_allowed_ones() -> None:
+    from stabmon import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="stall_action.*none.*dump.*raise.*exit"):
+        load_config(overrides={"stall_action": "kill"})
