@@ -86,6 +86,7 @@ class StallResponder:
         self.state: str | None = None
         self.where = ""
         self._exit_at: float | None = None
+        self._written_collectives = -1
         #: (culprits, reason) of the last verdict written: each is written once per stall.
         self._last_verdict: tuple[tuple[int, ...], str] | None = None
         self._lock = threading.Lock()
@@ -171,12 +172,15 @@ class StallResponder:
                 else [line.rstrip("\n") for line in traceback.format_stack(frame)]
             )
             del frame  # a frame pins its locals (tensors)
+        before = (self.state, self.where, self._written_collectives)
         self.state, self.where = classify(
             stack, phase=self._heartbeat.phase, collective=self._collectives.current
         )
-        self._write_record()
+        if (self.state, self.where, self._collectives.issued) != before:
+            self._write_record()  # only a change: a long stall rewrites nothing
 
     def _write_record(self) -> None:
+        self._written_collectives = self._collectives.issued
         if self._registration is not None:
             self._registration.hang(
                 state=self.state,
