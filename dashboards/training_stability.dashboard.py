@@ -399,6 +399,29 @@ internal_errors = timeseries(
     width=12,
 )
 
+# --- hang triage (docs/runbooks.md#reading-a-hang-verdict) -------------------------------------
+
+hang_state = timeseries(
+    "Stalled ranks: what each waits on",
+    [Query(f"{selector(c.HANG_STATE, *RUN_RANK)} == 1", "{{state}} " + WHO)],
+    unit="none",
+    description="While a rank is stalled: what its main thread does (collective, data_wait, "
+    "lock_wait, io, compute). The rank whose state differs from the others' is the one the "
+    "others wait on; the StabmonTrainingStalled alert names it and the reason.",
+    steps_after=True,
+    width=12,
+)
+loop_phase = timeseries(
+    "Loop phase by rank",
+    [Query(f"{selector(c.LOOP_PHASE, *RUN_RANK)} == 1", "{{phase}} " + WHO)],
+    unit="none",
+    description="The loop phase each rank is in now (startup, data_wait, forward, backward, "
+    "optimizer, eval, checkpoint...). A rank alone in checkpoint while the others stall in a "
+    "barrier is saving, not hung.",
+    steps_after=True,
+    width=12,
+)
+
 dashboard = Dashboard(
     title="stabmon · Training stability",
     uid="stabmon-training",
@@ -436,5 +459,6 @@ dashboard = Dashboard(
         ),
         ("Memory", [epoch_memory, drift, device_memory, host_rss]),
         ("Liveness and stabmon itself", [heartbeat, internal_errors]),
+        ("Hang triage", [hang_state, loop_phase]),
     ),
 )

@@ -18,6 +18,7 @@ from stabmon.errors import (  # noqa: E402
     ConfigError,
     DeviceMismatchError,
     StabmonError,
+    TrainingStalled,
 )
 
 if TYPE_CHECKING:
@@ -44,6 +45,7 @@ __all__ = [
     "DeviceMismatchError",
     "Monitor",
     "StabmonError",
+    "TrainingStalled",
     "__version__",
     "attach",
     "load_config",

@@ -148,6 +148,10 @@ def _status(args: argparse.Namespace) -> int:
         urls, timeout=args.timeout, credentials=credentials, untrusted=untrusted, names=names
     )
     print(format_table(statuses))
+    from stabmon.report.hang import format_verdicts
+
+    for line in format_verdicts(statuses):
+        print(line)
     return 0 if all(status.healthy for status in statuses) else 1
 
 

@@ -482,6 +482,25 @@ class Config(_Section):
             gt=0,
         ),
     )
+    stall_action: str = field(
+        default="none",
+        metadata=_meta(
+            "What a rank does once it stalls, after recording its hang evidence (stacks, phase, "
+            "step, collectives issued) in the event log: 'none' nothing more, 'dump' also "
+            "writes rank-<rank>.stall.txt in the run directory, 'raise' raises "
+            "stabmon.TrainingStalled in the main thread at its next Python instruction, 'exit' "
+            "ends the process with status 75 after stall_grace_seconds unless a step completes.",
+            choices=("none", "dump", "raise", "exit"),
+        ),
+    )
+    stall_grace_seconds: float = field(
+        default=30.0,
+        metadata=_meta(
+            "With stall_action 'exit': seconds between the stall and the exit, in which the "
+            "ranks of a node compare their evidence and name the culprit.",
+            ge=0,
+        ),
+    )
     sample_seconds: float = field(
         default=5.0,
         metadata=_meta("Interval of background sampling (memory now, heartbeat).", gt=0),

@@ -20,6 +20,10 @@ __all__ = [
     "EXTENSION_ALERT_NAMES",
     "EXTENSION_ANOMALY_KINDS",
     "EXTENSION_METRICS",
+    "HANG_METRICS",
+    "HANG_REASONS",
+    "HANG_STATES",
+    "LOOP_PHASES",
     "INTERNAL_COMPONENTS",
     "MetricDef",
     "PHASES",
@@ -554,3 +558,45 @@ EXTENSION_ALERT_NAMES: tuple[str, ...] = (
     "StabmonMemoryExhaustionImminent",
     "StabmonTrainingSlowdown",
 )
+
+# --- hang triage (issue 25; proposed in docs/contract-proposals.md) ---------------------------
+
+#: Values of ``stabmon_hang_state{state}``: what a stalled rank's main thread is doing.
+HANG_STATES: tuple[str, ...] = ("collective", "data_wait", "lock_wait", "io", "compute")
+#: Reason classes of a hang verdict (event log, ``stabmon status``, the alert's description).
+HANG_REASONS: tuple[str, ...] = (
+    "data_starvation",
+    "compute",
+    "collective_not_entered",
+    "io",
+    "deadlock",
+)
+#: Built-in values of ``stabmon_loop_phase{phase}`` beyond PHASES (user-named phases add to these).
+LOOP_PHASES: tuple[str, ...] = ("startup", *PHASES)
+LOOP_PHASE = MetricDef(
+    "stabmon_loop_phase",
+    "gauge",
+    "1 for the loop phase the training thread is in now (startup, data_wait, forward, backward, "
+    "optimizer or a named phase such as eval or checkpoint), 0 for the others it has been in.",
+    ("phase",),
+)
+COLLECTIVES = MetricDef(
+    "stabmon_collectives_total",
+    "counter",
+    "Collectives this process issued through torch.distributed's Python API (all_reduce, "
+    "barrier, broadcast...), counted at the call without a device sync; DDP's C++ gradient "
+    "all-reduces are not among them.",
+)
+COLLECTIVE_IN_PROGRESS = MetricDef(
+    "stabmon_collective_in_progress",
+    "gauge",
+    "1 while the training thread is inside a torch.distributed collective call, else 0.",
+)
+HANG_STATE = MetricDef(
+    "stabmon_hang_state",
+    "gauge",
+    "While stalled: 1 for what the main thread is doing (collective, data_wait, lock_wait, io, "
+    "compute), read from its Python stack; all 0 while not stalled. PromQL compares ranks.",
+    ("state",),
+)
+HANG_METRICS: tuple[MetricDef, ...] = (LOOP_PHASE, COLLECTIVES, COLLECTIVE_IN_PROGRESS, HANG_STATE)

@@ -7,13 +7,21 @@ nothing raised inside a hook or a background thread reaches the training loop
     StabmonError                  base of everything stabmon raises on purpose
      ├── ConfigError              a config key, type or value is not allowed
      ├── AlreadyAttachedError     the model or optimizer already has a Monitor
-     └── DeviceMismatchError      a tensor is on the wrong device (only with
-                                  ``device_check: raise``, which asks for it)
+     ├── DeviceMismatchError      a tensor is on the wrong device (only with
+     │                            ``device_check: raise``, which asks for it)
+     └── TrainingStalled          no step completed within the stall limit (only
+                                  with ``stall_action: raise``, which asks for it)
 """
 
 from __future__ import annotations
 
-__all__ = ["AlreadyAttachedError", "ConfigError", "DeviceMismatchError", "StabmonError"]
+__all__ = [
+    "AlreadyAttachedError",
+    "ConfigError",
+    "DeviceMismatchError",
+    "StabmonError",
+    "TrainingStalled",
+]
 
 
 class StabmonError(Exception):
@@ -46,3 +54,23 @@ class DeviceMismatchError(StabmonError, RuntimeError):
     Raised only with ``device_check: raise``, from ``attach`` or from the forward
     pre-hook, before PyTorch's own, less specific error.
     """
+
+
+class TrainingStalled(StabmonError, RuntimeError):
+    """No optimizer step completed within the stall limit, and ``stall_action: raise`` asked
+    for this exception in the training thread (see docs/runbooks.md#stabmontrainingstalled).
+
+    Raised asynchronously at the training thread's next Python instruction: a thread blocked
+    inside a C call (a collective, a lock) sees it only when the call returns, which is why
+    ``stall_action: exit`` exists. The evidence (stacks, phase, step, collectives issued, the
+    verdict) is in the event log before it is raised.
+    """
+
+    def __init__(
+        self,
+        message: str = (
+            "stabmon: no training step completed within the stall limit (stall_action: raise); "
+            "the evidence is in the run's event log"
+        ),
+    ) -> None:
+        super().__init__(message)

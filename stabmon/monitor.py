@@ -54,12 +54,15 @@ from stabmon.detectors.stall import STARTUP_PHASE, Heartbeat, StallWatchdog
 from stabmon.errors import DeviceMismatchError, StabmonError
 from stabmon.exit_signals import SigtermRecorder
 from stabmon.export.collector import ReadingsCollector
+from stabmon.export.contained import ContainedCollector
 from stabmon.export.event_log import EventLog
 from stabmon.export.exporter import Exporter, Security, candidate_ports
+from stabmon.export.hang_collector import HangCollector
 from stabmon.guard import Guard
 from stabmon.hooks import HookSet, unwrap_model
 from stabmon.log import LOGGER, LogLimiter
 from stabmon.probes.amp import scale_tensor
+from stabmon.probes.collectives import CollectiveCounter
 from stabmon.probes.device_timing import DeviceTimer, recorder_for
 from stabmon.probes.devices import torch_device_uuids
 from stabmon.probes.environment import (
@@ -87,6 +90,7 @@ from stabmon.rundir import (
     boot_id,
     pid_namespace,
 )
+from stabmon.stall_action import StallResponder
 from stabmon.throughput import ThroughputWatch
 
 __all__ = ["Monitor", "attach"]
@@ -185,6 +189,8 @@ class _Resources:
     #: At interpreter exit, judge the results still waiting: the last steps before a crash
     #: are the ones that explain it.
     judge_at_exit: Callable[[], None] | None = None
+    #: The torch.distributed wrappers that count collectives (hang evidence).
+    collectives: CollectiveCounter | None = None
 
     def close(self) -> None:
         for hook in (self.at_exit, self.judge_at_exit):
@@ -195,6 +201,8 @@ class _Resources:
             self.sigterm = None
         if self.hooks is not None:
             self.hooks.remove()
+        if self.collectives is not None:
+            self.collectives.uninstall()
         for thread in self.threads:
             thread.stop()
         if self.registration is not None:
@@ -371,18 +379,45 @@ class Monitor:
         # results are judged before the record says how the process ended.
         self._resources.judge_at_exit = functools.partial(_judge_at_exit, weakref.ref(self))
         atexit.register(self._resources.judge_at_exit)
+        collectives = CollectiveCounter()
+        with self._guard.contain("hooks"):
+            collectives.install()
+            self._resources.collectives = collectives
+        responder = StallResponder(
+            action=cfg.stall_action, grace_seconds=cfg.stall_grace_seconds, rank=self.rank,
+            run=self.run_id, recorder=self._recorder, heartbeat=self._heartbeat,
+            collectives=collectives, registration=self._resources.registration,
+            run_directory=self._paths.run_directory, root=self._paths.root,
+        )  # fmt: skip
+        heartbeat_now = self._heartbeat
+        registry.register(
+            ContainedCollector(
+                HangCollector(
+                    self._readings.labels,
+                    phase=lambda: heartbeat_now.phase,
+                    collectives=lambda: collectives.issued,
+                    in_collective=lambda: collectives.current is not None,
+                    hang_state=lambda: responder.state,
+                ),
+                guard=self._guard,
+                component="exporter",
+            )
+        )
         watchdog = StallWatchdog(
             self._heartbeat,
             stall_seconds=cfg.stall_seconds,
             phase_stall_seconds=cfg.phase_stall_seconds,
-            on_stall=self._recorder.stalled,
-            on_recover=self._recorder.resumed,
+            on_stall=responder.stalled,
+            on_recover=responder.resumed,
             clock=time.perf_counter,
         )
         poll = min(0.25, cfg.stall_seconds / 4) if cfg.stall_seconds else 0.25
         self._resources.threads = [
             PeriodicThread(
                 "stabmon-watchdog", poll, watchdog.check, guard=self._guard, component="stall"
+            ),
+            PeriodicThread(
+                "stabmon-stall-action", poll, responder.poll, guard=self._guard, component="stall"
             ),
             PeriodicThread(
                 "stabmon-judge",

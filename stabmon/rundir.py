@@ -153,6 +153,11 @@ class ProcessRecord:
     stall_limit_seconds: float | None = None
     #: With ``exit_status == "signal"``: the signal's name (``SIGINT``, ``SIGTERM``).
     exit_signal: str | None = None
+    #: While stalled: what the main thread is doing (``stabmon.contract.HANG_STATES``), where
+    #: (``loader.py:42 in fetch``) and the collectives issued, for the node's hang verdict.
+    hang_state: str | None = None
+    hang_where: str | None = None
+    collectives: int = 0
     version: int = field(default=RECORD_VERSION)
 
     def to_json(self) -> bytes:
@@ -189,6 +194,9 @@ class ProcessRecord:
             phase=_optional_text(data, "phase"),
             stall_limit_seconds=_optional_number(data, "stall_limit_seconds"),
             exit_signal=_optional_text(data, "exit_signal"),
+            hang_state=_optional_text(data, "hang_state"),
+            hang_where=_optional_text(data, "hang_where"),
+            collectives=_int(data, "collectives", minimum=0, default=0),
         )
 
 
@@ -428,6 +436,20 @@ class Registration:
                     if stall_limit_seconds is not None
                     else self._record.stall_limit_seconds
                 ),
+            )
+            self._write()
+
+    def hang(self, *, state: str | None, where: str | None, collectives: int, now: float) -> None:
+        """Write the hang evidence (None: not stalled) at once, for the other ranks' verdict."""
+        with self._lock:
+            if self._closed:
+                return
+            self._record = replace(
+                self._record,
+                hang_state=state,
+                hang_where=where,
+                collectives=collectives,
+                updated_unix=now,
             )
             self._write()
 

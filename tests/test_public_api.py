@@ -11,6 +11,7 @@ def test_public_api_exports_exactly_the_documented_names() -> None:
         "DeviceMismatchError",
         "Monitor",
         "StabmonError",
+        "TrainingStalled",
         "__version__",
         "attach",
         "load_config",
@@ -23,3 +24,4 @@ def test_errors_form_one_hierarchy() -> None:
     assert issubclass(stabmon.ConfigError, stabmon.StabmonError)
     assert issubclass(stabmon.AlreadyAttachedError, stabmon.StabmonError)
     assert issubclass(stabmon.DeviceMismatchError, stabmon.StabmonError)
+    assert issubclass(stabmon.TrainingStalled, stabmon.StabmonError)

@@ -85,6 +85,10 @@ class RankStatus:
     leaking: tuple[str, ...] = ()
     anomalies: float = 0.0
     error: str | None = None
+    #: Hang evidence: the loop phase now, the stalled state (None unless stalled), collectives.
+    phase: str = ""
+    hang_state: str | None = None
+    collectives: float = 0.0
 
     @property
     def problems(self) -> list[str]:
@@ -344,6 +348,11 @@ def _status(url: str, run: str, rank: str, samples: Samples, now: float) -> Rank
         stalled=bool(one(contract.STALLED.name)),
         leaking=tuple(sorted(device for device, v in leaks.items() if v)),
         anomalies=sum(by(contract.ANOMALIES.name, "kind").values()),
+        phase=next((p for p, v in by(contract.LOOP_PHASE.name, "phase").items() if v == 1), ""),
+        hang_state=next(
+            (state for state, v in by(contract.HANG_STATE.name, "state").items() if v == 1), None
+        ),
+        collectives=one(contract.COLLECTIVES.name) or 0.0,
     )
 
 

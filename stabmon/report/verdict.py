@@ -7,6 +7,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from stabmon.report.events import Run, number
+from stabmon.report.hang import hang_findings
 
 __all__ = ["Verdict", "judge", "when"]
 
@@ -53,6 +54,7 @@ def judge(run: Run) -> Verdict:
         if count > 1:
             line += f", last {_where(last)}"
         findings.append(line)
+    findings.extend(hang_findings(run))
     if not anomalies and not broken:
         return Verdict(
             True, f"Healthy: {steps:,} steps on {ranks}, no anomalies; {overall}.", tuple(findings)

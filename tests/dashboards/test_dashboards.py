@@ -27,6 +27,7 @@ CONTRACT_METRICS = {
         *contract.TRAINING_METRICS,
         *contract.DAEMON_METRICS,
         *contract.EXTENSION_METRICS,
+        *contract.HANG_METRICS,
         contract.DAEMON_POLL_DURATION,
         contract.DAEMON_LAST_POLL,
     )

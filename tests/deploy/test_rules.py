@@ -37,6 +37,7 @@ METRIC_NAMES = {
         *contract.DAEMON_METRICS,
         *contract.EXTENSION_METRICS,
         *contract.DAEMON_EXTENSION_METRICS,
+        *contract.HANG_METRICS,
         contract.DAEMON_POLL_DURATION,
         contract.DAEMON_LAST_POLL,
     )

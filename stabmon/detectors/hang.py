@@ -1,0 +1,181 @@
+"""Hang triage: what a stalled rank is doing, and which rank holds the others up.
+
+Pure functions of host values, no threads, no torch. A stalled rank classifies
+its own main thread (:func:`classify`) into one of :data:`HANG_STATES`; once
+the ranks of a run stall, :func:`judge` compares their evidence and names the
+rank(s) whose state differs from the majority's, with a reason class from
+:data:`HANG_REASONS`. The same comparison runs three ways: in each rank over
+the records of its node (:mod:`stabmon.stall_action`), in ``stabmon status``
+over scraped gauges, and in PromQL across nodes (the shipped
+``StabmonTrainingStalled`` description), so no collective and no coordinator
+is added.
+
+No verdict unless every known rank is stalled: a rank that is not stalled (rank
+0 writing a checkpoint inside ``mon.phase("checkpoint")``, every rank in a long
+evaluation) is working, and the ranks waiting on it in a barrier have no
+culprit to name.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from stabmon.contract import HANG_REASONS, HANG_STATES
+
+__all__ = ["HANG_REASONS", "HANG_STATES", "RankEvidence", "Verdict", "classify", "judge"]
+
+_FRAME = re.compile(r'File "(?P<file>[^"]*)", line (?P<line>\d+), in (?P<function>[^\n]*)')
+#: Innermost code lines that read or write files (torch.save, a write, an fsync...).
+_IO_CODE = re.compile(
+    r"\b(torch\.save|torch\.load|fsync|\.write\(|\.read\(|\.readinto\(|\.flush\(|open\(|"
+    r"shutil\.|copyfile)"
+)
+_LOCK_FUNCTIONS = frozenset({"acquire", "wait", "join", "__enter__"})
+#: Innermost code lines that wait on a lock, a condition or a thread.
+_LOCK_CODE = re.compile(r"\.acquire\(|\.join\(|\.wait\(|^with\b.*(lock|mutex|cond)", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Frame:
+    file: str
+    line: int
+    function: str
+    code: str
+
+    @property
+    def where(self) -> str:
+        """``loader.py:42 in fetch``: short enough for an alert, precise enough to open."""
+        name = self.file.replace("\\", "/").rsplit("/", 1)[-1]
+        return f"{name}:{self.line} in {self.function}"
+
+
+def parse_stack(stack: Sequence[str]) -> list[Frame]:
+    """Frames of a ``traceback.format_stack`` list, outermost first."""
+    frames = []
+    for entry in stack:
+        match = _FRAME.search(entry)
+        if match is None:
+            continue
+        code = entry[match.end() :].strip()
+        frames.append(Frame(match["file"], int(match["line"]), match["function"].strip(), code))
+    return frames
+
+
+def classify(stack: Sequence[str], *, phase: str, collective: str | None) -> tuple[str, str]:
+    """The state of a stalled main thread, and where it is (innermost frame outside stabmon).
+
+    ``collective`` is the torch.distributed call the thread is inside, if any
+    (:mod:`stabmon.probes.collectives`); ``phase`` the loop phase.
+    """
+    frames = [frame for frame in parse_stack(stack) if "/stabmon/" not in frame.file]
+    innermost = frames[-1] if frames else None
+    where = innermost.where if innermost is not None else ""
+    if collective is not None:
+        return "collective", f"{collective} at {where}" if where else collective
+    files = [frame.file.replace("\\", "/") for frame in frames]
+    if any("/torch/distributed/" in file for file in files[-6:]):
+        return "collective", where
+    if phase == "data_wait" or any("/torch/utils/data/" in file for file in files):
+        return "data_wait", where
+    if innermost is None:
+        return "compute", where
+    inner_file = files[-1]
+    if (inner_file.endswith("/threading.py") and innermost.function in _LOCK_FUNCTIONS) or (
+        _LOCK_CODE.search(innermost.code)
+    ):
+        return "lock_wait", where
+    if _IO_CODE.search(innermost.code) or any(
+        file.endswith("/torch/serialization.py") for file in files
+    ):
+        return "io", where
+    return "compute", where
+
+
+@dataclass(frozen=True)
+class RankEvidence:
+    """What one rank said about itself at its last report."""
+
+    rank: int
+    stalled: bool
+    phase: str
+    #: One of :data:`HANG_STATES` while stalled; None when it has not said.
+    state: str | None = None
+    collectives: int = 0
+    where: str = ""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The odd rank(s) out of a hung run and why."""
+
+    culprits: tuple[int, ...]
+    reason: str
+    world: int
+    majority_state: str
+    message: str
+
+
+_REASON_BY_STATE = {"data_wait": "data_starvation", "lock_wait": "deadlock", "io": "io"}
+
+
+def judge(evidence: Sequence[RankEvidence]) -> Verdict | None:
+    """The verdict over every known rank of one run, or None when there is none to give.
+
+    A culprit's state differs from the majority's, or (all in collectives) it
+    issued fewer collectives than the rest. The reason class follows the
+    culprit's state: ``data_wait`` is data starvation, ``lock_wait`` a deadlock,
+    ``io`` I/O; a culprit computing while the majority waits in a collective did
+    not enter it (``collective_not_entered``), else ``compute``.
+    """
+    world = len(evidence)
+    if world < 2 or not all(rank.stalled and rank.state for rank in evidence):
+        return None
+    counts = Counter(rank.state for rank in evidence)
+    (majority, size), *rest = counts.most_common()
+    if rest and rest[0][1] == size:
+        return None  # no majority: nothing to be odd against
+    culprits = [rank for rank in evidence if rank.state != majority]
+    if not culprits and majority == "collective":
+        most = max(rank.collectives for rank in evidence)
+        culprits = [rank for rank in evidence if rank.collectives < most]
+    if not culprits or 2 * len(culprits) >= world:
+        return None
+    odd_state = str(Counter(rank.state for rank in culprits).most_common(1)[0][0])
+    if odd_state in _REASON_BY_STATE:
+        reason = _REASON_BY_STATE[odd_state]
+    elif majority == "collective":
+        reason = "collective_not_entered"
+    else:
+        reason = "compute"
+    culprits.sort(key=lambda rank: rank.rank)
+    return Verdict(
+        culprits=tuple(rank.rank for rank in culprits),
+        reason=reason,
+        world=world,
+        majority_state=str(majority),
+        message=_message(culprits, reason, world, str(majority), evidence),
+    )
+
+
+def _message(
+    culprits: Sequence[RankEvidence],
+    reason: str,
+    world: int,
+    majority: str,
+    evidence: Sequence[RankEvidence],
+) -> str:
+    """``rank 2 of 4 stuck in data_wait at loader.py:42 (data_starvation); the other 3 ...``."""
+    names = ", ".join(str(rank.rank) for rank in culprits)
+    first = culprits[0]
+    where = f" at {first.where}" if first.where else ""
+    others = [rank for rank in evidence if rank.state == majority]
+    other_where = Counter(rank.where for rank in others).most_common(1)[0][0] if others else ""
+    plural = "s" if len(culprits) > 1 else ""
+    return (
+        f"rank{plural} {names} of {world} stuck in {first.state}{where} ({reason}); "
+        f"the other {world - len(culprits)} wait in {majority}"
+        + (f" at {other_where}" if other_where else "")
+    )

@@ -1,0 +1,244 @@
+"""What a rank does once it stalls: record its hang evidence, judge its node, act on request.
+
+Design
+------
+The stall watchdog calls :meth:`StallResponder.stalled` at the edge, in its own
+thread. The responder records the evidence (the watchdog's stall event already
+holds every thread's stack; this adds the main thread's state from
+:func:`stabmon.detectors.hang.classify`, the collectives issued and the step),
+writes it into the rank's registration record so the other ranks of the node
+see it, and, for ``stall_action: dump``, a stall file beside the event log.
+
+:meth:`StallResponder.poll` runs in its own periodic thread: while stalled it
+refreshes the state, reads the records of this run on this node, judges them
+(:func:`stabmon.detectors.hang.judge`) and writes each new verdict to the event
+log once; after the grace period it ends the process for ``stall_action:
+exit`` with :data:`STALL_EXIT_CODE`. ``raise`` asks the interpreter to raise
+:class:`stabmon.TrainingStalled` in the main thread at its next Python
+instruction. A stall that ends before the grace period cancels the exit.
+
+Neither thread can run while a C call holds the GIL; the node daemon's
+heartbeat age covers that case from outside the process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+from stabmon.detectors.hang import RankEvidence, Verdict, classify, judge
+from stabmon.detectors.stall import Heartbeat, StallReport
+from stabmon.errors import TrainingStalled
+from stabmon.probes.collectives import CollectiveCounter
+from stabmon.recorder import Recorder
+from stabmon.rundir import ProcessRecord, Registration, read_records, write_atomic
+
+__all__ = ["STALL_ACTIONS", "STALL_EXIT_CODE", "StallResponder"]
+
+LOGGER = logging.getLogger("stabmon")
+
+STALL_ACTIONS: tuple[str, ...] = ("none", "dump", "raise", "exit")
+#: Exit status of ``stall_action: exit``: EX_TEMPFAIL (sysexits.h), "try again later", so a
+#: scheduler or torchrun's ``--max-restarts`` restarts the job instead of idling its GPUs.
+STALL_EXIT_CODE = 75
+
+
+class StallResponder:
+    """Hang evidence, node verdict and the configured stall action of one rank."""
+
+    def __init__(
+        self,
+        *,
+        action: str,
+        grace_seconds: float,
+        rank: int,
+        run: str,
+        recorder: Recorder,
+        heartbeat: Heartbeat,
+        collectives: CollectiveCounter,
+        registration: Registration | None,
+        run_directory: Path,
+        root: Path,
+        clock: Callable[[], float] = time.monotonic,
+        end_process: Callable[[int], None] = os._exit,
+    ) -> None:
+        self._action = action
+        self._grace = grace_seconds
+        self._rank = rank
+        self._run = run
+        self._recorder = recorder
+        self._heartbeat = heartbeat
+        self._collectives = collectives
+        self._registration = registration
+        self._run_directory = run_directory
+        self._root = root
+        self._clock = clock
+        self._end_process = end_process
+        self._main = threading.main_thread().ident
+        #: While stalled: the main thread's state (``HANG_STATES``) and where; else None.
+        self.state: str | None = None
+        self.where = ""
+        self._exit_at: float | None = None
+        self._written_collectives = -1
+        #: (culprits, reason) of the last verdict written: each is written once per stall.
+        self._last_verdict: tuple[tuple[int, ...], str] | None = None
+        self._lock = threading.Lock()
+
+    # --- watchdog thread ----------------------------------------------------------------------
+
+    def stalled(self, report: StallReport) -> None:
+        """The watchdog declared a stall: record the evidence, then act as configured."""
+        self._recorder.stalled(report)
+        with self._lock:
+            self._refresh(report.stacks.get(self._main_key(report.stacks)))
+            self._recorder.write(
+                "hang_evidence",
+                step=self._recorder.global_step,
+                phase=report.phase,
+                state=self.state,
+                where=self.where,
+                collectives=self._collectives.issued,
+                collective=self._collectives.current,
+                stall_action=self._action,
+                # Data-loader worker processes are not this interpreter: their stacks need an
+                # outside tool (py-spy dump --pid); the main thread's stack shows the wait.
+            )
+            if self._action == "dump":
+                self._dump(report)
+            if self._action == "raise":
+                self._raise_in_main()
+            if self._action == "exit":
+                self._exit_at = self._clock() + self._grace
+                LOGGER.error(
+                    "stabmon: stalled; the process exits with status %d in %.0f s unless a "
+                    "step completes (stall_action: exit)",
+                    STALL_EXIT_CODE,
+                    self._grace,
+                )
+
+    def resumed(self, lasted: float) -> None:
+        self._recorder.resumed(lasted)
+        with self._lock:
+            self.state = None
+            self.where = ""
+            self._exit_at = None
+            self._last_verdict = None
+            self._write_record()
+
+    # --- responder thread ---------------------------------------------------------------------
+
+    def poll(self) -> None:
+        """While stalled: refresh the evidence, judge the node, end the process when due."""
+        with self._lock:
+            if self.state is None:
+                return
+            self._refresh(None)
+            verdict = self.node_verdict()
+            if verdict is not None and (verdict.culprits, verdict.reason) != self._last_verdict:
+                self._last_verdict = (verdict.culprits, verdict.reason)
+                self._recorder.write(
+                    "hang_verdict",
+                    step=self._recorder.global_step,
+                    culprits=list(verdict.culprits),
+                    reason=verdict.reason,
+                    world=verdict.world,
+                    detail=verdict.message,
+                )
+                LOGGER.error("stabmon: hang verdict: %s", verdict.message)
+            if self._exit_at is not None and self._clock() >= self._exit_at:
+                self._exit()
+
+    def node_verdict(self) -> Verdict | None:
+        """The verdict over the records of this run on this node (this rank's own included)."""
+        records, _ = read_records(self._root)
+        evidence = [_evidence(record) for record in records if record.run == self._run]
+        if not any(item.rank == self._rank for item in evidence):
+            return None
+        return judge(evidence)
+
+    def _refresh(self, stack: list[str] | None) -> None:
+        if stack is None:
+            frame = sys._current_frames().get(self._main or -1)
+            stack = (
+                []
+                if frame is None
+                else [line.rstrip("\n") for line in traceback.format_stack(frame)]
+            )
+            del frame  # a frame pins its locals (tensors)
+        before = (self.state, self.where, self._written_collectives)
+        self.state, self.where = classify(
+            stack, phase=self._heartbeat.phase, collective=self._collectives.current
+        )
+        if (self.state, self.where, self._collectives.issued) != before:
+            self._write_record()  # only a change: a long stall rewrites nothing
+
+    def _write_record(self) -> None:
+        self._written_collectives = self._collectives.issued
+        if self._registration is not None:
+            self._registration.hang(
+                state=self.state,
+                where=self.where or None,
+                collectives=self._collectives.issued,
+                now=time.time(),
+            )
+
+    def _main_key(self, stacks: dict[str, list[str]]) -> str:
+        suffix = f"({self._main})"
+        return next((key for key in stacks if key.endswith(suffix)), "")
+
+    def _dump(self, report: StallReport) -> None:
+        lines = [
+            f"stabmon stall dump: run {self._run} rank {self._rank} pid {os.getpid()}",
+            f"phase {report.phase}; step {self._recorder.global_step}; silent "
+            f"{report.silent_seconds:.1f} s (limit {report.limit_seconds:.1f} s)",
+            f"state {self.state} at {self.where}; collectives issued {self._collectives.issued}"
+            + (f"; inside {self._collectives.current}" if self._collectives.current else ""),
+            "",
+        ]
+        for thread, stack in report.stacks.items():
+            lines.append(f"--- thread {thread}")
+            lines.extend(stack)
+        path = self._run_directory / f"rank-{self._rank}.stall.txt"
+        write_atomic(path, ("\n".join(lines) + "\n").encode("utf-8", "replace"))
+
+    def _raise_in_main(self) -> None:
+        if self._main is None:
+            return
+        # Delivered at the main thread's next Python instruction (not inside a blocking C call).
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(
+            ctypes.c_ulong(self._main), ctypes.py_object(TrainingStalled)
+        )
+
+    def _exit(self) -> None:
+        self._recorder.write(
+            "stall_exit",
+            step=self._recorder.global_step,
+            exit_code=STALL_EXIT_CODE,
+            grace_seconds=self._grace,
+            state=self.state,
+            where=self.where,
+        )
+        LOGGER.error("stabmon: still stalled after the grace period; exiting with status %d",
+                     STALL_EXIT_CODE)  # fmt: skip
+        if self._registration is not None:
+            self._registration.exited("exception", time.time())
+        sys.stderr.flush()
+        self._end_process(STALL_EXIT_CODE)
+
+
+def _evidence(record: ProcessRecord) -> RankEvidence:
+    return RankEvidence(
+        rank=record.rank,
+        stalled=record.hang_state is not None and record.exited_unix is None,
+        phase=record.phase or "",
+        state=record.hang_state,
+        collectives=record.collectives,
+        where=record.hang_where or "",
+    )

@@ -1,0 +1,113 @@
+"""One rank of a 4-rank job that hangs on purpose, started by torchrun (gloo on CPU).
+
+    torchrun --nproc_per_node=4 hang_trainee.py --mode MODE [--culprit R] [--action A]
+
+Every rank trains with an explicit gradient all-reduce (a counted collective).
+After ``--hang-after`` steps, ``--mode`` decides what happens:
+
+- ``data``: the culprit's dataset blocks in ``__getitem__`` (data starvation);
+- ``sleep``: the culprit sleeps before the all-reduce (a collective not entered);
+- ``deadlock``: the culprit takes a lock it already holds (a Python deadlock);
+- ``checkpoint``: rank 0 alone writes a slow checkpoint inside ``mon.phase("checkpoint")``
+  while the others wait in a barrier, then all train on and exit 0 (no verdict);
+- ``eval``: every rank evaluates for a while inside ``mon.phase("eval")`` (no verdict).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import stabmon
+
+FOREVER = 3600.0
+
+
+class Samples(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    def __init__(self, block_from: int | None) -> None:
+        self.block_from = block_from
+
+    def __len__(self) -> int:
+        return 10_000
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.block_from is not None and index >= self.block_from:
+            time.sleep(FOREVER)  # a stuck input pipeline: a dead mount, a hung worker
+        generator = torch.Generator().manual_seed(index)
+        return torch.randn(8, generator=generator), torch.randn(2, generator=generator)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", choices=("data", "sleep", "deadlock", "checkpoint", "eval"))
+    parser.add_argument("--culprit", type=int, default=2)
+    parser.add_argument("--hang-after", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--stall-seconds", type=float, default=3.0)
+    parser.add_argument("--phase-seconds", type=float, default=7.0, help="eval/checkpoint time")
+    parser.add_argument("--action", default="none")
+    parser.add_argument("--grace", type=float, default=5.0)
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = stabmon.attach(
+        model, optimizer, sample_seconds=0.2, judge_seconds=0,
+        stall_seconds=args.stall_seconds, phase_stall_seconds=600,
+        stall_action=args.action, stall_grace_seconds=args.grace,
+    )  # fmt: skip
+    print(f"ready {monitor.metrics_url}", flush=True)
+    culprit = rank == args.culprit
+    batch = 4
+    block = args.hang_after * batch if args.mode == "data" and culprit else None
+    loader = torch.utils.data.DataLoader(Samples(block), batch_size=batch)
+    lock = threading.Lock()
+    for step, (inputs, targets) in enumerate(monitor.track(loader)):
+        if step == args.steps:
+            break
+        loss = torch.nn.functional.mse_loss(model(inputs), targets)
+        optimizer.zero_grad()
+        loss.backward()
+        if step == args.hang_after and culprit and args.mode == "sleep":
+            time.sleep(FOREVER)  # busy elsewhere: never reaches the all-reduce
+        if step == args.hang_after and culprit and args.mode == "deadlock":
+            lock.acquire()
+            with lock:  # not reentrant: waits for itself forever
+                pass
+        for parameter in model.parameters():
+            if parameter.grad is not None:
+                dist.all_reduce(parameter.grad)
+        optimizer.step()
+        monitor.observe(loss)
+        if step == args.hang_after and args.mode == "checkpoint":
+            if rank == 0:
+                with monitor.phase("checkpoint"):
+                    time.sleep(args.phase_seconds)  # a slow write to shared storage
+            dist.barrier()
+        if step == args.hang_after and args.mode == "eval":
+            with monitor.phase("eval"), torch.no_grad():
+                deadline = time.monotonic() + args.phase_seconds
+                while time.monotonic() < deadline:
+                    model(inputs)
+                    time.sleep(0.05)
+            dist.barrier()
+    monitor.detach()
+    dist.destroy_process_group()
+    print("done", flush=True)
+
+
+def _unused(*_: Any) -> None:
+    pass
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""A hung 4-rank torchrun job (gloo on CPU) names its culprit rank and why, and never a
+false one: through the event log, ``stabmon status`` and, with ``stall_action: exit``, ends.
+
+Short stall limits (3 s) keep each job within a minute; waits are bounded, never timed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from realstack import Processes, announced, free_port, require, start_prometheus, until
+
+from stabmon.report.events import read_run
+from stabmon.report.verdict import judge as judge_run
+
+pytestmark = pytest.mark.slow
+
+TRAINEE = Path(__file__).parent / "hang_trainee.py"
+WORLD = 4
+#: Bounded waits: generous for a busy 2-core machine; never asserted as durations.
+VERDICT_TIMEOUT = 120.0
+
+
+@pytest.fixture
+def processes() -> Iterator[Processes]:
+    started = Processes()
+    try:
+        yield started
+    finally:
+        started.close()
+
+
+def _torchrun(processes: Processes, run_dir: Path, *args: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "STABMON_DIR": str(run_dir), "STABMON_PORT": str(free_port()),
+           "OMP_NUM_THREADS": "1"}  # fmt: skip
+    env.pop("STABMON_RUN_ID", None)
+    return processes.start(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone",
+         f"--nproc_per_node={WORLD}", str(TRAINEE), *args],
+        env=env,
+    )  # fmt: skip
+
+
+def _events(run_dir: Path, event: str) -> list[dict[str, Any]]:
+    found = []
+    for path in sorted(run_dir.glob("*/rank-*.events.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line being written
+            if record.get("event") == event:
+                found.append(record)
+    return found
+
+
+def _status(run_dir: Path) -> str:
+    result = subprocess.run(
+        [sys.executable, "-m", "stabmon", "status", "--run-dir", str(run_dir)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    return result.stdout
+
+
+@pytest.mark.parametrize(
+    ("mode", "culprit", "reason", "state"),
+    [
+        ("data", 2, "data_starvation", "data_wait"),
+        ("sleep", 1, "collective_not_entered", "compute"),
+        ("deadlock", 3, "deadlock", "lock_wait"),
+    ],
+)
+def test_a_hung_job_names_the_culprit_rank_and_reason_in_the_event_log_and_status(
+    tmp_path: Path, processes: Processes, mode: str, culprit: int, reason: str, state: str
+) -> None:
+    run_dir = tmp_path / "runs"
+    _torchrun(processes, run_dir, "--mode", mode, "--culprit", str(culprit))
+
+    def named() -> bool:
+        verdicts = _events(run_dir, "hang_verdict")
+        return any(v["culprits"] == [culprit] and v["reason"] == reason for v in verdicts)
+
+    until(f"a {reason} verdict naming rank {culprit}", named, VERDICT_TIMEOUT)
+    verdicts = _events(run_dir, "hang_verdict")
+    assert {(tuple(v["culprits"]), v["reason"]) for v in verdicts} == {((culprit,), reason)}
+    assert verdicts[0]["detail"].startswith(f"rank {culprit} of {WORLD} stuck in {state}")
+    # Every rank recorded its own evidence; the culprit's differs.
+    evidence = {e["rank"]: e for e in _events(run_dir, "hang_evidence")}
+    assert evidence[culprit]["state"] == state
+    others = [e for rank, e in evidence.items() if rank != culprit]
+    assert others and all(e["state"] == "collective" for e in others)
+    assert all(e["collective"] == "all_reduce" for e in others)
+
+    lines: list[str] = []
+
+    def status_names_it() -> bool:
+        lines[:] = [line for line in _status(run_dir).splitlines() if "HANG" in line]
+        return any(f"HANG rank {culprit} of {WORLD} stuck in {state}" in line for line in lines)
+
+    until("stabmon status naming the culprit", status_names_it, VERDICT_TIMEOUT)
+    assert f"({reason})" in lines[0]
+    # stabmon report's verdict carries it too.
+    (directory,) = [path for path in run_dir.iterdir() if path.is_dir()]
+    findings = judge_run(read_run(directory)).findings
+    assert any("hang verdict" in line and f"rank {culprit} of {WORLD}" in line
+               for line in findings), findings  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["checkpoint", "eval"])
+def test_no_verdict_while_rank_0_checkpoints_alone_or_every_rank_evaluates(
+    tmp_path: Path, processes: Processes, mode: str
+) -> None:
+    run_dir = tmp_path / "runs"
+    job = _torchrun(processes, run_dir, "--mode", mode)
+    assert job.wait(timeout=240) == 0
+    assert _events(run_dir, "hang_verdict") == []
+    assert len(_events(run_dir, "detach")) == WORLD
+    stalls = [e for e in _events(run_dir, "anomaly") if e["kind"] == "stall"]
+    if mode == "eval":  # inside mon.phase("eval") the phase's limit applies: not even a stall
+        assert stalls == []
+    else:  # the ranks waiting in the barrier did stall, and still no culprit was named
+        assert {e["rank"] for e in stalls} == {1, 2, 3}
+
+
+def test_stall_action_exit_ends_a_hung_job_with_the_evidence_on_disk(
+    tmp_path: Path, processes: Processes
+) -> None:
+    run_dir = tmp_path / "runs"
+    job = _torchrun(processes, run_dir, "--mode", "sleep", "--culprit", "1",
+                    "--action", "exit", "--grace", "5")  # fmt: skip
+    code = job.wait(timeout=240)  # the job hangs forever without the action
+    assert code != 0
+    exits = _events(run_dir, "stall_exit")
+    assert exits and all(e["exit_code"] == 75 for e in exits)
+    assert len(_events(run_dir, "hang_evidence")) >= 1
+    stalls = [e for e in _events(run_dir, "anomaly") if e["kind"] == "stall"]
+    assert stalls and all(e["stacks"] for e in stalls)
+
+
+def test_the_shipped_stall_alert_names_the_culprit_through_a_real_prometheus(
+    tmp_path: Path, processes: Processes
+) -> None:
+    require("prometheus")
+    run_dir = tmp_path / "runs"
+    daemon = processes.start([sys.executable, "-m", "stabmon", "daemon", "--port", "0",
+                              "--address", "127.0.0.1", "--run-dir", str(run_dir),
+                              "--interval", "0.2"])  # fmt: skip
+    daemon_target = announced(daemon).split("/")[2]
+    _torchrun(processes, run_dir, "--mode", "data", "--culprit", "2")
+    prometheus = start_prometheus(processes, tmp_path, daemon_target)
+    verdict = "Verdict: rank 2 is stuck in data_wait (phase data_wait: data starvation)"
+
+    def described() -> bool:
+        try:
+            alerts = [a for a in prometheus.alerts() if a["labels"]["alertname"] ==
+                      "StabmonTrainingStalled"]  # fmt: skip
+        except OSError:
+            return False  # Prometheus still starting
+        ranks = {a["labels"]["rank"] for a in alerts if verdict in a["annotations"]["description"]}
+        return ranks == {"0", "1", "2", "3"}
+
+    # Pending alerts carry their annotations too: the rule's for: 1m is not waited for.
+    until("every rank's stall alert naming rank 2", described, VERDICT_TIMEOUT, 1.0)
