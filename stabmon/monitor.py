@@ -44,7 +44,7 @@ import psutil
 import torch
 from prometheus_client import CollectorRegistry
 
-from stabmon import __version__
+from stabmon._version import __version__
 from stabmon.background import PeriodicThread
 from stabmon.clipping import watch_clipping
 from stabmon.config import Config, load_config
@@ -61,7 +61,6 @@ from stabmon.hooks import HookSet, unwrap_model
 from stabmon.log import LOGGER, LogLimiter
 from stabmon.probes.amp import scale_tensor
 from stabmon.probes.device_timing import DeviceTimer, recorder_for
-from stabmon.probes.devices import torch_device_uuids
 from stabmon.probes.environment import (
     build_info,
     default_run_id,
@@ -69,7 +68,11 @@ from stabmon.probes.environment import (
     process_identity,
 )
 from stabmon.probes.grads import GradLayout, GradProbe, GradSummary
-from stabmon.probes.identity import cuda_identities, driver_version, local_rank_problem
+from stabmon.probes.identity import (
+    identify_gpus,
+    local_rank_problem,
+    torch_device_uuids,
+)
 from stabmon.probes.loader import WorkerWatch, loader_problem
 from stabmon.probes.memory import HostMemory, MemorySampler, cuda_devices
 from stabmon.probes.memory_snapshot import SnapshotRecorder
@@ -479,11 +482,8 @@ class Monitor:
         with self._guard.contain("hooks"):
             devices = cuda_devices(probe.params) if probe else ()
             if devices:
-                driver = driver_version()
-                gpus = [
-                    {**identity.labels(), "driver_version": driver}
-                    for identity in cuda_identities(devices)
-                ]
+                driver, identities = identify_gpus(devices)
+                gpus = [{**identity.labels(), "driver_version": driver} for identity in identities]
                 self._readings.device_info = gpus
         return environment_record(self._readings.build_info, gpus, driver, os.environ)
 

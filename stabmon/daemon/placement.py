@@ -1,7 +1,7 @@
 """Wrong-GPU detection: a monitored process holding memory on a GPU it did not declare.
 
 Each training process declares the physical GPUs it uses (``gpu_uuids`` in its
-registration record, from :func:`stabmon.probes.devices.torch_device_uuids`);
+registration record, from :func:`stabmon.probes.identity.torch_device_uuids`);
 a record without ``gpu_uuids`` but with ``cuda_visible_devices`` declares the
 GPUs that value makes visible (:func:`stabmon.probes.devices.resolve_visible`,
 indices taken as NVML's: they agree with CUDA's under

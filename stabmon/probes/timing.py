@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
-from stabmon.detectors.stall import Heartbeat
+from stabmon.probes.heartbeat import Heartbeat
 from stabmon.readings import Readings
 
 __all__ = ["LoopTimer", "TrackedLoader", "timed_iteration"]
