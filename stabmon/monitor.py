@@ -105,6 +105,12 @@ MAX_WAITING_RESULTS = 512
 #: How often the judge thread looks for results waiting in a quiet loop (no step end for
 #: ``judge_seconds``): a hang, an evaluation without ``phase()``, a debugger.
 QUIET_POLL_SECONDS = 0.25
+#: The longest ``detach()`` takes: the last judgement, then every thread and the server.
+DETACH_SECONDS = 3.0
+#: All threads together get this long to stop (however many hang), within DETACH_SECONDS.
+SHUTDOWN_SECONDS = 1.0
+#: However long the last judgement took, the threads get at least this long to stop.
+MIN_SHUTDOWN_SECONDS = 0.5
 #: Builds a named tuple in C, without the Python ``__new__`` that NamedTuple generates.
 _tuple_new = tuple.__new__
 #: Live Monitors, for the fork hook below (weakly: it keeps none alive).
@@ -188,7 +194,15 @@ class _Resources:
     #: are the ones that explain it.
     judge_at_exit: Callable[[], None] | None = None
 
-    def close(self) -> None:
+    def close(self, deadline: float | None = None) -> None:
+        """Release everything; threads are waited for until ``deadline`` (``time.monotonic``).
+
+        Every thread is asked to stop first and then joined against the one deadline, so
+        closing costs the slowest thread's stop, not the sum of them, and never more than
+        ``SHUTDOWN_SECONDS`` however many threads hang.
+        """
+        if deadline is None:
+            deadline = time.monotonic() + SHUTDOWN_SECONDS
         for hook in (self.at_exit, self.judge_at_exit):
             if hook is not None:
                 atexit.unregister(hook)
@@ -198,7 +212,7 @@ class _Resources:
         if self.hooks is not None:
             self.hooks.remove()
         for thread in self.threads:
-            thread.stop()
+            thread.request_stop()
         if self.registration is not None:
             try:
                 self.registration.remove()
@@ -206,9 +220,11 @@ class _Resources:
                 pass  # the daemon reports a record whose process is gone as down
         if self.exporter is not None:
             try:
-                self.exporter.stop()
+                self.exporter.stop(deadline - time.monotonic())
             except OSError:
                 pass  # the socket is gone either way
+        for thread in self.threads:
+            thread.join(deadline - time.monotonic())
         if self.events is not None:
             self.events.close()
 
@@ -772,10 +788,14 @@ class Monitor:
         """Remove every hook, stop every thread and free the port; idempotent."""
         if self._detached:
             return
+        deadline = time.monotonic() + DETACH_SECONDS  # one bound for the whole detach
         self._judge_last(wait_seconds=1.0)  # bounded: never hang a detach
         self._detached = True
         self._recorder.write("detach", step=self._recorder.global_step, epoch=self._readings.epoch)
-        self._finalizer()
+        if self._finalizer.detach() is not None:  # not yet closed (nor collected)
+            now = time.monotonic()
+            closing = min(deadline, now + SHUTDOWN_SECONDS)
+            self._resources.close(max(closing, now + MIN_SHUTDOWN_SECONDS))
 
     def __enter__(self) -> Monitor:
         return self

@@ -186,7 +186,7 @@ class DaemonApp:
             thread.request_stop()
         self._xid.request_stop()
         if self._exporter is not None:
-            self._exporter.stop()
+            self._exporter.stop(deadline - time.monotonic())
         for thread in self._threads:
             thread.join(deadline - time.monotonic())
         self._xid.stop(max(deadline - time.monotonic(), 0.0))

@@ -380,14 +380,18 @@ class Exporter:
             host = f"[{host}]"
         return f"{scheme}://{host}:{self.port}/metrics"
 
-    def stop(self) -> None:
-        """Stop serving and free the port; returns within about a second."""
+    def stop(self, timeout: float = 1.0) -> None:
+        """Stop serving and free the port; waits at most ``timeout`` for the server thread.
+
+        ``shutdown`` returns within one poll interval of ``serve_forever`` (requests are
+        served in threads of their own, so none holds the loop).
+        """
         server, self._server = self._server, None
         if server is not None:
             server.shutdown()
             server.server_close()
         if self._thread is not None:
-            self._thread.join(1.0)
+            self._thread.join(max(timeout, 0.0))
             self._thread = None
         self.port = None
 
