@@ -1,9 +1,6 @@
-"""The one contract-row-to-family builder, the registry sum and the generated-file check."""
+"""The one contract-row-to-family builder and the registry sum."""
 
 from __future__ import annotations
-
-import io
-from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -11,7 +8,6 @@ from prometheus_client.registry import Collector
 
 from stabmon import contract
 from stabmon.export.families import family, histogram_family, registry_sum
-from stabmon.generated import check_fresh, stale_files
 
 
 class _Fixed(Collector):
@@ -60,24 +56,3 @@ def test_registry_sum_adds_the_samples_whose_labels_match() -> None:
     assert registry_sum(registry, "stabmon_internal_errors_total") == 5
     assert registry_sum(registry, "stabmon_internal_errors_total", component="b") == 3
     assert registry_sum(registry, "stabmon_no_such_metric") == 0
-
-
-def test_stale_files_names_missing_changed_and_orphaned_files(tmp_path: Path) -> None:
-    (tmp_path / "same.json").write_text("x", encoding="utf-8")
-    (tmp_path / "changed.json").write_text("old", encoding="utf-8")
-    (tmp_path / "orphan.json").write_text("y", encoding="utf-8")
-    rendered = {"same.json": "x", "changed.json": "new", "missing.json": "z"}
-    assert stale_files(rendered, tmp_path) == ["changed.json", "missing.json"]
-    assert stale_files(rendered, tmp_path, owned_glob="*.json") == [
-        "changed.json",
-        "missing.json",
-        "orphan.json",
-    ]
-
-
-def test_check_fresh_is_one_error_line_and_exit_1_when_stale(tmp_path: Path) -> None:
-    err = io.StringIO()
-    assert check_fresh([], tmp_path, what="YAML", command="make", stderr=err) == 0
-    assert err.getvalue() == ""
-    assert check_fresh(["a.yaml"], tmp_path, what="YAML", command="make", stderr=err) == 1
-    assert err.getvalue() == f"ERROR: stale YAML in {tmp_path}: a.yaml; run: make\n"
