@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 import stabmon
+from stabmon.export.families import registry_sum
 
 #: Elements per parameter tensor: small, so the per-tensor costs are what grows.
 TENSOR_NUMEL = 64
@@ -178,12 +179,7 @@ def _timed_steps(
         finally:
             gc.enable()
         if monitor is not None:
-            errors = sum(
-                sample.value
-                for family in monitor.registry.collect()
-                for sample in family.samples
-                if sample.name == "stabmon_internal_errors_total"
-            )
+            errors = registry_sum(monitor.registry, "stabmon_internal_errors_total")
             if errors:
                 raise RuntimeError(f"stabmon contained {errors:.0f} internal error(s): void")
     finally:

@@ -21,6 +21,7 @@ import torch
 from workloads import Batch, Workload
 
 import stabmon
+from stabmon.export.families import registry_sum
 
 StepFn = Callable[[Batch], None]
 GradCheck = Callable[[], object]
@@ -105,14 +106,7 @@ def floor(workload: Workload, context: Context) -> Iterator[StepFn]:
 
 def internal_errors(monitor: stabmon.Monitor) -> int:
     """stabmon_internal_errors_total over components, read from the Monitor's registry."""
-    return int(
-        sum(
-            sample.value
-            for family in monitor.registry.collect()
-            for sample in family.samples
-            if sample.name == "stabmon_internal_errors_total"
-        )
-    )
+    return int(registry_sum(monitor.registry, "stabmon_internal_errors_total"))
 
 
 def _stabmon(

@@ -22,6 +22,8 @@ from typing import Any
 
 from grafanalib._gen import DashboardEncoder
 
+from stabmon.generated import check_fresh, stale_files
+
 DASHBOARDS_DIR = Path(__file__).resolve().parent
 JSON_DIR = DASHBOARDS_DIR / "json"
 PATTERN = "*.dashboard.py"
@@ -77,14 +79,7 @@ def render_all(source_dir: Path = DASHBOARDS_DIR) -> dict[str, str]:
 
 def stale(rendered: dict[str, str], json_dir: Path = JSON_DIR) -> list[str]:
     """Files in ``json_dir`` that differ from ``rendered``, are missing, or have no source."""
-    names = {path.name for path in json_dir.glob("*.json")} | set(rendered)
-    return sorted(
-        name
-        for name in names
-        if name not in rendered
-        or not (json_dir / name).is_file()
-        or (json_dir / name).read_text(encoding="utf-8") != rendered[name]
-    )
+    return stale_files(rendered, json_dir, owned_glob="*.json")
 
 
 def write(rendered: dict[str, str], json_dir: Path = JSON_DIR) -> list[str]:
@@ -132,14 +127,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write(f"ERROR: {error}\n")
         return 2
     if args.check:
-        outdated = stale(rendered, args.json_dir)
-        if outdated:
-            sys.stderr.write(
-                f"ERROR: stale dashboard JSON in {args.json_dir}: {', '.join(outdated)}; "
-                "run: python dashboards/generate.py\n"
-            )
-            return 1
-        return 0
+        return check_fresh(
+            stale(rendered, args.json_dir),
+            args.json_dir,
+            what="dashboard JSON",
+            command="python dashboards/generate.py",
+        )
     for name in write(rendered, args.json_dir):
         print(f"wrote {args.json_dir / name}" if name in rendered else f"removed {name}")
     return 0

@@ -8,12 +8,11 @@ records gradient health, non-finite values, spikes, timing, memory drift and a
 heartbeat, and serves them at ``mon.metrics_url``.
 """
 
-__version__ = "0.1.0"
-
 from typing import TYPE_CHECKING, Any
 
-from stabmon.config import Config, load_config  # noqa: E402 - __version__ first: monitor imports it
-from stabmon.errors import (  # noqa: E402
+from stabmon._version import __version__
+from stabmon.config import Config, load_config
+from stabmon.errors import (
     AlreadyAttachedError,
     ConfigError,
     DeviceMismatchError,

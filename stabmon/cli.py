@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from stabmon import __version__
+from stabmon._version import __version__
 from stabmon.config import load_config
 from stabmon.errors import ConfigError, StabmonError
 
@@ -206,14 +206,11 @@ def _print_environment(as_json: bool) -> int:
     import torch
 
     from stabmon.probes.environment import build_info, environment_record, format_environment
-    from stabmon.probes.identity import cuda_identities, driver_version
+    from stabmon.probes.identity import identify_gpus
 
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    driver = driver_version()
-    gpus = [
-        {**identity.labels(), "driver_version": driver}
-        for identity in cuda_identities([torch.device("cuda", i) for i in range(visible)])
-    ]
+    driver, identities = identify_gpus([torch.device("cuda", i) for i in range(visible)])
+    gpus = [{**identity.labels(), "driver_version": driver} for identity in identities]
     record = environment_record(build_info(__version__), gpus, driver, os.environ)
     print(json.dumps(record, indent=2) if as_json else format_environment(record))
     return 0

@@ -18,6 +18,7 @@ from typing import Any, TextIO
 
 import torch
 
+from stabmon.export.families import registry_sum
 from stabmon.monitor import Monitor
 
 __all__ = ["DemoPlan", "nan_step", "read_anomalies", "run_demo"]
@@ -156,14 +157,7 @@ def nan_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
 
 def _anomaly_count(monitor: Monitor) -> int:
     """Anomalies so far, read the way a scrape reads them."""
-    return int(
-        sum(
-            sample.value
-            for family in monitor.registry.collect()
-            for sample in family.samples
-            if sample.name == "stabmon_anomalies_total"
-        )
-    )
+    return int(registry_sum(monitor.registry, "stabmon_anomalies_total"))
 
 
 def read_anomalies(path: Path | None) -> dict[str, Any]:

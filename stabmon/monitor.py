@@ -8,14 +8,10 @@
 ``judge_seconds`` apart (the host-side work then runs warm). Every hook body
 runs under the guard: nothing raised inside stabmon reaches the training loop.
 
-Results would also wait while the loop is quiet (a hang, an evaluation, a
-debugger), so a background thread judges them then: the NaN that explains a
-stall is recorded with it. One lock (``_judging``) serialises every use of the
-readback queue and of the judging code between the threads: three uncontended
-acquisitions a step (four with a GradScaler), about 0.1 us each. It is
-re-entrant, and a call that re-enters it (a signal handler that saves a
-checkpoint, a logging handler) skips its judging rather than interleave with
-the judgement under way.
+When results are judged, and by which thread (the quiet-loop judge thread, the
+exit hook), is :mod:`stabmon.judging`'s: its one re-entrant lock (``_judging``
+here) serialises every use of the readback queue and of the judging code, three
+uncontended acquisitions a step (four with a GradScaler).
 
 Resources (hooks, threads, the HTTP server, the event log) live in one bundle
 closed by ``detach()``, or by a finalizer if the Monitor is dropped without
@@ -44,7 +40,7 @@ import psutil
 import torch
 from prometheus_client import CollectorRegistry
 
-from stabmon import __version__
+from stabmon._version import __version__
 from stabmon.background import PeriodicThread
 from stabmon.clipping import watch_clipping
 from stabmon.config import Config, load_config
@@ -60,19 +56,23 @@ from stabmon.export.exporter import Exporter, Security, candidate_ports
 from stabmon.export.hang_collector import HangCollector
 from stabmon.guard import Guard
 from stabmon.hooks import HookSet, unwrap_model
+from stabmon.judging import MAX_WAITING_RESULTS, QUIET_POLL_SECONDS, Judging
 from stabmon.log import LOGGER, LogLimiter
 from stabmon.probes.amp import scale_tensor
 from stabmon.probes.collectives import CollectiveCounter
 from stabmon.probes.device_timing import DeviceTimer, recorder_for
-from stabmon.probes.devices import torch_device_uuids
 from stabmon.probes.environment import (
     build_info,
     default_run_id,
     environment_record,
     process_identity,
 )
-from stabmon.probes.grads import GradLayout, GradProbe, GradSummary
-from stabmon.probes.identity import cuda_identities, driver_version, local_rank_problem
+from stabmon.probes.grads import GradLayout, GradProbe, GradSummary, build_grad_probe
+from stabmon.probes.identity import (
+    identify_gpus,
+    local_rank_problem,
+    torch_device_uuids,
+)
 from stabmon.probes.loader import WorkerWatch, loader_problem
 from stabmon.probes.memory import HostMemory, MemorySampler, cuda_devices
 from stabmon.probes.memory_snapshot import SnapshotRecorder
@@ -101,27 +101,14 @@ T = TypeVar("T")
 MAX_NAMED_PHASES = 16
 _PHASE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 _RESERVED_PHASES = frozenset((*PHASES, STARTUP_PHASE))
-#: Read-back results waiting to be judged, at most, however short the steps (bounded memory);
-#: the config's judge_seconds bounds their wait in time.
-MAX_WAITING_RESULTS = 512
-#: How often the judge thread looks for results waiting in a quiet loop (no step end for
-#: ``judge_seconds``): a hang, an evaluation without ``phase()``, a debugger.
-QUIET_POLL_SECONDS = 0.25
+#: The longest ``detach()`` takes: the last judgement, then every thread and the server.
+DETACH_SECONDS = 3.0
+#: All threads together get this long to stop (however many hang), within DETACH_SECONDS.
+SHUTDOWN_SECONDS = 1.0
+#: However long the last judgement took, the threads get at least this long to stop.
+MIN_SHUTDOWN_SECONDS = 0.5
 #: Builds a named tuple in C, without the Python ``__new__`` that NamedTuple generates.
 _tuple_new = tuple.__new__
-#: Live Monitors, for the fork hook below (weakly: it keeps none alive).
-_MONITORS: weakref.WeakSet[Monitor] = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    """A forked child gets fresh judging locks: the parent's judge thread may have held one
-    at the fork, and no thread of the child would ever release it."""
-    for monitor in list(_MONITORS):
-        monitor._judging = threading.RLock()
-
-
-if hasattr(os, "register_at_fork"):  # POSIX only; Windows cannot fork
-    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 # Named tuples, not frozen dataclasses: one is built per measured step.
@@ -192,7 +179,15 @@ class _Resources:
     #: The torch.distributed wrappers that count collectives (hang evidence).
     collectives: CollectiveCounter | None = None
 
-    def close(self) -> None:
+    def close(self, deadline: float | None = None) -> None:
+        """Release everything; threads are waited for until ``deadline`` (``time.monotonic``).
+
+        Every thread is asked to stop first and then joined against the one deadline, so
+        closing costs the slowest thread's stop, not the sum of them, and never more than
+        ``SHUTDOWN_SECONDS`` however many threads hang.
+        """
+        if deadline is None:
+            deadline = time.monotonic() + SHUTDOWN_SECONDS
         for hook in (self.at_exit, self.judge_at_exit):
             if hook is not None:
                 atexit.unregister(hook)
@@ -204,7 +199,7 @@ class _Resources:
         if self.collectives is not None:
             self.collectives.uninstall()
         for thread in self.threads:
-            thread.stop()
+            thread.request_stop()
         if self.registration is not None:
             try:
                 self.registration.remove()
@@ -212,9 +207,11 @@ class _Resources:
                 pass  # the daemon reports a record whose process is gone as down
         if self.exporter is not None:
             try:
-                self.exporter.stop()
+                self.exporter.stop(deadline - time.monotonic())
             except OSError:
                 pass  # the socket is gone either way
+        for thread in self.threads:
+            thread.join(deadline - time.monotonic())
         if self.events is not None:
             self.events.close()
 
@@ -287,18 +284,13 @@ class Monitor:
             cfg, self._readings, events=self._resources.events, limiter=self._limiter
         )
         self._sampler = self._recorder.sampler
-        self._readback: Readback[_GradTag | _ValueTag] = Readback()
         # Results are judged in batches, at most judge_seconds apart on the loop clock: the
         # host-side work then runs with warm caches (bench/overhead.py measures the saving
         # against judge_seconds 0 on its tiny MLP). The first result is judged at once.
-        self._judge_seconds = cfg.judge_seconds
-        self._judged_at = -float("inf")
-        # Held around every use of the readback queue, the judging code and the sample
-        # windows: by the training thread's hooks, and by the judge thread in a quiet loop.
-        self._judging = threading.RLock()
+        self._engine: Judging[_GradTag | _ValueTag] = Judging(
+            self._consume, guard=self._guard, judge_seconds=cfg.judge_seconds
+        )
         self._pid = os.getpid()  # a forked child inherits the Monitor, not the run
-        self._exiting = False  # set by the exit hook: the judge thread judges no more
-        _MONITORS.add(self)
         self._grads: GradProbe | None = None
         self._snapshots = SnapshotRecorder(
             cfg.memory_snapshot_steps, self._paths.run_directory, self.rank
@@ -519,11 +511,8 @@ class Monitor:
         with self._guard.contain("hooks"):
             devices = cuda_devices(probe.params) if probe else ()
             if devices:
-                driver = driver_version()
-                gpus = [
-                    {**identity.labels(), "driver_version": driver}
-                    for identity in cuda_identities(devices)
-                ]
+                driver, identities = identify_gpus(devices)
+                gpus = [{**identity.labels(), "driver_version": driver} for identity in identities]
                 self._readings.device_info = gpus
         return environment_record(self._readings.build_info, gpus, driver, os.environ)
 
@@ -828,13 +817,18 @@ class Monitor:
         """Remove every hook, stop every thread and free the port; idempotent."""
         if self._detached:
             return
+        deadline = time.monotonic() + DETACH_SECONDS  # one bound for the whole detach
         self._judge_last(wait_seconds=1.0)  # bounded: never hang a detach
         with self._guard.contain("detectors"):
             self._throughput.close()
             self._throughput.record(self._timer.clock())  # the totals goodput reads
         self._detached = True
+        self._engine.closed = True
         self._recorder.write("detach", step=self._recorder.global_step, epoch=self._readings.epoch)
-        self._finalizer()
+        if self._finalizer.detach() is not None:  # not yet closed (nor collected)
+            now = time.monotonic()
+            closing = min(deadline, now + SHUTDOWN_SECONDS)
+            self._resources.close(max(closing, now + MIN_SHUTDOWN_SECONDS))
 
     def __enter__(self) -> Monitor:
         return self
@@ -1042,80 +1036,48 @@ class Monitor:
         except Exception as error:
             self._guard.record("readback", error)
 
-    def _reentered(self) -> bool:
-        """Whether this thread is inside stabmon's judging already.
+    # --- the judging engine (stabmon.judging), under the names the hooks use ----------------
 
-        A signal handler (SLURM's requeue checkpoint) or a logging handler may call back
-        into the Monitor while it judges. Judging again there would interleave with the
-        judgement under way (results out of step order, the queue read twice), so the
-        caller skips its judging and goes on; what waits is judged later.
-        """
-        return bool(self._judging._is_owned())  # type: ignore[attr-defined]  # RLock's own
+    @property
+    def _readback(self) -> Readback[_GradTag | _ValueTag]:
+        return self._engine.readback
+
+    @property
+    def _judging(self) -> threading.RLock:
+        return self._engine.lock
+
+    @property
+    def _judge_seconds(self) -> float:
+        return self._engine.judge_seconds
+
+    @property
+    def _judged_at(self) -> float:
+        return self._engine.judged_at
+
+    @_judged_at.setter
+    def _judged_at(self, value: float) -> None:
+        self._engine.judged_at = value
+
+    def _reentered(self) -> bool:
+        return self._engine.reentered()
 
     def _judge_waiting(self, wait_seconds: float = 0.0) -> None:
-        """Judge every result on the host; copies still in flight get up to ``wait_seconds``.
-
-        Epoch ends and named phases never wait on a device; ``state_dict()``,
-        ``load_state_dict()``, ``detach()`` and interpreter exit give copies in flight a
-        bounded wait. The lock is held for each look, not across the wait, so a training
-        thread's hooks never wait on the device through it (a checkpoint saved from another
-        thread); and the lock itself is waited for at most a second (a thread stuck holding
-        it must not hang a detach or the interpreter's exit).
-        """
-        if self._detached or self._reentered():
-            return
-        deadline = time.monotonic() + wait_seconds
-        while self._judging.acquire(timeout=1.0):
-            try:
-                with self._guard.contain("readback"):
-                    self._consume(self._readback.poll())
-            finally:
-                self._judging.release()
-            if not self._readback.in_flight or time.monotonic() >= deadline:
-                return
-            time.sleep(0.001)
+        self._engine.judge_waiting(wait_seconds)
 
     def _judge_last(self, wait_seconds: float) -> None:
-        """The last judgement (detach, interpreter exit): everything waiting, with copies in
-        flight given ``wait_seconds``, then the device timer's last events and the step
-        sample still waiting for a value."""
-        self._judge_waiting(wait_seconds)
-        if self._reentered() or not self._judging.acquire(timeout=1.0):
-            return
-        try:
-            with self._guard.contain("readback"):
-                if self._device_timer is not None:
-                    self._device_timer.poll()
-                self._recorder.flush_sample()
-        finally:
-            self._judging.release()
+        self._engine.judge_last(wait_seconds, self._finish_judging)
+
+    def _finish_judging(self) -> None:
+        """The device timer's last events and the step sample still waiting for a value."""
+        if self._device_timer is not None:
+            self._device_timer.poll()
+        self._recorder.flush_sample()
 
     def _judge_quiet(self) -> None:
-        """Judge thread: judge the results that wait while no step ends.
-
-        A loop that hangs, evaluates without ``phase()`` or sits in a debugger reaches no
-        step end, where results are judged; the NaN that explains a hang would wait with
-        it. So once neither a step end nor a judgement has come for ``judge_seconds``,
-        or twice the median step if that is longer (a running loop is not quiet, however
-        long its steps), this thread judges what is on the host. It never waits for the
-        lock: a hook that holds it is a loop that is not quiet. The device timer is left
-        to the training thread, whose hooks record its events.
-        """
-        if self._detached or self._exiting or not self._readback.pending:
-            return
+        """Judge thread: judge what waits in a quiet loop (see stabmon.judging). The device
+        timer is left to the training thread, whose hooks record its events."""
         median = self._heartbeat.median_step_seconds()
-        quiet = max(self._judge_seconds, 2.0 * median) if median else self._judge_seconds
-        now = self._timer.clock()
-        if now - max(self._heartbeat.last_beat, self._judged_at) < quiet:
-            return
-        if not self._judging.acquire(blocking=False):
-            return
-        try:
-            if not (self._detached or self._exiting):
-                self._judged_at = now
-                self._consume(self._readback.poll())
-        finally:
-            self._judging.release()
+        self._engine.judge_quiet(self._timer.clock(), self._heartbeat.last_beat, median)
 
     def _consume(self, results: list[tuple[_GradTag | _ValueTag, list[float]]]) -> None:
         for tag, values in results:
@@ -1234,7 +1196,7 @@ def _judge_at_exit(monitor: weakref.ref[Monitor]) -> None:
     target = monitor()
     if target is None or target._detached or target._pid != os.getpid():
         return
-    target._exiting = True
+    target._engine.exiting = True
     target._judge_last(wait_seconds=0.5)
 
 
@@ -1308,32 +1270,11 @@ def _param_signature(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
 def _build_grad_probe(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Config, limiter: LogLimiter
 ) -> GradProbe:
-    """A probe over the optimizer's trainable parameters, named from the (unwrapped) model.
-
-    Complex-valued parameters are left out (logged once): their norms are not comparable
-    with the real ones, and the fused kernel takes one dtype per bucket.
-    """
-    names = {id(param): name for name, param in unwrap_model(model).named_parameters()}
-    named: list[tuple[str, torch.Tensor]] = []
-    seen: set[int] = set()
-    for group_index, group in enumerate(optimizer.param_groups):
-        for param_index, param in enumerate(group["params"]):
-            if id(param) in seen or not param.requires_grad:
-                continue
-            seen.add(id(param))
-            if param.is_complex():
-                limiter.once(
-                    "complex-param",
-                    logging.WARNING,
-                    "stabmon: parameter %s is complex-valued; its gradient is left out of the "
-                    "gradient norms (the others are measured; logged once)",
-                    names.get(id(param), f"group{group_index}.param{param_index}"),
-                )
-                continue
-            named.append((names.get(id(param), f"group{group_index}.param{param_index}"), param))
-    return GradProbe(
-        named,
+    """The probe over ``optimizer``'s parameters, named from the (unwrapped) model."""
+    return build_grad_probe(
+        unwrap_model(model).named_parameters(),
+        optimizer,
         module_depth=config.module_depth,
         max_modules=config.max_modules,
-        candidates=[p for group in optimizer.param_groups for p in group["params"]],
+        limiter=limiter,
     )

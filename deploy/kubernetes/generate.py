@@ -24,6 +24,8 @@ from typing import Any
 
 import yaml
 
+from stabmon.generated import check_fresh, stale_files
+
 KUBERNETES_DIR = Path(__file__).resolve().parent
 ROOT = KUBERNETES_DIR.parents[1]
 RULES_FILE = ROOT / "deploy" / "prometheus" / "rules" / "stabmon.rules.yml"
@@ -135,12 +137,7 @@ def render_all() -> dict[str, str]:
 
 def stale(rendered: dict[str, str], directory: Path = KUBERNETES_DIR) -> list[str]:
     """The generated files in ``directory`` that are missing or differ from ``rendered``."""
-    return sorted(
-        name
-        for name, text in rendered.items()
-        if not (directory / name).is_file()
-        or (directory / name).read_text(encoding="utf-8") != text
-    )
+    return stale_files(rendered, directory)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -157,13 +154,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     outdated = stale(rendered, args.out)
     if args.check:
-        if outdated:
-            sys.stderr.write(
-                f"ERROR: stale Kubernetes YAML in {args.out}: {', '.join(outdated)}; "
-                "run: python deploy/kubernetes/generate.py\n"
-            )
-            return 1
-        return 0
+        return check_fresh(
+            outdated,
+            args.out,
+            what="Kubernetes YAML",
+            command="python deploy/kubernetes/generate.py",
+        )
     for name in outdated:
         (args.out / name).write_text(rendered[name], encoding="utf-8")
         print(f"wrote {args.out / name}")

@@ -26,7 +26,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client import ProcessCollector as OwnProcessCollector
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from stabmon import contract
@@ -42,6 +42,7 @@ from stabmon.daemon.xid_events import XidWatcher
 from stabmon.daemon.xid_state import XidState, XidStateCollector, state_path
 from stabmon.export.contained import ContainedCollector
 from stabmon.export.exporter import Exporter, Security
+from stabmon.export.families import family
 from stabmon.guard import Guard
 from stabmon.log import LOGGER, LogLimiter
 from stabmon.rundir import DEFAULT_RUN_DIR
@@ -185,7 +186,7 @@ class DaemonApp:
             thread.request_stop()
         self._xid.request_stop()
         if self._exporter is not None:
-            self._exporter.stop()
+            self._exporter.stop(deadline - time.monotonic())
         for thread in self._threads:
             thread.join(deadline - time.monotonic())
         self._xid.stop(max(deadline - time.monotonic(), 0.0))
@@ -227,26 +228,16 @@ class _HealthCollector(Collector):
         self._poll = (seconds, at_unix)
 
     def collect(self) -> Iterator[Metric]:
-        errors = CounterMetricFamily(
-            contract.INTERNAL_ERRORS.name, contract.INTERNAL_ERRORS.help, labels=["component"]
-        )
-        for component, count in dict(self._guard.counts).items():
-            errors.add_metric([component], count)
-        yield errors
+        counts = dict(self._guard.counts).items()
+        yield family(contract.INTERNAL_ERRORS, [([component], n) for component, n in counts])
         polls: dict[str, tuple[float, float]] = {}
         gpus = self._gpus.snapshot()
         if gpus.last_poll_unix is not None:
             polls["nvml"] = (gpus.poll_seconds, gpus.last_poll_unix)
         if self._poll is not None:
             polls["processes"] = self._poll
-        duration = GaugeMetricFamily(
-            contract.DAEMON_POLL_DURATION.name,
-            contract.DAEMON_POLL_DURATION.help,
-            labels=["poller"],
-        )
-        last = GaugeMetricFamily(
-            contract.DAEMON_LAST_POLL.name, contract.DAEMON_LAST_POLL.help, labels=["poller"]
-        )
+        duration = family(contract.DAEMON_POLL_DURATION)
+        last = family(contract.DAEMON_LAST_POLL)
         for poller, (seconds, at_unix) in polls.items():
             duration.add_metric([poller], seconds)
             last.add_metric([poller], at_unix)

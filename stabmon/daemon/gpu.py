@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from stabmon.contract import (
@@ -52,6 +52,7 @@ from stabmon.daemon.nvml import (
     NvmlReader,
     NvmlUnavailable,
 )
+from stabmon.export.families import family
 from stabmon.log import LogLimiter
 
 __all__ = ["GpuCollector", "GpuPoller", "GpuSnapshot"]
@@ -357,11 +358,4 @@ class GpuCollector(Collector):
 
 
 def _family(definition: MetricDef, samples: Samples) -> Metric:
-    family: CounterMetricFamily | GaugeMetricFamily
-    if definition.type == "counter":
-        family = CounterMetricFamily(definition.name, definition.help, labels=definition.labels)
-    else:
-        family = GaugeMetricFamily(definition.name, definition.help, labels=definition.labels)
-    for labels, value in samples:
-        family.add_metric(list(labels), float(value))
-    return family
+    return family(definition, samples)

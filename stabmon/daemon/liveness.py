@@ -20,11 +20,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import psutil
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from stabmon.contract import HOST_MEMORY_TOTAL, PROCESS_EXIT_REASON, PROCESS_STALL_LIMIT
 from stabmon.daemon.processes import ProcessSample, ProcessTable
+from stabmon.export.families import family
 
 __all__ = ["HostMemoryCollector", "LivenessCollector", "exit_reason"]
 
@@ -48,12 +49,8 @@ class LivenessCollector(Collector):
         self._table = table
 
     def collect(self) -> Iterator[Metric]:
-        limit = GaugeMetricFamily(
-            PROCESS_STALL_LIMIT.name, PROCESS_STALL_LIMIT.help, labels=PROCESS_STALL_LIMIT.labels
-        )
-        reason = GaugeMetricFamily(
-            PROCESS_EXIT_REASON.name, PROCESS_EXIT_REASON.help, labels=PROCESS_EXIT_REASON.labels
-        )
+        limit = family(PROCESS_STALL_LIMIT)
+        reason = family(PROCESS_EXIT_REASON)
         for sample in self._table.samples():
             rank, run = str(sample.record.rank), sample.record.run
             if sample.record.stall_limit_seconds is not None:
@@ -72,4 +69,4 @@ class HostMemoryCollector(Collector):
         self._total = float(psutil.virtual_memory().total)  # fixed while the node runs
 
     def collect(self) -> Iterator[Metric]:
-        yield GaugeMetricFamily(HOST_MEMORY_TOTAL.name, HOST_MEMORY_TOTAL.help, value=self._total)
+        yield family(HOST_MEMORY_TOTAL, [((), self._total)])

@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Protocol
@@ -51,6 +52,7 @@ __all__ = [
     "THROTTLE_REASON_BITS",
     "mhz_to_hertz",
     "mw_to_watts",
+    "nvml_session",
     "throttle_reason_names",
     "to_ratio",
 ]
@@ -468,3 +470,24 @@ class PynvmlReader:
             return int(_call(pynvml.nvmlDeviceGetIndex, device))
         except NvmlError:
             return -1  # count the XID under an unknown GPU rather than lose it
+
+
+@contextmanager
+def nvml_session() -> Iterator[Any]:
+    """The pynvml module, initialised for the block and shut down after; None without NVML.
+
+    The library side (:mod:`stabmon.probes.identity`) asks NVML two things at attach,
+    the driver version and each GPU's NVML index, and holds no NVML handle after.
+    """
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # pynvml.NVMLError of any kind: no driver library, no GPU
+        yield None
+        return
+    try:
+        yield pynvml
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:  # shutting down a library that is going away: nothing to do
+            pass

@@ -1,7 +1,7 @@
 """Wrong-GPU detection: a monitored process holding memory on a GPU it did not declare.
 
 Each training process declares the physical GPUs it uses (``gpu_uuids`` in its
-registration record, from :func:`stabmon.probes.devices.torch_device_uuids`);
+registration record, from :func:`stabmon.probes.identity.torch_device_uuids`);
 a record without ``gpu_uuids`` but with ``cuda_visible_devices`` declares the
 GPUs that value makes visible (:func:`stabmon.probes.devices.resolve_visible`,
 indices taken as NVML's: they agree with CUDA's under
@@ -29,11 +29,12 @@ import logging
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from stabmon.contract import ANOMALIES, ANOMALY_KINDS, PROCESS_GPU_MEMORY
 from stabmon.daemon.processes import ProcessSample
+from stabmon.export.families import family
 from stabmon.log import LogLimiter
 from stabmon.probes.devices import PhysicalGpu, resolve_visible
 from stabmon.rundir import ProcessRecord
@@ -243,13 +244,11 @@ class PlacementCollector(Collector):
         self._memory = tuple(process_gpu_memory(samples, gpu_processes, identities))
 
     def collect(self) -> Iterator[Metric]:
-        memory = GaugeMetricFamily(
-            PROCESS_GPU_MEMORY.name, PROCESS_GPU_MEMORY.help, labels=PROCESS_GPU_MEMORY.labels
-        )
+        memory = family(PROCESS_GPU_MEMORY)
         for labels, used in self._memory:
             memory.add_metric([labels[name] for name in PROCESS_GPU_MEMORY.labels], used)
         yield memory
-        anomalies = CounterMetricFamily(ANOMALIES.name, ANOMALIES.help, labels=ANOMALIES.labels)
+        anomalies = family(ANOMALIES)
         anomalies.add_metric([_DEVICE_MISMATCH], float(self._checker.count))
         yield anomalies
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import psutil
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from stabmon import rundir
@@ -48,10 +48,10 @@ from stabmon.contract import (
     PROCESS_CPU_SECONDS,
     PROCESS_MEMORY,
     PROCESS_UP,
-    MetricDef,
 )
 from stabmon.daemon import trust
 from stabmon.daemon.pidns import Ambiguous, HostPids
+from stabmon.export.families import family
 from stabmon.log import LogLimiter
 from stabmon.rundir import OwnedRecord, ProcessRecord, RunPaths, read_owned_records
 
@@ -404,12 +404,10 @@ class ProcessCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         samples = self._table.samples()
-        up = _gauge(PROCESS_UP)
-        age = _gauge(HEARTBEAT_AGE)
-        cpu = CounterMetricFamily(
-            PROCESS_CPU_SECONDS.name, PROCESS_CPU_SECONDS.help, labels=PROCESS_CPU_SECONDS.labels
-        )
-        memory = _gauge(PROCESS_MEMORY)
+        up = family(PROCESS_UP)
+        age = family(HEARTBEAT_AGE)
+        cpu = family(PROCESS_CPU_SECONDS)
+        memory = family(PROCESS_MEMORY)
         for sample in samples:
             rank, run = str(sample.record.rank), sample.record.run
             up.add_metric([rank, run, str(sample.record.pid)], 1.0 if sample.alive else 0.0)
@@ -430,10 +428,6 @@ class ProcessCollector(Collector):
                 if size is not None:
                     memory.add_metric([rank, run, scope], size)
         yield from (up, age, cpu, memory)
-
-
-def _gauge(definition: MetricDef) -> GaugeMetricFamily:
-    return GaugeMetricFamily(definition.name, definition.help, labels=definition.labels)
 
 
 def _record_key(record: ProcessRecord) -> _RecordKey:

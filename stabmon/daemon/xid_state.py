@@ -29,10 +29,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from stabmon.contract import GPU_XID_LAST_EVENT
+from stabmon.export.families import family
 from stabmon.log import LogLimiter
 from stabmon.rundir import write_atomic
 
@@ -219,9 +220,11 @@ class XidStateCollector(Collector):
         self._state = state
 
     def collect(self) -> Iterator[Metric]:
-        family = GaugeMetricFamily(
-            GPU_XID_LAST_EVENT.name, GPU_XID_LAST_EVENT.help, labels=GPU_XID_LAST_EVENT.labels
+        entries = sorted(self._state.entries().items())
+        yield family(
+            GPU_XID_LAST_EVENT,
+            [
+                ([str(entry.index), uuid, str(xid)], entry.last_unix)
+                for (uuid, xid), entry in entries
+            ],
         )
-        for (uuid, xid), entry in sorted(self._state.entries().items()):
-            family.add_metric([str(entry.index), uuid, str(xid)], entry.last_unix)
-        yield family

@@ -20,6 +20,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from stabmon import contract as c
+from stabmon.export.families import family, histogram_family
 from stabmon.readings import Histogram, Readings
 
 __all__ = ["ReadingsCollector"]
@@ -135,31 +136,33 @@ def _gauge(
     labels: Mapping[str, str],
     samples: Samples,
     extra_labels: tuple[str, ...] | None = None,
-) -> GaugeMetricFamily:
-    extra = definition.labels if extra_labels is None else extra_labels
-    family = GaugeMetricFamily(definition.name, definition.help, labels=[*labels, *extra])
-    base = tuple(labels.values())
-    for values, value in samples:
-        family.add_metric(_values(base, values), float(value))
-    return family
+) -> CounterMetricFamily | GaugeMetricFamily:
+    return _process_family(definition, labels, samples, extra_labels)
 
 
 def _counter(
     definition: c.MetricDef, labels: Mapping[str, str], samples: Samples
-) -> CounterMetricFamily:
-    family = CounterMetricFamily(
-        definition.name, definition.help, labels=[*labels, *definition.labels]
-    )
+) -> CounterMetricFamily | GaugeMetricFamily:
+    return _process_family(definition, labels, samples, None)
+
+
+def _process_family(
+    definition: c.MetricDef,
+    labels: Mapping[str, str],
+    samples: Samples,
+    extra_labels: tuple[str, ...] | None,
+) -> CounterMetricFamily | GaugeMetricFamily:
+    """``definition``'s family with the process labels (``rank``, ``run``) first."""
+    extra = definition.labels if extra_labels is None else extra_labels
     base = tuple(labels.values())
-    for values, value in samples:
-        family.add_metric(_values(base, values), float(value))
-    return family
+    with_process = ((_values(base, values), value) for values, value in samples)
+    return family(definition, with_process, labels=[*labels, *extra])
 
 
 def _histogram(
     definition: c.MetricDef, labels: Mapping[str, str], histogram: Histogram
 ) -> HistogramMetricFamily:
-    family = HistogramMetricFamily(definition.name, definition.help, labels=list(labels))
+    built = histogram_family(definition, labels=list(labels))
     buckets, total = histogram.snapshot()
-    family.add_metric(_values(tuple(labels.values()), ()), buckets, total)
-    return family
+    built.add_metric(_values(tuple(labels.values()), ()), buckets, total)
+    return built

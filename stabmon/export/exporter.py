@@ -30,14 +30,11 @@ import base64
 import binascii
 import hmac
 import logging
-import os
 import socket
 import ssl
-import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -46,17 +43,12 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.metrics_core import Metric
 
-from stabmon.config import Config
+from stabmon.export.security import Security
 from stabmon.guard import Guard
 from stabmon.log import LogLimiter
-from stabmon.safefs import read_regular
 
 __all__ = ["Exporter", "Route", "Security", "candidate_ports"]
 
-#: Credentials files are one line; anything larger is not one.
-_MAX_CREDENTIALS_BYTES = 4096
-#: A certificate chain or key is a few KB; this bounds a wrong path's read.
-_MAX_PEM_BYTES = 2**20
 #: Requests served at once; more wait in the listen backlog.
 MAX_CONNECTIONS = 4
 #: Every request ends this long after it was accepted, however slowly its client sends.
@@ -85,77 +77,6 @@ def candidate_ports(base: int, local_rank: int, local_world_size: int, attempts:
     return [
         port for port in (first + k * local_world_size for k in range(attempts)) if port < 65536
     ]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Security:
-    """HTTPS and basic auth of an exporter; the defaults serve plain, open HTTP."""
-
-    tls_certfile: str | None = None
-    """PEM certificate (chain); set, the exporter serves HTTPS only."""
-    tls_keyfile: str | None = None
-    """PEM private key of ``tls_certfile``; None when the certificate file holds it."""
-    basic_auth_file: str | None = None
-    """File whose first line is ``username:password``; set, every request must carry them."""
-
-    @classmethod
-    def from_config(cls, config: Config) -> Security:
-        """The three keys of the same names from a :class:`~stabmon.config.Config`."""
-        return cls(
-            tls_certfile=config.tls_certfile,
-            tls_keyfile=config.tls_keyfile,
-            basic_auth_file=config.basic_auth_file,
-        )
-
-    def problem(self) -> str | None:
-        """Why these settings cannot serve, naming the setting; None when they can.
-
-        The daemon checks this before it starts, so a wrong path is a one-line error rather
-        than a daemon that serves nothing (a training process only logs it: training goes on).
-        """
-        for key in ("tls_certfile", "tls_keyfile", "basic_auth_file"):
-            path = getattr(self, key)
-            if path is not None and not (_is_regular(path) and os.access(path, os.R_OK)):
-                return f"{key} {path!r} is not a readable file"
-        try:
-            self.ssl_context()
-        except (OSError, ValueError, ssl.SSLError) as error:
-            return f"tls_certfile/tls_keyfile cannot be used: {error}"
-        try:
-            self.expected_authorization()
-        except (OSError, ValueError) as error:  # UnicodeDecodeError is a ValueError
-            return f"basic_auth_file cannot be used: {error}"
-        return None
-
-    def ssl_context(self) -> ssl.SSLContext | None:
-        """The server context, or None for plain HTTP; raises OSError/ValueError when unusable."""
-        if self.tls_certfile is None:
-            if self.tls_keyfile is not None:
-                raise ValueError("tls_keyfile is set but tls_certfile is not")
-            return None
-        for path in (self.tls_certfile, self.tls_keyfile):
-            if path is not None:
-                read_regular(path, _MAX_PEM_BYTES)  # never load_cert_chain on a FIFO: it blocks
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        context.minimum_version = ssl.TLSVersion.TLSv1_2
-        context.load_cert_chain(self.tls_certfile, self.tls_keyfile)
-        return context
-
-    def expected_authorization(self) -> bytes | None:
-        """The ``Authorization`` header value every request must send, or None for no auth."""
-        if self.basic_auth_file is None:
-            return None
-        try:  # a regular file only, never waited on (a FIFO would block attach() for ever)
-            text = read_regular(self.basic_auth_file, _MAX_CREDENTIALS_BYTES)
-        except ValueError:
-            raise ValueError(
-                f"{self.basic_auth_file}: longer than one username:password line"
-            ) from None
-        line = text.decode("utf-8").splitlines()[0] if text.strip() else ""
-        username, colon, password = line.partition(":")
-        if not colon or not username or not password:
-            raise ValueError(f"{self.basic_auth_file}: expected one line username:password")
-        return b"Basic " + base64.b64encode(line.encode("utf-8"))
 
 
 class _ThreadingServer(ThreadingMixIn, WSGIServer):
@@ -459,14 +380,18 @@ class Exporter:
             host = f"[{host}]"
         return f"{scheme}://{host}:{self.port}/metrics"
 
-    def stop(self) -> None:
-        """Stop serving and free the port; returns within about a second."""
+    def stop(self, timeout: float = 1.0) -> None:
+        """Stop serving and free the port; waits at most ``timeout`` for the server thread.
+
+        ``shutdown`` returns within one poll interval of ``serve_forever`` (requests are
+        served in threads of their own, so none holds the loop).
+        """
         server, self._server = self._server, None
         if server is not None:
             server.shutdown()
             server.server_close()
         if self._thread is not None:
-            self._thread.join(1.0)
+            self._thread.join(max(timeout, 0.0))
             self._thread = None
         self.port = None
 
@@ -479,13 +404,6 @@ class _One:
 
     def collect(self) -> list[Metric]:
         return [self._family]
-
-
-def _is_regular(path: str) -> bool:
-    try:
-        return stat.S_ISREG(os.stat(path).st_mode)
-    except (OSError, ValueError):  # ValueError: a NUL in the path
-        return False
 
 
 def _plain(start_response: _StartResponse, status: str, body: bytes) -> list[bytes]:

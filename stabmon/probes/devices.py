@@ -1,4 +1,5 @@
-"""Which physical GPUs a process uses: ``CUDA_VISIBLE_DEVICES`` resolved, and torch's view.
+"""Which physical GPUs a process uses: ``CUDA_VISIBLE_DEVICES`` resolved (torch's view of
+them is :func:`stabmon.probes.identity.torch_device_uuids`; this module never imports torch).
 
 A training process declares the physical GPUs it uses (``ProcessRecord.gpu_uuids``)
 so the node daemon can tell when it holds memory on one it did not declare.
@@ -23,17 +24,18 @@ https://docs.nvidia.com/cuda/cuda-programming-guide/05-appendices/environment-va
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the daemon parses CUDA_VISIBLE_DEVICES here and runs without torch
-    import torch
+    pass
 
-__all__ = ["PhysicalGpu", "parse_visible_devices", "resolve_visible", "torch_device_uuids"]
+__all__ = ["UUID_PREFIXES", "PhysicalGpu", "parse_visible_devices", "resolve_visible"]
 
 _INDEX = re.compile(r"[0-9]+")
-_UUID_PREFIXES = ("gpu-", "mig-")
+#: How a UUID starts, in NVML's spelling (lower-cased).
+UUID_PREFIXES = ("gpu-", "mig-")
 _LEGACY_MIG_PREFIX = "mig-gpu-"
 
 
@@ -110,44 +112,10 @@ def resolve_visible(value: str | None, physical: Sequence[PhysicalGpu]) -> list[
     return resolved
 
 
-def torch_device_uuids(devices: Iterable[torch.device]) -> list[str]:
-    """UUIDs (``GPU-<uuid>``) of the CUDA devices among ``devices``, as CUDA reports them.
-
-    This is what the library declares in its registration record: it asks the
-    CUDA runtime through torch (``torch.cuda.get_device_properties(i).uuid``),
-    needs no NVML and already accounts for ``CUDA_VISIBLE_DEVICES``. Non-CUDA
-    devices are skipped; without CUDA the answer is ``[]``. It never raises: a
-    device whose properties cannot be read is left out. On a MIG instance CUDA
-    reports the instance's UUID, which NVML spells ``MIG-<uuid>``; the daemon's
-    placement check knows this.
-
-    >>> import torch
-    >>> torch_device_uuids([torch.device("cpu")])
-    []
-    """
-    import torch
-
-    cuda = [device for device in devices if device.type == "cuda"]
-    if not cuda or not torch.cuda.is_available():
-        return []
-    uuids: list[str] = []
-    for device in cuda:
-        try:
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            raw = str(torch.cuda.get_device_properties(index).uuid)
-        # AssertionError: torch built without CUDA; RuntimeError: driver error or bad ordinal.
-        except (AssertionError, RuntimeError, ValueError, AttributeError):
-            continue
-        uuid = raw if raw[:4].lower() in _UUID_PREFIXES else f"GPU-{raw}"
-        if uuid not in uuids:
-            uuids.append(uuid)
-    return uuids
-
-
 def _is_identifier(token: str) -> bool:
     if _INDEX.fullmatch(token):
         return True
-    return token[:4].lower() in _UUID_PREFIXES and len(token) > 4
+    return token[:4].lower() in UUID_PREFIXES and len(token) > 4
 
 
 def _resolve_token(token: str, physical: Sequence[PhysicalGpu]) -> str | None:

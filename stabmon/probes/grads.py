@@ -32,6 +32,7 @@ shard's squared norm divided by the number of holders.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -40,7 +41,16 @@ from typing import Any, NamedTuple, cast
 import numpy as np
 import torch
 
-__all__ = ["GradLayout", "GradProbe", "GradSample", "GradSummary", "group_name"]
+from stabmon.log import LogLimiter
+
+__all__ = [
+    "GradLayout",
+    "GradProbe",
+    "GradSample",
+    "GradSummary",
+    "build_grad_probe",
+    "group_name",
+]
 
 #: Up to this many tensors, the group sums run in plain Python (numpy's call overhead is larger).
 _SMALL = 64
@@ -479,3 +489,43 @@ def _assign_groups(
     groups = tuple(dict.fromkeys(per_param))  # first-appearance order
     index_of = {name: index for index, name in enumerate(groups)}
     return groups, tuple(index_of[name] for name in per_param)
+
+
+def build_grad_probe(
+    named_parameters: Iterable[tuple[str, torch.Tensor]],
+    optimizer: torch.optim.Optimizer,
+    *,
+    module_depth: int,
+    max_modules: int,
+    limiter: LogLimiter,
+) -> GradProbe:
+    """A probe over the optimizer's trainable parameters, named by ``named_parameters``
+    (the unwrapped model's).
+
+    Complex-valued parameters are left out (logged once): their norms are not comparable
+    with the real ones, and the fused kernel takes one dtype per bucket.
+    """
+    names = {id(param): name for name, param in named_parameters}
+    named: list[tuple[str, torch.Tensor]] = []
+    seen: set[int] = set()
+    for group_index, group in enumerate(optimizer.param_groups):
+        for param_index, param in enumerate(group["params"]):
+            if id(param) in seen or not param.requires_grad:
+                continue
+            seen.add(id(param))
+            if param.is_complex():
+                limiter.once(
+                    "complex-param",
+                    logging.WARNING,
+                    "stabmon: parameter %s is complex-valued; its gradient is left out of the "
+                    "gradient norms (the others are measured; logged once)",
+                    names.get(id(param), f"group{group_index}.param{param_index}"),
+                )
+                continue
+            named.append((names.get(id(param), f"group{group_index}.param{param_index}"), param))
+    return GradProbe(
+        named,
+        module_depth=module_depth,
+        max_modules=max_modules,
+        candidates=[p for group in optimizer.param_groups for p in group["params"]],
+    )

@@ -11,15 +11,23 @@ at attach, and answers with empty strings rather than raise.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from stabmon.probes.devices import torch_device_uuids
+from stabmon.probes.devices import UUID_PREFIXES
 
-__all__ = ["DeviceIdentity", "cuda_identities", "driver_version", "local_rank_problem"]
+__all__ = [
+    "DeviceIdentity",
+    "cuda_identities",
+    "driver_version",
+    "identify_gpus",
+    "local_rank_problem",
+    "torch_device_uuids",
+]
 
 
 @dataclass(frozen=True)
@@ -51,7 +59,13 @@ def cuda_identities(devices: Iterable[torch.device], nvml: Any = None) -> list[D
     cuda = sorted({d.index or 0 for d in devices if d.type == "cuda"})
     if not cuda or not torch.cuda.is_available():
         return []
-    nvml = _nvml() if nvml is None else nvml
+    if nvml is None:
+        with _nvml_session() as session:
+            return _identities(cuda, session)
+    return _identities(cuda, nvml)
+
+
+def _identities(cuda: list[int], nvml: Any) -> list[DeviceIdentity]:
     identities = []
     for index in cuda:
         try:
@@ -72,6 +86,52 @@ def cuda_identities(devices: Iterable[torch.device], nvml: Any = None) -> list[D
     return identities
 
 
+def torch_device_uuids(devices: Iterable[torch.device]) -> list[str]:
+    """UUIDs (``GPU-<uuid>``) of the CUDA devices among ``devices``, as CUDA reports them.
+
+    This is what the library declares in its registration record: it asks the
+    CUDA runtime through torch (``torch.cuda.get_device_properties(i).uuid``),
+    needs no NVML and already accounts for ``CUDA_VISIBLE_DEVICES``. Non-CUDA
+    devices are skipped; without CUDA the answer is ``[]``. It never raises: a
+    device whose properties cannot be read is left out. On a MIG instance CUDA
+    reports the instance's UUID, which NVML spells ``MIG-<uuid>``; the daemon's
+    placement check knows this.
+
+    >>> import torch
+    >>> torch_device_uuids([torch.device("cpu")])
+    []
+    """
+    cuda = [device for device in devices if device.type == "cuda"]
+    if not cuda or not torch.cuda.is_available():
+        return []
+    uuids: list[str] = []
+    for device in cuda:
+        try:
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            raw = str(torch.cuda.get_device_properties(index).uuid)
+        # AssertionError: torch built without CUDA; RuntimeError: driver error or bad ordinal.
+        except (AssertionError, RuntimeError, ValueError, AttributeError):
+            continue
+        uuid = raw if raw[:4].lower() in UUID_PREFIXES else f"GPU-{raw}"
+        if uuid not in uuids:
+            uuids.append(uuid)
+    return uuids
+
+
+def identify_gpus(devices: Iterable[torch.device]) -> tuple[str, list[DeviceIdentity]]:
+    """The driver version and the identity of each CUDA device, over one NVML session.
+
+    NVML is initialised once and shut down after (the library holds no NVML handle
+    while training runs).
+    """
+    with _nvml_session() as nvml:
+        driver = driver_version(nvml) if nvml is not None else ""
+        cuda = sorted({d.index or 0 for d in devices if d.type == "cuda"})
+        if not cuda or not torch.cuda.is_available():
+            return driver, []
+        return driver, _identities(cuda, nvml)
+
+
 def pci_bus_id(properties: Any) -> str:
     """NVML's spelling of a device's PCI location (``00000000:18:00.0``) from CUDA's fields."""
     try:
@@ -85,9 +145,9 @@ def pci_bus_id(properties: Any) -> str:
 
 def driver_version(nvml: Any = None) -> str:
     """The NVIDIA driver's version from NVML; empty without a driver."""
-    nvml = _nvml() if nvml is None else nvml
     if nvml is None:
-        return ""
+        with _nvml_session() as session:
+            return driver_version(session) if session is not None else ""
     try:
         value = nvml.nvmlSystemGetDriverVersion()
     except Exception:  # NVMLError of any kind: no driver, no permission
@@ -119,14 +179,20 @@ def local_rank_problem(env: Mapping[str, str], device_count: int) -> str | None:
     )
 
 
-def _nvml() -> Any:
-    try:
-        import pynvml
+@contextmanager
+def _nvml_session() -> Iterator[Any]:
+    """pynvml, initialised for the block and shut down after; None where NVML cannot start.
 
-        pynvml.nvmlInit()
-    except Exception:  # not installed, no driver library, no GPU
-        return None
-    return pynvml
+    :mod:`stabmon.daemon.nvml` is the one module that imports pynvml; without the
+    package installed there is no NVML index and no driver version, nothing worse.
+    """
+    try:
+        from stabmon.daemon.nvml import nvml_session
+    except ImportError:  # pynvml not installed
+        yield None
+        return
+    with nvml_session() as nvml:
+        yield nvml
 
 
 def _nvml_index(nvml: Any, uuid: str) -> str:

@@ -30,7 +30,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
-from stabmon.detectors.stall import Heartbeat
+from stabmon.probes.heartbeat import Heartbeat
 from stabmon.readings import Readings
 
 __all__ = ["LoopTimer", "TrackedLoader", "timed_iteration"]

@@ -39,7 +39,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from stabmon import contract
 from stabmon.errors import StabmonError
-from stabmon.export.exporter import Security
+from stabmon.export.security import Security
 from stabmon.rundir import (
     ProcessRecord,
     boot_id,

@@ -5,12 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stabmon.probes.devices import (
-    PhysicalGpu,
-    parse_visible_devices,
-    resolve_visible,
-    torch_device_uuids,
-)
+from stabmon.probes.devices import PhysicalGpu, parse_visible_devices, resolve_visible
+from stabmon.probes.identity import torch_device_uuids
 
 # The UUIDs of the CUDA Programming Guide's examples, and a MIG UUID in the current driver format.
 DOCS_GPU = "GPU-8932f937-d72c-4106-c12f-20bd9faed9f6"
