@@ -92,6 +92,7 @@ def main() -> None:
     monitor = stabmon.attach(
         model, optimizer, port=0, address="127.0.0.1", run_dir=args.run_dir, run_id=args.run_id,
         spike_warmup_steps=args.spike_warmup_steps, leak_warmup_epochs=1, leak_window_epochs=2,
+        scrape_cache_seconds=0,  # scraped twice within a second: each scrape must be fresh
     )  # fmt: skip
     start_step = 0
     resumed_from: dict[str, Any] | None = None
