@@ -47,7 +47,7 @@ PUBLISHED_ANOMALY_KINDS: tuple[str, ...] = (
     "stall",
     "device_mismatch",
 )
-#: Kinds beyond contract v1 (proposed in docs/metrics-contract-proposals.md): ``dead_grad``, a
+#: Kinds beyond contract v1 (proposed in docs/contract-proposals.md): ``dead_grad``, a
 #: module group whose gradients stayed exactly zero for ``dead_grad_steps`` measured steps;
 #: ``slowdown``, a sustained shift of the step time against the run's recent baseline
 #: (detectors/slowdown.py).
@@ -328,7 +328,7 @@ MEMORY_EXHAUSTION = MetricDef(
 #: Values of ``stabmon_grad_norm_squared{placement}``.
 GRAD_PLACEMENTS: tuple[str, ...] = ("replicated", "sharded")
 
-# Throughput (stabmon/throughput.py; proposed in docs/metrics-contract-proposals.md).
+# Throughput (stabmon/throughput.py; proposed in docs/contract-proposals.md).
 SAMPLES = MetricDef(
     "stabmon_samples_total",
     "counter",
@@ -543,9 +543,8 @@ ALERT_NAMES: tuple[str, ...] = (
     "StabmonStragglerRank",
 )
 SEVERITIES: tuple[str, ...] = ("critical", "warning", "info")
-#: Alerts beyond contract v1 (proposed in docs/contract-proposals.md and, for the throughput
-#: alert, docs/metrics-contract-proposals.md), held to the same rules: severity, summary,
-#: description, runbook_url, a firing and a quiet promtool case each.
+#: Alerts beyond contract v1 (proposed in docs/contract-proposals.md), held to the same rules:
+#: severity, summary, description, runbook_url, a firing and a quiet promtool case each.
 EXTENSION_ALERT_NAMES: tuple[str, ...] = (
     "StabmonDaemonDown",
     "StabmonDaemonNvmlDown",
