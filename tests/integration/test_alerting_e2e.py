@@ -18,7 +18,7 @@ What differs from the deployed configuration, and why:
 Then the daemon is restarted while ``StabmonTrainingProcessDown`` (and the frozen rank's
 stall) fire: neither may send "resolved". Times from each fault to its first notification
 are printed (``pytest -s``). Marked slow: the stall and process-down alerts wait for their
-``for: 1m``, the termination warning for its ``for: 2m``.
+``for: 1m`` (the frozen rank's only ``for: 5s``), the termination warning for its ``for: 2m``.
 """
 
 from __future__ import annotations
