@@ -97,7 +97,8 @@ def test_every_dashboard_expression_parses_and_the_trainings_return_data(stack: 
     # MFU (a CUDA device's peak FLOP/s); and the slowdown baseline, set after the detector's
     # warm-up and first judged block, which these short runs do not reach.
     hardware = re.compile(r"stabmon_(gpu_|process_gpu_|device_memory_|device_phase|device_step|"
-                          r"device_utilization|mfu_ratio|peak_flops|step_time_baseline)")  # fmt: skip
+                          r"device_utilization|mfu_ratio|peak_flops|"
+                          r"step_time_baseline)")  # fmt: skip
     empty = []
     for path in sorted(DASHBOARDS.glob("*.json")):
         for expr in generate.expressions(json.loads(path.read_text())):
