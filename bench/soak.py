@@ -280,7 +280,10 @@ def _report(
             claimed.add((kind, at))
     leaks = detected.get("memory_leak", [])
     epochs = schedule.leak_epochs
-    leak_ok = len(leaks) == 1 and epochs.start <= leaks[0]["epoch"] <= epochs.stop
+    if epochs:  # one leak episode: found once, in an epoch of it
+        leak_ok = len(leaks) == 1 and epochs.start <= leaks[0]["epoch"] <= epochs.stop
+    else:  # no leak injected (--clean): any memory_leak is a false positive
+        leak_ok = not leaks
     unexpected = [
         {"kind": kind, "step": record["step"], "epoch": record["epoch"]}
         for kind, records in detected.items()
