@@ -9,10 +9,16 @@ Each loop is a small model with its project's habits, not stabmon's:
   ``clip_grad_norm_(..., 0.25)``, ``get_batch(source, i)`` over BPTT windows, epochs marked
   by ``epoch_end()``;
 - ``cnn``: a CNN classifier with a ``DataLoader`` through ``mon.track()``, SGD with
-  momentum, no clipping.
+  momentum, no clipping;
+- ``lightning``: a ``pytorch_lightning.Trainer`` with ``gradient_clip_val=0.5`` and
+  ``accumulate_grad_batches=2``, monitored by stabmon's ``StabmonCallback``
+  (stabmon/integrations/pytorch_lightning.py), epochs of 128 steps;
+- ``hf``: the Hugging Face ``transformers.Trainer`` with ``max_grad_norm=0.5`` and
+  ``gradient_accumulation_steps=2``, monitored by stabmon's ``StabmonCallback``
+  (stabmon/integrations/huggingface.py), a loss logged every 50 steps.
 
-(The Lightning and Hugging Face integrations with clipping on are trained by
-``tests/corpus/`` through their own trainers.)
+The two trainer loops train a small MLP regressor (32 -> 256 -> 256 -> 1, batches of
+32): the faults are injected through the trainers' own callback hooks.
 
 Faults, each at ``fault_step``:
 
@@ -50,7 +56,7 @@ import torch.nn.functional as F
 
 import stabmon
 
-LOOPS = ("gpt", "lstm", "cnn")
+LOOPS = ("gpt", "lstm", "cnn", "lightning", "hf")
 FAULTS = ("clean", "lr_blowup", "leak")
 #: The anomaly kind each fault must raise.
 EXPECTED = {"lr_blowup": "grad_spike", "leak": "memory_leak"}
@@ -323,20 +329,185 @@ def run_cnn(monitor_config: dict[str, Any], steps: int, injector: _Injector) -> 
     return _finish(mon, "cnn", steps, injector, preclip)
 
 
+# --- lightning and hf: the real trainers, through stabmon's adapters --------------------------
+
+
+class _Regressor(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.ReLU(),
+            torch.nn.Linear(256, 1),
+        )  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)  # type: ignore[no-any-return]
+
+
+def _regression_data(count: int, seed: int) -> torch.utils.data.TensorDataset:
+    generator = torch.Generator().manual_seed(seed)
+    inputs = torch.randn(count, 32, generator=generator)
+    noise = 0.1 * torch.randn(count, 1, generator=generator)  # keeps the loss off zero
+    return torch.utils.data.TensorDataset(inputs, inputs[:, :8].sum(1, keepdim=True) * 0.3 + noise)
+
+
+@dataclass
+class _Capture:
+    """What a trainer loop reads off its Monitor at train end, before the adapter detaches it."""
+
+    exported: float | None = None
+    path: Path | None = None
+    preclip: float | None = None
+
+    def take(self, mon: stabmon.Monitor | None) -> None:
+        if mon is None:
+            return
+        mon.state_dict()  # judges the results still waiting: the export is the last step's
+        self.exported = _exported_grad_norm(mon)
+        self.path = mon.event_log_path
+
+
+def run_lightning(monitor_config: dict[str, Any], steps: int, injector: _Injector) -> Outcome:
+    import pytorch_lightning as pl
+
+    from stabmon.integrations.pytorch_lightning import StabmonCallback
+
+    capture = _Capture()
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = _Regressor()
+            self.restore: Callable[[], None] = _nothing
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            inputs, targets = batch
+            loss = F.mse_loss(self.model(inputs), targets)
+            injector.after_loss(self.trainer.global_step, loss)
+            return loss
+
+        def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+            step = self.trainer.global_step  # Lightning clips after this hook
+            if step == steps - 1:
+                capture.preclip = float(torch.nn.utils.get_total_norm(
+                    [p.grad for p in self.parameters() if p.grad is not None]))  # fmt: skip
+            self.restore = injector.before_step(step, optimizer)
+
+        def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+            self.restore()
+            self.restore = _nothing
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+    callback = StabmonCallback(**monitor_config)
+
+    class Capture(pl.Callback):
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            capture.take(callback.monitors[0] if callback.monitors else None)
+
+    trainer = pl.Trainer(
+        max_steps=steps, accelerator="cpu", devices=1, callbacks=[Capture(), callback],
+        logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, default_root_dir=monitor_config["run_dir"],
+        num_sanity_val_steps=0, gradient_clip_val=0.5, accumulate_grad_batches=2,
+    )  # fmt: skip
+    loader = torch.utils.data.DataLoader(_regression_data(8192, 3), batch_size=32, shuffle=True)
+    trainer.fit(Module(), loader)
+    return _outcome("lightning", steps, injector, capture)
+
+
+def run_hf(monitor_config: dict[str, Any], steps: int, injector: _Injector) -> Outcome:
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import transformers
+
+    from stabmon.integrations.huggingface import StabmonCallback
+
+    capture = _Capture()
+    current = [0]  # the optimizer step the Trainer is in, for the leak in forward()
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = _Regressor()
+
+        def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+            loss = F.mse_loss(self.model(x), labels)
+            if self.training:
+                injector.after_loss(current[0], loss)
+            return {"loss": loss}
+
+    class Dataset(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+        def __init__(self) -> None:
+            self.data = _regression_data(8192, 3)
+
+        def __len__(self) -> int:
+            return len(self.data)
+
+        def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+            x, y = self.data[index]
+            return {"x": x, "labels": y}
+
+    callback = StabmonCallback(**monitor_config)
+
+    class Probe(transformers.TrainerCallback):  # type: ignore[misc]
+        def __init__(self) -> None:
+            self.restore: Callable[[], None] = _nothing
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            current[0] = state.global_step
+
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self.restore = injector.before_step(state.global_step, kw["optimizer"])
+
+        def on_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self.restore()
+            self.restore = _nothing
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
+            if logs and "grad_norm" in logs and state.global_step == steps:
+                capture.preclip = float(logs["grad_norm"])  # clip_grad_norm_'s total, pre-clip
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            capture.take(callback.monitor)
+
+    logging_steps = 50 if steps % 50 == 0 else steps  # the last step's log holds its norm
+    args = transformers.TrainingArguments(
+        output_dir=str(Path(monitor_config["run_dir"]) / "hf-out"), max_steps=steps,
+        per_device_train_batch_size=32, gradient_accumulation_steps=2, learning_rate=0.01,
+        lr_scheduler_type="constant", max_grad_norm=0.5, logging_steps=logging_steps,
+        report_to="none", use_cpu=True, disable_tqdm=True, save_strategy="no",
+        dataloader_num_workers=0, seed=0,
+    )  # fmt: skip
+    trainer = transformers.Trainer(model=Model(), args=args, train_dataset=Dataset(),
+                                   callbacks=[Probe(), callback])  # fmt: skip
+    trainer.train()
+    return _outcome("hf", steps, injector, capture)
+
+
 RUNNERS: dict[str, Callable[[dict[str, Any], int, _Injector], Outcome]] = {
     "gpt": run_gpt,
     "lstm": run_lstm,
     "cnn": run_cnn,
+    "lightning": run_lightning,
+    "hf": run_hf,
 }
 
 
 def _finish(
     mon: stabmon.Monitor, loop: str, steps: int, injector: _Injector, preclip: float | None
 ) -> Outcome:
-    mon.state_dict()  # judges the results still waiting: the export is the last step's
-    exported = _exported_grad_norm(mon)
-    path = mon.event_log_path
+    capture = _Capture(preclip=preclip)
+    capture.take(mon)
     mon.detach()
+    return _outcome(loop, steps, injector, capture)
+
+
+def _outcome(loop: str, steps: int, injector: _Injector, capture: _Capture) -> Outcome:
+    exported, path, preclip = capture.exported, capture.path, capture.preclip
     fault = injector.fault
     fault_step = None if fault == "clean" else injector.fault_step
     outcome = Outcome(loop, fault, steps, fault_step, None, last_preclip_norm=preclip,

@@ -1,5 +1,6 @@
-"""The corpus loops of bench/corpus.py, scaled down for CI: each finds its LR blow-up within 2
-steps with no other anomaly, and exports the pre-clip norm. The leak and the 20,000-step clean
+"""The corpus loops of bench/corpus.py (gpt, lstm, cnn, and the real Lightning and Hugging Face
+trainers with clipping on), scaled down for CI: each finds its LR blow-up within 2 steps with no
+other anomaly, and exports the pre-clip norm. The leak and the 20,000-step clean
 runs are the bench's (``python bench/corpus.py``); the trend rule's detection within 2,000
 steps and its silence on noise are proven on series in tests/detectors/test_trend.py, and one
 real leak run is the slow test below."""
@@ -16,6 +17,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import corpus  # noqa: E402 - bench/ is a directory of scripts, not a package
 
 FAULT_STEP = 80
+#: The real trainers warn about their own deprecations and CPU-only settings, as in
+#: tests/integrations/test_framework_clipping.py; stabmon's own loops keep warnings as errors.
+_TRAINER_WARNINGS = [
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+]
+LOOPS = [
+    pytest.param(loop, marks=_TRAINER_WARNINGS) if loop in ("lightning", "hf") else loop
+    for loop in corpus.LOOPS
+]
 
 
 @pytest.fixture(autouse=True)
@@ -23,7 +35,7 @@ def one_thread() -> None:
     torch.set_num_threads(1)
 
 
-@pytest.mark.parametrize("loop", ["gpt", "lstm", "cnn"])
+@pytest.mark.parametrize("loop", LOOPS)
 def test_corpus_loop_finds_an_lr_blowup_within_two_steps_and_nothing_else(
     loop: str, tmp_path: Path
 ) -> None:
@@ -33,7 +45,7 @@ def test_corpus_loop_finds_an_lr_blowup_within_two_steps_and_nothing_else(
     assert FAULT_STEP < outcome.detected_at <= FAULT_STEP + 2
 
 
-@pytest.mark.parametrize("loop", ["gpt", "lstm", "cnn"])
+@pytest.mark.parametrize("loop", LOOPS)
 def test_corpus_loop_exports_the_pre_clip_norm_of_its_last_step(loop: str, tmp_path: Path) -> None:
     outcome = corpus.run(loop, "clean", 60, 0, str(tmp_path))
     assert outcome.false_positives == []
