@@ -47,6 +47,9 @@ from prometheus_client.parser import text_string_to_metric_families
 import stabmon
 from stabmon.demo import nan_step, read_anomalies
 
+#: Gauges absent until their detector has a value (the slowdown rule's baseline: after its
+#: warm-up and first normal blocks), then one series for good: not counted as cardinality.
+APPEAR_WHEN_JUDGED = frozenset({"stabmon_step_time_baseline_seconds"})
 RSS_TOLERANCE_BYTES = 2**20
 STALL_LIMIT_SECONDS = 3.0  # generous: a shared machine can hold one step up for a second
 SPIKE_FACTOR = 300.0
@@ -123,8 +126,10 @@ class Scraper:
             for sample in family.samples
         }
         self.last_names = names
-        self.series.append(len(names))
-        return len(names)
+        # A gauge that appears once its rule first judges is one series, not growing cardinality.
+        counted = {name for name in names if name.split("{", 1)[0] not in APPEAR_WHEN_JUDGED}
+        self.series.append(len(counted))
+        return len(counted)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
