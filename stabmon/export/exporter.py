@@ -8,7 +8,7 @@ down and frees the port, so ``detach`` leaves nothing listening.
 Anyone who can reach the port can scrape it, so serving is bounded: at most
 ``max_connections`` requests are served at once (the rest wait in the kernel's
 listen backlog, costing nothing), each slot is held at least
-``min_request_seconds`` (so at most 40 requests a second are served by default),
+``min_request_seconds`` (so at most 16 requests a second are served by default),
 each request ends within ``request_seconds`` from accept to last byte however
 slowly the client trickles, and the scrape body is
 built at most once per ``cache_seconds`` (a flood of scrapes costs training
@@ -56,9 +56,11 @@ REQUEST_SECONDS = 10.0
 #: The listen backlog (socketserver's default is 5).
 BACKLOG = 128
 #: A connection slot is held at least this long: at most MAX_CONNECTIONS / this many
-#: requests a second are served (40), however many clients flood the port. Prometheus
+#: requests a second are served (16), however many clients flood the port. Prometheus
 #: scrapes every few seconds; a scrape that arrives in a flood waits its turn in the backlog.
-MIN_REQUEST_SECONDS = 0.1
+#: Each served request costs the training thread GIL time: at 0.1 s (40 a second) a 50-client
+#: flood cost a loop about 6% of its steps, over the 5% budget (bench/scrape_flood.py).
+MIN_REQUEST_SECONDS = 0.25
 
 #: An extra path's handler: the WSGI environ in, (content type, body) out.
 Route = Callable[[Mapping[str, Any]], tuple[str, bytes]]
