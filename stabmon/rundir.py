@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, NoReturn
 
 from stabmon.safefs import owned_directory, read_regular_with_owner
 
@@ -506,16 +506,21 @@ def _live_holder(path: Path, mine: ProcessRecord) -> ProcessRecord | None:
 
 
 class ExitWatch:
-    """Tells a clean interpreter exit from one caused by an uncaught exception.
+    """Tells a clean interpreter exit from one caused by an uncaught exception or a failed
+    ``sys.exit()``.
 
     Python calls ``sys.excepthook`` for an uncaught exception before it runs
-    ``atexit`` handlers, so a chained hook that notes it is all it takes. The
-    hook is process-wide by nature; it is installed once and only observes.
+    ``atexit`` handlers, so a chained hook that notes it is all it takes. ``SystemExit``
+    never reaches that hook and no API gives ``atexit`` the exit code, so ``sys.exit`` is
+    wrapped too: a call from the main thread with a failure status (a non-zero code, a
+    message) is noted, the last call winning. ``raise SystemExit(1)`` written out is not
+    seen. Both hooks are process-wide by nature; they are installed once and only observe.
     """
 
     _installed = False
     _uncaught = False
     _interrupted = False
+    _failed_exit = False
 
     @classmethod
     def install(cls) -> None:
@@ -534,12 +539,20 @@ class ExitWatch:
             previous(kind, error, trace)
 
         sys.excepthook = note_uncaught
+        previous_exit = sys.exit
+
+        def note_exit(status: object = None) -> NoReturn:
+            if threading.current_thread() is threading.main_thread():
+                cls._failed_exit = status is not None and status != 0  # 1, "message", True
+            previous_exit(status)  # type: ignore[arg-type]  # whatever it was given, as before
+
+        sys.exit = note_exit
 
     @classmethod
     def status(cls) -> str:
         if cls._interrupted:
             return "signal"
-        return "exception" if cls._uncaught else "clean"
+        return "exception" if cls._uncaught or cls._failed_exit else "clean"
 
     @classmethod
     def signal_name(cls) -> str | None:

@@ -161,12 +161,22 @@ if sys.argv[2] == "raise":
     raise RuntimeError("the training loop failed")
 if sys.argv[2] == "detach":
     mon.detach()
+if sys.argv[2].startswith("exit "):
+    code = sys.argv[2][len("exit "):]
+    sys.exit(int(code) if code.isdigit() else code)  # a code, or a message (exit status 1)
 """
 
 
 @pytest.mark.parametrize(
     ("ending", "expected"),
-    [("raise", "exception"), ("return", "clean"), ("detach", None)],
+    [
+        ("raise", "exception"),
+        ("return", "clean"),
+        ("detach", None),
+        ("exit 1", "exception"),  # sys.exit(1): a failed run, whatever its scheduler is told
+        ("exit 0", "clean"),
+        ("exit the loop gave up", "exception"),
+    ],
 )
 def test_record_tells_a_crash_from_a_clean_end(
     tmp_path: Path, ending: str, expected: str | None
