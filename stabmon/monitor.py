@@ -906,11 +906,7 @@ class Monitor:
                 self._preclip = None
                 sample, layout = preclip[1], preclip[2]
             else:
-                groups = optimizer.param_groups
-                count = 0
-                for group in groups:  # _param_signature, inlined: this runs every measured step
-                    count += len(group["params"])
-                probe = self._current_probe(optimizer, groups, count)
+                probe = self._current_probe(optimizer)
                 sample = probe.measure()
                 layout = probe.layout  # measure() rebuilt it first if the model moved
             if sample is not None:
@@ -920,9 +916,13 @@ class Monitor:
         except Exception as error:
             self._guard.record("grads", error)
 
-    def _current_probe(
-        self, optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]], count: int
-    ) -> GradProbe:
+    def _current_probe(self, optimizer: torch.optim.Optimizer) -> GradProbe:
+        """The gradient probe, rebuilt when the optimizer's parameters changed
+        (``add_param_group()``): the step pre-hook and the clip watch both measure with it."""
+        groups = optimizer.param_groups
+        count = 0
+        for group in groups:  # _param_signature, inlined: this runs every measured step
+            count += len(group["params"])
         probe = self._grads
         if (len(groups), count) != self._param_signature or probe is None:
             self._param_signature = (len(groups), count)  # add_param_group(): measure anew
@@ -942,9 +942,7 @@ class Monitor:
             if self._clip_after_measure:
                 step = max(step - 1, 0)  # Lightning: the step was measured (and counted) already
             elif self._readings.steps % self._measure_every == 0:
-                groups = self._optimizer.param_groups
-                count = sum(len(group["params"]) for group in groups)
-                probe = self._current_probe(self._optimizer, groups, count)
+                probe = self._current_probe(self._optimizer)
                 sample = probe.measure()
                 self._preclip = (
                     None if sample is None else (self._readings.steps, sample, probe.layout)
