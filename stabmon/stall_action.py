@@ -38,7 +38,7 @@ from stabmon.detectors.stall import Heartbeat, StallReport
 from stabmon.errors import TrainingStalled
 from stabmon.probes.collectives import CollectiveCounter
 from stabmon.recorder import Recorder
-from stabmon.rundir import ProcessRecord, Registration, read_records, write_atomic
+from stabmon.rundir import ProcessRecord, Registration, read_owned_records, write_atomic
 
 __all__ = ["STALL_ACTIONS", "STALL_EXIT_CODE", "StallResponder"]
 
@@ -157,8 +157,15 @@ class StallResponder:
 
     def node_verdict(self) -> Verdict | None:
         """The verdict over the records of this run on this node (this rank's own included)."""
-        records, _ = read_records(self._root)
-        evidence = [_evidence(record) for record in records if record.run == self._run]
+        owned, _ = read_owned_records(self._root)
+        # Only our own user's records: the ranks of one job run as one user, and a record
+        # another local user wrote must not name a culprit.
+        uid = os.geteuid()
+        evidence = [
+            _evidence(item.record)
+            for item in owned
+            if item.record.run == self._run and item.owner_uid == uid
+        ]
         if not any(item.rank == self._rank for item in evidence):
             return None
         return judge(evidence)

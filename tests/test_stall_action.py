@@ -90,6 +90,21 @@ def test_stall_responder_records_evidence_and_names_the_culprit_from_the_node_re
     assert exits == []
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="Requires: root, to give a record to another uid")
+def test_node_verdict_ignores_records_another_local_user_wrote(tmp_path: Path) -> None:
+    import pwd
+
+    clock, exits = Clock(), []
+    responder = _responder(tmp_path, "none", clock, exits)
+    for rank in (0, 2, 3):
+        _peer(tmp_path, rank, "collective")
+    os.chown(tmp_path / "job" / "rank-3.json", pwd.getpwnam("nobody").pw_uid, -1)
+    responder.stalled(_report(SLEEPING))
+    verdict = responder.node_verdict()
+    # Ranks 0-2 are ours; rank 3's record is someone else's and names no one.
+    assert verdict is not None and 3 not in verdict.culprits and verdict.world == 3
+
+
 def test_stall_action_exit_ends_the_process_after_the_grace_period_only(tmp_path: Path) -> None:
     clock, exits = Clock(), []
     responder = _responder(tmp_path, "exit", clock, exits)
