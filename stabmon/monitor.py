@@ -42,7 +42,6 @@ from prometheus_client import CollectorRegistry
 
 from stabmon._version import __version__
 from stabmon.background import PeriodicThread
-from stabmon.clipping import watch_clipping
 from stabmon.config import Config, load_config
 from stabmon.contract import INTERNAL_COMPONENTS, PHASES
 from stabmon.detectors.dead import DeadGradients
@@ -59,6 +58,7 @@ from stabmon.hooks import HookSet, unwrap_model
 from stabmon.judging import MAX_WAITING_RESULTS, QUIET_POLL_SECONDS, Judging
 from stabmon.log import LOGGER, LogLimiter
 from stabmon.probes.amp import scale_tensor
+from stabmon.probes.clipping import watch_clipping
 from stabmon.probes.collectives import CollectiveCounter
 from stabmon.probes.device_timing import DeviceTimer, recorder_for
 from stabmon.probes.environment import (
@@ -92,6 +92,7 @@ from stabmon.rundir import (
 )
 from stabmon.stall_action import StallResponder
 from stabmon.throughput import ThroughputWatch
+from stabmon.wrapping import Hold
 
 __all__ = ["Monitor", "attach"]
 
@@ -178,6 +179,8 @@ class _Resources:
     judge_at_exit: Callable[[], None] | None = None
     #: The torch.distributed wrappers that count collectives (hang evidence).
     collectives: CollectiveCounter | None = None
+    #: This Monitor's hold on the sys.excepthook/sys.exit observers (ExitWatch).
+    exit_watch: Hold[object] | None = None
 
     def close(self, deadline: float | None = None) -> None:
         """Release everything; threads are waited for until ``deadline`` (``time.monotonic``).
@@ -198,6 +201,8 @@ class _Resources:
             self.hooks.remove()
         if self.collectives is not None:
             self.collectives.uninstall()
+        if self.exit_watch is not None:
+            self.exit_watch.release()
         for thread in self.threads:
             thread.request_stop()
         if self.registration is not None:
@@ -566,7 +571,7 @@ class Monitor:
                 on_duplicate=functools.partial(_report_duplicate, weakref.ref(self)),
             )
             self._resources.registration = registration
-            ExitWatch.install()
+            self._resources.exit_watch = ExitWatch.install()
             self._resources.at_exit = functools.partial(_record_exit, weakref.ref(registration))
             atexit.register(self._resources.at_exit)
             self._resources.sigterm = SigtermRecorder.install(
