@@ -179,11 +179,11 @@ def contract_is_a_leaf(graph: ImportGraph) -> list[str]:
 
 
 #: Small modules every layer may import, which therefore import nothing from stabmon.
-LEAVES = ("stabmon.wrapping",)
+LEAVES = ("stabmon.wrapping", "stabmon.extension")
 
 
 def leaves_import_nothing_from_stabmon(graph: ImportGraph) -> list[str]:
-    """The process-wide wrapper helper (and each module in LEAVES) imports no stabmon module."""
+    """The wrapper helper and the extension point (LEAVES) import no stabmon module at run time."""
     return [
         _describe(imp)
         for leaf in LEAVES
@@ -319,7 +319,9 @@ def _plant(root: Path, files: dict[str, str]) -> ImportGraph:
 
 PLANTED = {
     "contract_is_a_leaf": {"contract.py": "from stabmon.config import Config\n"},
-    "leaves_import_nothing_from_stabmon": {"wrapping.py": "from stabmon.log import LOGGER\n"},
+    "leaves_import_nothing_from_stabmon": {
+        "extension.py": "def f():\n    from stabmon.recorder import Recorder\n",
+    },
     "daemon_never_imports_torch": {
         "daemon/app.py": "from stabmon.probes.helper import thing\n",
         "probes/helper.py": "def thing():\n    import torch.cuda\n",
