@@ -5,20 +5,18 @@ implements the hooks it needs, of the five below, and is listed once, as a facto
 :data:`stabmon.plugins.PLUGINS`. At attach the Monitor calls each factory with the
 :class:`Attachment` (a factory returns None when its feature is configured off) and
 sorts what they return into one tuple per hook, so a hook costs nothing for plug-ins
-that do not implement it. Example (the whole of a probe that publishes a metric)::
+that do not implement it. Example (the whole of a probe that publishes a metric;
+docs/architecture.md, "Adding a probe", has the diff that adds it)::
 
-    class StepParity:
-        component = "hooks"          # its failures count in stabmon_internal_errors_total
-        next_step = 1                # step_end runs once steps >= next_step
+    class LearningRate:
+        component = "exporter"       # its failures count in stabmon_internal_errors_total
 
         def __init__(self, attachment: Attachment) -> None:
-            self.parity = 0
-
-        def step_end(self, steps: int) -> None:
-            self.parity, self.next_step = steps % 2, steps + 1
+            self._optimizer = attachment.optimizer
 
         def readings(self) -> Iterable[Reading]:
-            yield STEP_PARITY, [((), self.parity)]   # a MetricDef row of stabmon.contract
+            groups = self._optimizer.param_groups
+            yield LEARNING_RATE, [((str(i),), float(g["lr"])) for i, g in enumerate(groups)]
 
 The hooks, each optional, each call contained by the guard under ``component``:
 
