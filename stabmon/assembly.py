@@ -135,6 +135,17 @@ def build(
         parameters=probe.params if probe else (), started=loop_started, recorder=recorder,
         limiter=limiter,
     )  # fmt: skip
+    registry = _registry(readings, plugged, guard)
+    return Parts(
+        readings=readings, paths=paths, recorder=recorder, measurements=measurements,
+        plugged=plugged, placement=placement, memory=memory, device_timer=device_timer,
+        devices=devices, workers=WorkerWatch(recorder.worker_died), heartbeat=heartbeat,
+        timer=timer, throughput=throughput, registry=registry,
+    )  # fmt: skip
+
+
+def _registry(readings: Readings, plugged: Plugged, guard: Guard) -> CollectorRegistry:
+    """The Monitor's own registry: its readings, and each publishing plug-in, contained."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ReadingsCollector(readings, guard.counts))
     for plugin in plugged.publishing:
@@ -143,12 +154,7 @@ def build(
                 PluginCollector(readings.labels, plugin), guard=guard, component=plugin.component
             )
         )
-    return Parts(
-        readings=readings, paths=paths, recorder=recorder, measurements=measurements,
-        plugged=plugged, placement=placement, memory=memory, device_timer=device_timer,
-        devices=devices, workers=WorkerWatch(recorder.worker_died), heartbeat=heartbeat,
-        timer=timer, throughput=throughput, registry=registry,
-    )  # fmt: skip
+    return registry
 
 
 def serve(
@@ -190,38 +196,9 @@ def start_threads(
 
     ``judge_quiet`` is the judge thread's task (it must hold the Monitor weakly).
     """
-    collectives = CollectiveCounter()
-    with guard.contain("hooks"):
-        collectives.install()
-        resources.collectives = collectives
+    watchdog, responder = _stall_watch(parts, config, resources, guard=guard, run_id=run_id,
+                                       rank=rank, clock=clock)  # fmt: skip
     heartbeat, recorder, readings = parts.heartbeat, parts.recorder, parts.readings
-    responder = StallResponder(
-        action=config.stall_action, grace_seconds=config.stall_grace_seconds, rank=rank,
-        run=run_id, recorder=recorder, heartbeat=heartbeat, collectives=collectives,
-        registration=resources.registration, run_directory=parts.paths.run_directory,
-        root=parts.paths.root,
-    )  # fmt: skip
-    parts.registry.register(
-        ContainedCollector(
-            HangCollector(
-                readings.labels,
-                phase=lambda: heartbeat.phase,
-                collectives=lambda: collectives.issued,
-                in_collective=lambda: collectives.current is not None,
-                hang_state=lambda: responder.state,
-            ),
-            guard=guard,
-            component="exporter",
-        )
-    )
-    watchdog = StallWatchdog(
-        heartbeat,
-        stall_seconds=config.stall_seconds,
-        phase_stall_seconds=config.phase_stall_seconds,
-        on_stall=responder.stalled,
-        on_recover=responder.resumed,
-        clock=clock,
-    )
     poll = min(0.25, config.stall_seconds / 4) if config.stall_seconds else 0.25
     every = config.sample_seconds
     threads = [
@@ -260,3 +237,49 @@ def start_threads(
         parts.memory.sample()
     for thread in threads:
         thread.start()
+
+
+def _stall_watch(
+    parts: Parts,
+    config: Config,
+    resources: Resources,
+    *,
+    guard: Guard,
+    run_id: str,
+    rank: int,
+    clock: Callable[[], float],
+) -> tuple[StallWatchdog, StallResponder]:
+    """The stall watchdog, what it does about a stall, and the hang metrics it exposes."""
+    collectives = CollectiveCounter()
+    with guard.contain("hooks"):
+        collectives.install()
+        resources.collectives = collectives
+    heartbeat = parts.heartbeat
+    responder = StallResponder(
+        action=config.stall_action, grace_seconds=config.stall_grace_seconds, rank=rank,
+        run=run_id, recorder=parts.recorder, heartbeat=heartbeat, collectives=collectives,
+        registration=resources.registration, run_directory=parts.paths.run_directory,
+        root=parts.paths.root,
+    )  # fmt: skip
+    parts.registry.register(
+        ContainedCollector(
+            HangCollector(
+                parts.readings.labels,
+                phase=lambda: heartbeat.phase,
+                collectives=lambda: collectives.issued,
+                in_collective=lambda: collectives.current is not None,
+                hang_state=lambda: responder.state,
+            ),
+            guard=guard,
+            component="exporter",
+        )
+    )
+    watchdog = StallWatchdog(
+        heartbeat,
+        stall_seconds=config.stall_seconds,
+        phase_stall_seconds=config.phase_stall_seconds,
+        on_stall=responder.stalled,
+        on_recover=responder.resumed,
+        clock=clock,
+    )
+    return watchdog, responder

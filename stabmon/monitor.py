@@ -143,6 +143,34 @@ class Monitor:
             cfg, model, optimizer, run_id=self.run_id, rank=self.rank, guard=guard,
             limiter=self._limiter, resources=resources, clock=clock,
         )  # fmt: skip
+        self._adopt(parts, model, optimizer, scaler)
+        assembly.serve(parts, cfg, resources, guard=guard, limiter=self._limiter,
+                       local_rank=local_rank, local_world_size=local_world_size)  # fmt: skip
+        register(
+            resources, parts.paths, run_id=self.run_id, local_rank=local_rank,
+            devices=parts.devices, metrics_url=self.metrics_url, stall_seconds=cfg.stall_seconds,
+            steps=self._recorder.global_step, guard=guard, limiter=self._limiter,
+        )  # fmt: skip
+        # After register's exit hook: atexit runs them last in, first out, so the waiting
+        # results are judged before the record says how the process ended.
+        resources.judge_at_exit = functools.partial(_judge_at_exit, weakref.ref(self))
+        atexit.register(resources.judge_at_exit)
+        assembly.start_threads(
+            parts, cfg, resources, guard=guard, run_id=self.run_id, rank=self.rank,
+            judge_quiet=functools.partial(_judge_if_quiet, weakref.ref(self)), clock=clock,
+        )  # fmt: skip
+        self._install_hooks(model, scaler)
+        self._announce(parts.devices, model, optimizer)
+
+    def _adopt(
+        self,
+        parts: assembly.Parts,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scaler: object | None,
+    ) -> None:
+        """The parts the hooks use, as attributes (one lookup each on the hot path)."""
+        cfg = self.config
         self._model, self._optimizer, self._scaler = model, optimizer, scaler
         self._readings, self._recorder = parts.readings, parts.recorder
         self._sampler = parts.recorder.sampler
@@ -168,21 +196,8 @@ class Monitor:
         # Decided at the first observe() when no forward hook fires (a compiled forward).
         self._observes_before_step: bool | None = None
 
-        assembly.serve(parts, cfg, resources, guard=guard, limiter=self._limiter,
-                       local_rank=local_rank, local_world_size=local_world_size)  # fmt: skip
-        register(
-            resources, parts.paths, run_id=self.run_id, local_rank=local_rank,
-            devices=parts.devices, metrics_url=self.metrics_url, stall_seconds=cfg.stall_seconds,
-            steps=self._recorder.global_step, guard=guard, limiter=self._limiter,
-        )  # fmt: skip
-        # After register's exit hook: atexit runs them last in, first out, so the waiting
-        # results are judged before the record says how the process ended.
-        resources.judge_at_exit = functools.partial(_judge_at_exit, weakref.ref(self))
-        atexit.register(resources.judge_at_exit)
-        assembly.start_threads(
-            parts, cfg, resources, guard=guard, run_id=self.run_id, rank=self.rank,
-            judge_quiet=functools.partial(_judge_if_quiet, weakref.ref(self)), clock=clock,
-        )  # fmt: skip
+    def _install_hooks(self, model: torch.nn.Module, scaler: object | None) -> None:
+        resources = self._resources
         assert resources.hooks is not None  # set in __init__ before _start
         try:
             resources.hooks.install(
@@ -197,15 +212,24 @@ class Monitor:
                 f"cannot install hooks on {type(model).__name__}: {error}; attach to the "
                 "Python nn.Module before scripting it"
             ) from error
-        with guard.contain("hooks"):
+        with self._guard.contain("hooks"):
             this = weakref.ref(self)  # held weakly by the clip wrappers; removed with the hooks
             resources.hooks.keep(
                 watch_clipping(
                     functools.partial(_owns_param, this), functools.partial(_clip_seen, this)
                 )
             )
+
+    def _announce(
+        self,
+        devices: tuple[torch.device, ...],
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+    ) -> None:
+        """The attach record (environment, config), the identity checks, the log line."""
+        cfg, guard = self.config, self._guard
         probe = self._measurements.probe
-        environment, gpus = describe_environment(self._readings.build_info, parts.devices, guard)
+        environment, gpus = describe_environment(self._readings.build_info, devices, guard)
         if gpus:
             self._readings.device_info = gpus
         self._recorder.write(
