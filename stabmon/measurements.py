@@ -7,8 +7,8 @@ hands each result on the host to the recorder and to the plug-ins that judge
 gradients (:mod:`stabmon.extension`). Never a sync: device values are copied back
 asynchronously (:mod:`stabmon.readback`) and read later.
 
-The caller holds the engine's lock around :meth:`Measurements.poll`; every other
-method takes it itself.
+The caller holds the engine's lock around :meth:`Measurements.poll` and
+:meth:`Measurements.scale`; every other method takes it itself.
 """
 
 from __future__ import annotations

@@ -499,9 +499,8 @@ class Monitor:
             except Exception as error:
                 self._guard.record("hooks", error)
             return
-        self._measurements.preclip = (
-            None  # new gradients are coming: a clip measured before is stale
-        )
+        # New gradients are coming: a clip measured before is stale.
+        self._measurements.preclip = None
         try:
             self._timer.forward_start()
             watch = self._throughput
