@@ -34,6 +34,7 @@ from prometheus_client import CollectorRegistry
 from stabmon import assembly
 from stabmon.config import Config, load_config
 from stabmon.contract import INTERNAL_COMPONENTS
+from stabmon.epochs import EpochMarks
 from stabmon.errors import DeviceMismatchError, StabmonError
 from stabmon.guard import Guard
 from stabmon.hooks import HookSet, unwrap_model
@@ -185,13 +186,11 @@ class Monitor:
         self._pid = os.getpid()  # a forked child inherits the Monitor, not the run
         self._measure_every = cfg.measure_every
         self._window_steps = cfg.window_steps
+        self._epochs = EpochMarks()
         self._state_audited = False
         self._steps_at_update = 0
         if scaler is not None:
             self._readings.amp_skipped_steps = 0
-        self._user_marks_epochs = False
-        self._loader_marks_epochs = False
-        self._loader_closed_at: int | None = None
         self._phases = PhaseNames(self._limiter)
         # Decided at the first observe() when no forward hook fires (a compiled forward).
         self._observes_before_step: bool | None = None
@@ -309,10 +308,8 @@ class Monitor:
         """
         if self._detached:
             return
-        self._user_marks_epochs = True
-        if self._loader_closed_at == self._readings.steps:
-            return  # track() closed this very epoch a moment ago: the same boundary, once
-        self._close_epoch()
+        if self._epochs.user_marks(self._readings.steps):
+            self._close_epoch()
 
     def track(self, loader: Iterable[T]) -> TrackedLoader[T]:
         """Iterate ``loader``, timing the input wait; its exhaustion marks an epoch end.
@@ -322,7 +319,7 @@ class Monitor:
         result keeps the loader's ``len()`` and attributes (``.dataset``, ``.sampler``).
         """
         self._timer.track_loader()
-        self._loader_marks_epochs = True
+        self._epochs.by_loader = True
         with self._guard.contain("hooks"):
             problem = loader_problem(loader)
             if problem is not None:
@@ -354,9 +351,8 @@ class Monitor:
         steps_at_start = self._readings.steps
 
         def exhausted() -> None:
-            if not self._user_marks_epochs and self._readings.steps > steps_at_start:
+            if self._epochs.pass_ended(steps_at_start, self._readings.steps):
                 self._close_epoch()
-                self._loader_closed_at = self._readings.steps
 
         workers = self._workers
         guard = self._guard
@@ -426,13 +422,7 @@ class Monitor:
         self._engine.judge_waiting(wait_seconds=1.0)
         state = self._recorder.state_dict()
         state["run_id"] = self.run_id
-        state["epochs_marked_by"] = (
-            "user"
-            if self._user_marks_epochs
-            else "loader"
-            if self._loader_marks_epochs
-            else "steps"
-        )
+        state["epochs_marked_by"] = self._epochs.state()
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -447,8 +437,7 @@ class Monitor:
         self._recorder.load_state_dict(state)
         with self._guard.contain("detectors"):
             self._throughput.restart(self._timer.clock())  # the first steps after a resume
-        if state.get("epochs_marked_by") == "user":
-            self._user_marks_epochs = True
+        self._epochs.load(state.get("epochs_marked_by"))
 
     def detach(self) -> None:
         """Remove every hook, stop every thread and free the port; idempotent."""
@@ -561,9 +550,7 @@ class Monitor:
             with self._guard.contain("detectors"):
                 self._throughput.step_end(now)
         steps = self._readings.steps
-        if steps % self._window_steps == 0 and not (
-            self._user_marks_epochs or self._loader_marks_epochs
-        ):
+        if steps % self._window_steps == 0 and self._epochs.by_steps():
             self._close_epoch()
         plugged = self._plugged
         if steps >= plugged.next_step:  # one comparison a step; the plug-ins when one is due
