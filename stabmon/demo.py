@@ -38,10 +38,17 @@ class DemoPlan:
     stall_limit_seconds: float = 3.0
     leak_from_epoch: int = 6
     leak_bytes_per_epoch: int = 48 * 2**20
+    #: Run the loop on a simulated clock (each batch, step and the stall advance it by
+    #: their nominal time), so a slow machine cannot stall a step past the limit: only
+    #: the injected stall does. Off for people watching a dashboard; on for ``fast()``.
+    simulated_clock: bool = False
+    #: A step's nominal compute time on the simulated clock.
+    step_seconds: float = 0.005
 
     @classmethod
     def fast(cls) -> DemoPlan:
         return cls(
+            simulated_clock=True,
             epochs=16,
             steps_per_epoch=30,
             batch_wait_seconds=0.001,
@@ -90,16 +97,19 @@ def run_demo(
         overrides["run_dir"] = run_dir
     teacher = torch.nn.Linear(32, 1)
     leaked: list[torch.Tensor] = []
-    with Monitor(model, optimizer, **overrides) as monitor:
+    clock = _SimulatedClock() if plan.simulated_clock else None
+    with Monitor(model, optimizer, clock=clock, **overrides) as monitor:
         print(f"stabmon demo: metrics at {monitor.metrics_url or '(no exporter)'}", file=out)
         print(f"stabmon demo: event log {monitor.event_log_path}", file=out)
         print(_plan_text(plan), file=out)
         step = 0
         for epoch in range(plan.epochs):
-            for inputs in monitor.track(_batches(plan, epoch)):
+            for inputs in monitor.track(_batches(plan, epoch, clock)):
                 targets = teacher(inputs).detach()
                 if step == plan.spike_step:
                     targets = targets * 200.0  # a corrupt batch: the loss and gradients spike
+                if clock is not None:
+                    clock.advance(plan.step_seconds)
                 loss = torch.nn.functional.mse_loss(model(inputs), targets)
                 loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
                 if step == plan.nan_step:
@@ -108,8 +118,8 @@ def run_demo(
                     optimizer.step()
                 optimizer.zero_grad()
                 monitor.observe(loss=loss)
-                if step == plan.stall_step:
-                    time.sleep(plan.stall_seconds)  # a hung collective, a dead NFS mount
+                if step == plan.stall_step:  # a hung collective, a dead NFS mount
+                    _stall(monitor, plan.stall_seconds, clock)
                 step += 1
             if epoch >= plan.leak_from_epoch:
                 leaked.append(torch.ones(plan.leak_bytes_per_epoch // 4))  # a history list, kept
@@ -123,6 +133,8 @@ def run_demo(
             # Idle on purpose, in a named phase as a real loop's eval or checkpoint would be:
             # its stall limit is phase_stall_seconds, so the wait is not reported as a stall.
             with monitor.phase("serve"):
+                if clock is not None:
+                    clock.advance(serve_seconds)
                 time.sleep(serve_seconds)
         events_path = monitor.event_log_path
     detected = read_anomalies(events_path)
@@ -130,10 +142,43 @@ def run_demo(
     return detected
 
 
-def _batches(plan: DemoPlan, epoch: int) -> Iterator[torch.Tensor]:
+class _SimulatedClock:
+    """The demo loop's clock when ``simulated_clock``: it moves only when the loop says."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+#: How long the simulated stall waits, at most, for the watchdog thread to report it.
+_STALL_REPORT_SECONDS = 60.0
+
+
+def _stall(monitor: Monitor, seconds: float, clock: _SimulatedClock | None) -> None:
+    """Block the training thread as a hang would: ``seconds`` of real time, or on the
+    simulated clock, until the watchdog (a thread) has reported the stall."""
+    if clock is None:
+        time.sleep(seconds)
+        return
+    clock.advance(seconds)
+    deadline = time.monotonic() + _STALL_REPORT_SECONDS
+    while registry_sum(monitor.registry, "stabmon_stalled") < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _batches(
+    plan: DemoPlan, epoch: int, clock: _SimulatedClock | None = None
+) -> Iterator[torch.Tensor]:
     generator = torch.Generator().manual_seed(epoch)
     for _ in range(plan.steps_per_epoch):
         time.sleep(plan.batch_wait_seconds)  # the input pipeline
+        if clock is not None:
+            clock.advance(plan.batch_wait_seconds)
         yield torch.randn(64, 32, generator=generator)
 
 

@@ -1,21 +1,17 @@
-"""The Monitor: attach/detach lifecycle, and hooks that feed probes, readback and the recorder.
+"""The Monitor: the public API, and the hooks that wire probes to the judging engine.
 
-``Monitor`` holds no math and no judgement. Its hooks time the loop
-(:class:`~stabmon.probes.timing.LoopTimer`), start device-side measurements
-(:class:`~stabmon.probes.grads.GradProbe`) whose results come back through
-:class:`~stabmon.readback.Readback`, and hand what comes back to the
-:class:`~stabmon.recorder.Recorder`, which judges and records, in batches at most
-``judge_seconds`` apart (the host-side work then runs warm). Every hook body
-runs under the guard: nothing raised inside stabmon reaches the training loop.
-
-When results are judged, and by which thread (the quiet-loop judge thread, the
-exit hook), is :mod:`stabmon.judging`'s: its one re-entrant lock (``_judging``
-here) serialises every use of the readback queue and of the judging code, three
-uncontended acquisitions a step (four with a GradScaler).
+``Monitor`` holds no math and no judgement. :mod:`stabmon.assembly` builds its parts
+at attach; its hooks time the loop (:class:`~stabmon.probes.timing.LoopTimer`),
+start device-side measurements (:class:`~stabmon.measurements.Measurements`) whose
+results come back through the readback queue of the judging engine
+(:mod:`stabmon.judging`: which thread judges what, and when), and call the plug-ins
+(:mod:`stabmon.plugins`) at the step and epoch ends. Every hook body runs under the
+guard: nothing raised inside stabmon reaches the training loop.
 
 Resources (hooks, threads, the HTTP server, the event log) live in one bundle
-closed by ``detach()``, or by a finalizer if the Monitor is dropped without
-it; nothing a thread or a hook holds refers back to the Monitor.
+(:class:`~stabmon.resources.Resources`) closed by ``detach()``, or by a finalizer if
+the Monitor is dropped without it; nothing a thread or a hook holds refers back to
+the Monitor.
 """
 
 from __future__ import annotations
@@ -25,110 +21,41 @@ import contextlib
 import functools
 import logging
 import os
-import re
-import socket
-import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
-import psutil
 import torch
 from prometheus_client import CollectorRegistry
 
-from stabmon._version import __version__
-from stabmon.background import PeriodicThread
-from stabmon.clipping import watch_clipping
+from stabmon import assembly
 from stabmon.config import Config, load_config
-from stabmon.contract import INTERNAL_COMPONENTS, PHASES
-from stabmon.detectors.dead import DeadGradients
-from stabmon.detectors.stall import STARTUP_PHASE, Heartbeat, StallWatchdog
+from stabmon.contract import INTERNAL_COMPONENTS
+from stabmon.epochs import EpochMarks
 from stabmon.errors import DeviceMismatchError, StabmonError
-from stabmon.exit_signals import SigtermRecorder
-from stabmon.export.collector import ReadingsCollector
-from stabmon.export.contained import ContainedCollector
-from stabmon.export.event_log import EventLog
-from stabmon.export.exporter import Exporter, Security, candidate_ports
-from stabmon.export.hang_collector import HangCollector
 from stabmon.guard import Guard
 from stabmon.hooks import HookSet, unwrap_model
-from stabmon.judging import MAX_WAITING_RESULTS, QUIET_POLL_SECONDS, Judging
 from stabmon.log import LOGGER, LogLimiter
 from stabmon.probes.amp import scale_tensor
-from stabmon.probes.collectives import CollectiveCounter
-from stabmon.probes.device_timing import DeviceTimer, recorder_for
-from stabmon.probes.environment import (
-    build_info,
-    default_run_id,
-    environment_record,
-    process_identity,
-)
-from stabmon.probes.grads import GradLayout, GradProbe, GradSummary, build_grad_probe
-from stabmon.probes.identity import (
-    identify_gpus,
-    local_rank_problem,
-    torch_device_uuids,
-)
-from stabmon.probes.loader import WorkerWatch, loader_problem
-from stabmon.probes.memory import HostMemory, MemorySampler, cuda_devices
-from stabmon.probes.memory_snapshot import SnapshotRecorder
-from stabmon.probes.placement import Misplaced, PlacementWatch
-from stabmon.probes.timing import LoopTimer, TrackedLoader, timed_iteration
-from stabmon.readback import Readback
-from stabmon.readings import Readings
-from stabmon.recorder import Recorder
-from stabmon.rundir import (
-    DEFAULT_RUN_DIR,
-    ExitWatch,
-    ProcessRecord,
-    Registration,
-    RunPaths,
-    boot_id,
-    pid_namespace,
-)
-from stabmon.stall_action import StallResponder
-from stabmon.throughput import ThroughputWatch
+from stabmon.probes.clipping import watch_clipping
+from stabmon.probes.environment import default_run_id, describe_environment, process_identity
+from stabmon.probes.loader import loader_problem
+from stabmon.probes.phases import PhaseNames
+from stabmon.probes.timing import TrackedLoader, timed_iteration
+from stabmon.registration import check_local_rank, register
+from stabmon.resources import SHUTDOWN_SECONDS, Resources
 
 __all__ = ["Monitor", "attach"]
 
 T = TypeVar("T")
 
-#: Named phases beyond this many share the label "other" (bounded cardinality).
-MAX_NAMED_PHASES = 16
-_PHASE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
-_RESERVED_PHASES = frozenset((*PHASES, STARTUP_PHASE))
 #: The longest ``detach()`` takes: the last judgement, then every thread and the server.
 DETACH_SECONDS = 3.0
-#: All threads together get this long to stop (however many hang), within DETACH_SECONDS.
-SHUTDOWN_SECONDS = 1.0
 #: However long the last judgement took, the threads get at least this long to stop.
 MIN_SHUTDOWN_SECONDS = 0.5
-#: Builds a named tuple in C, without the Python ``__new__`` that NamedTuple generates.
-_tuple_new = tuple.__new__
-
-
-# Named tuples, not frozen dataclasses: one is built per measured step.
-class _GradTag(NamedTuple):
-    """Built with ``_tuple_new`` on the hot path (see :class:`~stabmon.probes.grads.GradSample`).
-
-    It carries the layout the step was measured with, which reads the values even when
-    the probe was rebuilt while they waited (a new param group, a model moved or cast),
-    and no tensor: results wait to be judged in batches, and a tensor would wait with them.
-    """
-
-    step: int
-    layout: GradLayout
-
-
-class _ValueTag(NamedTuple):
-    """Built with ``_tuple_new`` on the hot path (see :class:`~stabmon.probes.grads.GradSample`)."""
-
-    kind: Literal["loss", "scale", "clip"]
-    step: int
 
 
 def attach(
@@ -137,15 +64,18 @@ def attach(
     *,
     scaler: object | None = None,
     config: str | os.PathLike[str] | Mapping[str, Any] | Config | None = None,
+    clock: Callable[[], float] | None = None,
     **overrides: Any,
 ) -> Monitor:
     """Attach a Monitor to ``model`` and ``optimizer`` and start exporting.
 
     ``config`` is a YAML path or a mapping; ``overrides`` are config keys
-    (``port=0``, ``stall_seconds=5``). Raises :class:`~stabmon.ConfigError` for
-    bad config, :class:`~stabmon.AlreadyAttachedError` when either object
-    already has a Monitor, and :class:`~stabmon.StabmonError` when the hooks
-    cannot be installed; nothing else, and never after it returned.
+    (``port=0``, ``stall_seconds=5``). ``clock`` is the loop clock (seconds, monotonic;
+    ``time.perf_counter`` by default) that times steps and ages the heartbeat for the
+    stall watchdog: tests and simulations inject one. Raises :class:`~stabmon.ConfigError`
+    for bad config, :class:`~stabmon.AlreadyAttachedError` when either object already
+    has a Monitor, and :class:`~stabmon.StabmonError` when the hooks cannot be
+    installed; nothing else, and never after it returned.
 
     Example::
 
@@ -158,62 +88,7 @@ def attach(
             mon.observe(loss=loss)
         mon.detach()
     """
-    return Monitor(model, optimizer, scaler=scaler, config=config, **overrides)
-
-
-@dataclass
-class _Resources:
-    """Everything that outlives a call: closed once, by ``detach()`` or by garbage collection."""
-
-    hooks: HookSet | None = None
-    threads: list[PeriodicThread] = field(default_factory=list)
-    exporter: Exporter | None = None
-    events: EventLog | None = None
-    registration: Registration | None = None
-    at_exit: Callable[[], None] | None = None
-    #: Writes "signal"/SIGTERM into the record when SIGTERM ends the process (None: not ours).
-    sigterm: SigtermRecorder | None = None
-    #: At interpreter exit, judge the results still waiting: the last steps before a crash
-    #: are the ones that explain it.
-    judge_at_exit: Callable[[], None] | None = None
-    #: The torch.distributed wrappers that count collectives (hang evidence).
-    collectives: CollectiveCounter | None = None
-
-    def close(self, deadline: float | None = None) -> None:
-        """Release everything; threads are waited for until ``deadline`` (``time.monotonic``).
-
-        Every thread is asked to stop first and then joined against the one deadline, so
-        closing costs the slowest thread's stop, not the sum of them, and never more than
-        ``SHUTDOWN_SECONDS`` however many threads hang.
-        """
-        if deadline is None:
-            deadline = time.monotonic() + SHUTDOWN_SECONDS
-        for hook in (self.at_exit, self.judge_at_exit):
-            if hook is not None:
-                atexit.unregister(hook)
-        if self.sigterm is not None:
-            self.sigterm.uninstall()
-            self.sigterm = None
-        if self.hooks is not None:
-            self.hooks.remove()
-        if self.collectives is not None:
-            self.collectives.uninstall()
-        for thread in self.threads:
-            thread.request_stop()
-        if self.registration is not None:
-            try:
-                self.registration.remove()
-            except OSError:
-                pass  # the daemon reports a record whose process is gone as down
-        if self.exporter is not None:
-            try:
-                self.exporter.stop(deadline - time.monotonic())
-            except OSError:
-                pass  # the socket is gone either way
-        for thread in self.threads:
-            thread.join(deadline - time.monotonic())
-        if self.events is not None:
-            self.events.close()
+    return Monitor(model, optimizer, scaler=scaler, config=config, clock=clock, **overrides)
 
 
 class Monitor:
@@ -226,6 +101,7 @@ class Monitor:
         *,
         scaler: object | None = None,
         config: str | os.PathLike[str] | Mapping[str, Any] | Config | None = None,
+        clock: Callable[[], float] | None = None,
         **overrides: Any,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -241,14 +117,15 @@ class Monitor:
         self.rank: int = identity.rank
         self._limiter = LogLimiter(LOGGER, per_minute=self.config.log_rate_per_minute)
         self._guard = Guard(self._limiter, INTERNAL_COMPONENTS)
-        self._resources = _Resources(hooks=HookSet(model, optimizer, scaler))
+        self._resources = Resources(hooks=HookSet(model, optimizer, scaler))
         self._finalizer = weakref.finalize(self, self._resources.close)
         # At interpreter exit the atexit hook records how the run ended; removing the
         # record then would make a crash look like a clean detach.
         self._finalizer.atexit = False
         self._detached = False
         try:
-            self._start(model, optimizer, scaler, identity.local_rank, identity.local_world_size)
+            self._start(model, optimizer, scaler, identity.local_rank, identity.local_world_size,
+                        clock or time.perf_counter)  # fmt: skip
         except BaseException:
             self._finalizer()  # undo whatever was started; the model is left as it was
             raise
@@ -260,210 +137,69 @@ class Monitor:
         scaler: object | None,
         local_rank: int,
         local_world_size: int,
+        clock: Callable[[], float],
     ) -> None:
+        cfg, guard, resources = self.config, self._guard, self._resources
+        parts = assembly.build(
+            cfg, model, optimizer, run_id=self.run_id, rank=self.rank, guard=guard,
+            limiter=self._limiter, resources=resources, clock=clock,
+        )  # fmt: skip
+        self._adopt(parts, model, optimizer, scaler)
+        assembly.serve(parts, cfg, resources, guard=guard, limiter=self._limiter,
+                       local_rank=local_rank, local_world_size=local_world_size)  # fmt: skip
+        register(
+            resources, parts.paths, run_id=self.run_id, local_rank=local_rank,
+            devices=parts.devices, metrics_url=self.metrics_url, stall_seconds=cfg.stall_seconds,
+            steps=self._recorder.global_step, guard=guard, limiter=self._limiter,
+        )  # fmt: skip
+        # After register's exit hook: atexit runs them last in, first out, so the waiting
+        # results are judged before the record says how the process ended.
+        resources.judge_at_exit = functools.partial(_judge_at_exit, weakref.ref(self))
+        atexit.register(resources.judge_at_exit)
+        assembly.start_threads(
+            parts, cfg, resources, guard=guard, run_id=self.run_id, rank=self.rank,
+            judge_quiet=functools.partial(_judge_if_quiet, weakref.ref(self)), clock=clock,
+        )  # fmt: skip
+        self._install_hooks(model, scaler)
+        self._announce(parts.devices, model, optimizer)
+
+    def _adopt(
+        self,
+        parts: assembly.Parts,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scaler: object | None,
+    ) -> None:
+        """The parts the hooks use, as attributes (one lookup each on the hot path)."""
         cfg = self.config
-        self._local_rank = local_rank
-        self._optimizer = optimizer
-        self._model = model
-        self._readings = Readings(
-            labels={"rank": str(self.rank), "run": self.run_id},
-            build_info=build_info(__version__),
-        )
-        self._paths = RunPaths(
-            root=Path(cfg.run_dir) if cfg.run_dir else DEFAULT_RUN_DIR,
-            run_id=self.run_id,
-            rank=self.rank,
-        )
-        if cfg.event_log:
-            self._resources.events = EventLog(
-                self._paths.events,
-                common={"run": self.run_id, "rank": self.rank},
-                guard=self._guard,
-            )
-        self._recorder = Recorder(
-            cfg, self._readings, events=self._resources.events, limiter=self._limiter
-        )
-        self._sampler = self._recorder.sampler
-        # Results are judged in batches, at most judge_seconds apart on the loop clock: the
-        # host-side work then runs with warm caches (bench/overhead.py measures the saving
-        # against judge_seconds 0 on its tiny MLP). The first result is judged at once.
-        self._engine: Judging[_GradTag | _ValueTag] = Judging(
-            self._consume, guard=self._guard, judge_seconds=cfg.judge_seconds
-        )
+        self._model, self._optimizer, self._scaler = model, optimizer, scaler
+        self._readings, self._recorder = parts.readings, parts.recorder
+        self._sampler = parts.recorder.sampler
+        self._measurements = parts.measurements
+        self._engine = parts.measurements.engine
+        self._plugged, self._placement = parts.plugged, parts.placement
+        self._memory, self._workers = parts.memory, parts.workers
+        self._heartbeat, self._timer = parts.heartbeat, parts.timer
+        self._device_timer, self._throughput = parts.device_timer, parts.throughput
+        self._device_type = "cuda" if parts.devices else "cpu"
+        self._registry = parts.registry
         self._pid = os.getpid()  # a forked child inherits the Monitor, not the run
-        self._grads: GradProbe | None = None
-        self._snapshots = SnapshotRecorder(
-            cfg.memory_snapshot_steps, self._paths.run_directory, self.rank
-        )
-        self._dead: DeadGradients | None = None
-        self._dead_layout: GradLayout | None = None  # the layout self._dead was built for
-        self._param_signature = _param_signature(optimizer)
         self._measure_every = cfg.measure_every
         self._window_steps = cfg.window_steps
-        self._leak_sample_steps = cfg.leak_sample_steps
-        self._leak_warmup_steps = cfg.leak_trend_warmup_steps
-        # A measurement taken by a clip call before the step it belongs to (pre-clip norms):
-        # (steps completed when taken, sample, layout), used by that step's pre-hook.
-        self._preclip: tuple[int, Any, GradLayout] | None = None
-        # Lightning measures at on_before_optimizer_step, before it clips: its clip belongs
-        # to the step just measured (set by the adapter through _clips_after_measuring()).
-        self._clip_after_measure = False
-        with self._guard.contain("grads"):
-            self._grads = _build_grad_probe(model, optimizer, cfg, self._limiter)
-        self._placement: PlacementWatch | None = None
-        if cfg.device_check != "off":
-            named = list(unwrap_model(model).named_parameters())
-            self._placement = PlacementWatch(cfg.device_check, named, self._report_misplaced)
+        self._epochs = EpochMarks()
         self._state_audited = False
-        self._scaler = scaler
         self._steps_at_update = 0
-        self._scaler_seen = False
         if scaler is not None:
             self._readings.amp_skipped_steps = 0
-
-        host: HostMemory | None = None
-        with self._guard.contain("memory"):
-            host = HostMemory()
-        probe = self._grads
-        self._memory = MemorySampler(
-            self._readings, host, lambda: cuda_devices(probe.params) if probe else ()
-        )
-        devices = cuda_devices(probe.params) if probe else ()
-        self._device_timer = (
-            DeviceTimer(self._readings, record=recorder_for(devices[0])) if devices else None
-        )
-        self._workers = WorkerWatch(self._recorder.worker_died)
-        # One clock for the loop timer, the heartbeat and the watchdog: the timer's reading at
-        # a step's end is the beat.
-        self._heartbeat = Heartbeat(time.perf_counter)
-        loop_started = time.perf_counter()  # at or before the loop timer's first mark
-        self._timer = LoopTimer(
-            self._readings,
-            self._heartbeat,
-            clock=time.perf_counter,
-            device_mark=self._device_timer.mark if self._device_timer else None,
-        )
-        self._device_type = "cuda" if devices else "cpu"
-        self._throughput = _build_throughput(self, devices, probe, loop_started)
-        self._user_marks_epochs = False
-        self._loader_marks_epochs = False
-        self._loader_closed_at: int | None = None
-        self._named_phases: set[str] = set()
+        self._phases = PhaseNames(self._limiter)
         # Decided at the first observe() when no forward hook fires (a compiled forward).
         self._observes_before_step: bool | None = None
 
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(ReadingsCollector(self._readings, self._guard.counts))
-        self._registry = registry
-        if cfg.serve_metrics:
-            ports = candidate_ports(cfg.port, local_rank, local_world_size, cfg.port_attempts)
-            with self._guard.contain("exporter"):
-                exporter = Exporter(
-                    registry, address=cfg.address, ports=ports, limiter=self._limiter,
-                    security=Security.from_config(cfg), guard=self._guard,
-                    cache_seconds=cfg.scrape_cache_seconds,
-                )  # fmt: skip
-                if exporter.start():
-                    self._resources.exporter = exporter
-
-        self._register(probe)
-        # After _register's exit hook: atexit runs them last in, first out, so the waiting
-        # results are judged before the record says how the process ended.
-        self._resources.judge_at_exit = functools.partial(_judge_at_exit, weakref.ref(self))
-        atexit.register(self._resources.judge_at_exit)
-        collectives = CollectiveCounter()
-        with self._guard.contain("hooks"):
-            collectives.install()
-            self._resources.collectives = collectives
-        responder = StallResponder(
-            action=cfg.stall_action, grace_seconds=cfg.stall_grace_seconds, rank=self.rank,
-            run=self.run_id, recorder=self._recorder, heartbeat=self._heartbeat,
-            collectives=collectives, registration=self._resources.registration,
-            run_directory=self._paths.run_directory, root=self._paths.root,
-        )  # fmt: skip
-        heartbeat_now = self._heartbeat
-        registry.register(
-            ContainedCollector(
-                HangCollector(
-                    self._readings.labels,
-                    phase=lambda: heartbeat_now.phase,
-                    collectives=lambda: collectives.issued,
-                    in_collective=lambda: collectives.current is not None,
-                    hang_state=lambda: responder.state,
-                ),
-                guard=self._guard,
-                component="exporter",
-            )
-        )
-        watchdog = StallWatchdog(
-            self._heartbeat,
-            stall_seconds=cfg.stall_seconds,
-            phase_stall_seconds=cfg.phase_stall_seconds,
-            on_stall=responder.stalled,
-            on_recover=responder.resumed,
-            clock=time.perf_counter,
-        )
-        poll = min(0.25, cfg.stall_seconds / 4) if cfg.stall_seconds else 0.25
-        self._resources.threads = [
-            PeriodicThread(
-                "stabmon-watchdog", poll, watchdog.check, guard=self._guard, component="stall"
-            ),
-            PeriodicThread(
-                "stabmon-stall-action", poll, responder.poll, guard=self._guard, component="stall"
-            ),
-            PeriodicThread(
-                "stabmon-judge",
-                QUIET_POLL_SECONDS,
-                functools.partial(_judge_if_quiet, weakref.ref(self)),
-                guard=self._guard,
-                component="readback",
-            ),
-            PeriodicThread(
-                "stabmon-sampler",
-                cfg.sample_seconds,
-                self._memory.sample,
-                guard=self._guard,
-                component="memory",
-            ),
-            PeriodicThread(
-                "stabmon-loader",
-                cfg.sample_seconds,
-                self._workers.check,  # holds the recorder, not the Monitor
-                guard=self._guard,
-                component="hooks",
-            ),
-        ]
-        registration = self._resources.registration
-        if registration is not None:
-            readings, recorder = self._readings, self._recorder
-            heartbeat_state = self._heartbeat
-
-            def heartbeat() -> None:  # captures no Monitor: a dropped Monitor can be collected
-                registration.write(
-                    last_step_unix=readings.last_step_unix,
-                    steps=recorder.global_step,
-                    now=time.time(),
-                    phase=heartbeat_state.phase,
-                    stall_limit_seconds=watchdog.limit_seconds(),
-                )
-
-            self._resources.threads.append(
-                PeriodicThread(
-                    "stabmon-heartbeat",
-                    cfg.sample_seconds,
-                    heartbeat,
-                    guard=self._guard,
-                    component="rundir",
-                )
-            )
-        with self._guard.contain("memory"):
-            self._memory.sample()
-        for thread in self._resources.threads:
-            thread.start()
-
-        assert self._resources.hooks is not None  # set in __init__ before _start
+    def _install_hooks(self, model: torch.nn.Module, scaler: object | None) -> None:
+        resources = self._resources
+        assert resources.hooks is not None  # set in __init__ before _start
         try:
-            self._resources.hooks.install(
+            resources.hooks.install(
                 forward_pre=self._on_forward_pre,
                 forward_post=self._on_forward_post,
                 step_pre=self._on_step_pre,
@@ -476,24 +212,31 @@ class Monitor:
                 "Python nn.Module before scripting it"
             ) from error
         with self._guard.contain("hooks"):
-            # Held weakly by the clip wrappers; removed with the hooks.
-            this = weakref.ref(self)
-            self._resources.hooks.keep(
+            this = weakref.ref(self)  # held weakly by the clip wrappers; removed with the hooks
+            resources.hooks.keep(
                 watch_clipping(
                     functools.partial(_owns_param, this), functools.partial(_clip_seen, this)
                 )
             )
-        environment = self._describe_environment(probe)
+
+    def _announce(
+        self,
+        devices: tuple[torch.device, ...],
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+    ) -> None:
+        """The attach record (environment, config), the identity checks, the log line."""
+        cfg, guard = self.config, self._guard
+        probe = self._measurements.probe
+        environment, gpus = describe_environment(self._readings.build_info, devices, guard)
+        if gpus:
+            self._readings.device_info = gpus
         self._recorder.write(
-            "attach",
-            environment=environment,
-            config=cfg.to_dict(),
-            pid=os.getpid(),
-            metrics_url=self.metrics_url,
-            parameters=len(probe.names) if probe else 0,
+            "attach", environment=environment, config=cfg.to_dict(), pid=os.getpid(),
+            metrics_url=self.metrics_url, parameters=len(probe.names) if probe else 0,
             module_groups=list(probe.groups) if probe else [],
-        )
-        self._check_local_rank()
+        )  # fmt: skip
+        check_local_rank(self._recorder, guard)
         if self._placement is not None:  # after the attach record, which opens the event log
             self._placement.audit(unwrap_model(model), optimizer)  # raises only in raise mode
         LOGGER.info(
@@ -502,94 +245,6 @@ class Monitor:
             self.rank,
             self.metrics_url or "(no exporter)",
             self.event_log_path or "(no event log)",
-        )
-
-    def _describe_environment(self, probe: GradProbe | None) -> dict[str, Any]:
-        """Identify the physical GPUs in use and record the environment (never raises)."""
-        gpus: list[dict[str, str]] = []
-        driver = ""
-        with self._guard.contain("hooks"):
-            devices = cuda_devices(probe.params) if probe else ()
-            if devices:
-                driver, identities = identify_gpus(devices)
-                gpus = [{**identity.labels(), "driver_version": driver} for identity in identities]
-                self._readings.device_info = gpus
-        return environment_record(self._readings.build_info, gpus, driver, os.environ)
-
-    def _check_local_rank(self) -> None:
-        """cuda:LOCAL_RANK must exist: say so in words, not as "invalid device ordinal"."""
-        with self._guard.contain("hooks"):
-            if torch.cuda.is_available():
-                problem = local_rank_problem(os.environ, torch.cuda.device_count())
-                if problem is not None:
-                    self._recorder.anomaly("device_mismatch", 0, problem, what="LOCAL_RANK")
-
-    def _report_misplaced(self, finding: Misplaced) -> None:
-        self._recorder.anomaly(
-            "device_mismatch",
-            self._recorder.global_step,
-            f"{finding.message()} (device_check: raise makes this an error)",
-            what=finding.what,
-            device=finding.device,
-            expected=finding.expected,
-            names=list(finding.names[:20]),
-        )
-
-    def _register(self, probe: GradProbe | None) -> None:
-        """Register this process in the run directory for the node daemon (never raises).
-
-        A first write that fails (say the run directory is not yet writable) is
-        retried by the heartbeat thread; at interpreter exit the record says
-        whether the run ended cleanly or on an uncaught exception.
-        """
-        with self._guard.contain("rundir"):
-            devices = cuda_devices(probe.params) if probe else ()
-            registration = Registration(
-                self._paths.root,
-                self._paths.record,
-                ProcessRecord(
-                    pid=os.getpid(),
-                    create_time=psutil.Process().create_time(),
-                    run=self.run_id,
-                    rank=self.rank,
-                    local_rank=self._local_rank,
-                    hostname=socket.gethostname(),
-                    gpu_uuids=tuple(torch_device_uuids(devices)),
-                    cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
-                    metrics_url=self.metrics_url,
-                    attached_unix=time.time(),
-                    stall_seconds=self.config.stall_seconds,
-                    boot_id=boot_id(),
-                    pid_namespace=pid_namespace(),
-                ),
-                # A weak reference: the record outlives a Monitor dropped without detach.
-                on_duplicate=functools.partial(_report_duplicate, weakref.ref(self)),
-            )
-            self._resources.registration = registration
-            ExitWatch.install()
-            self._resources.at_exit = functools.partial(_record_exit, weakref.ref(registration))
-            atexit.register(self._resources.at_exit)
-            self._resources.sigterm = SigtermRecorder.install(
-                functools.partial(_record_sigterm, weakref.ref(registration))
-            )
-            registration.write(
-                last_step_unix=None, steps=self._recorder.global_step, now=time.time()
-            )
-
-    def _report_duplicate(self, other: ProcessRecord) -> None:
-        """Another live process already registered this run id and rank: say so, count it."""
-        self._guard.count("rundir")
-        self._limiter.once(
-            "rundir:duplicate",
-            logging.WARNING,
-            "stabmon: process %d already registered run %r rank %d in %s; this process (%d) "
-            "takes its record over and both append to one event log. Give each run its own "
-            "run_id (or STABMON_RUN_ID), or each process its own RANK",
-            other.pid,
-            self.run_id,
-            self.rank,
-            self._paths.record,
-            os.getpid(),
         )
 
     # --- public API ---------------------------------------------------------------------------
@@ -642,26 +297,7 @@ class Monitor:
                 in_iteration = self._observes_before_step
             if not in_iteration and step:
                 step -= 1  # observed after the step it belongs to
-            tag = _tuple_new(_ValueTag, ("loss", step))
-            if isinstance(loss, torch.Tensor):
-                if loss.is_complex():
-                    raise TypeError(
-                        "observe() got a complex-valued loss; pass a real loss (its real part or "
-                        "abs()); complex losses are skipped"
-                    )
-                value = loss if loss.numel() == 1 else loss.detach().float().mean()
-                if value.is_cpu:  # host memory: no device to wait for
-                    host: torch.Tensor | list[float] = [value.item()]
-                else:
-                    host = value.detach().reshape(1).double()
-            else:
-                host = [float(loss)]  # through the queue too (a complex raises here: skipped)
-            with self._judging:
-                waiting = self._readback.submit(tag, host)
-                if not self._judge_seconds or waiting >= MAX_WAITING_RESULTS:
-                    # judge_seconds 0: each result once it is on the host. Or many losses
-                    # came without a step end (hooks that do not fire): they wait no longer.
-                    self._consume(self._readback.poll())
+            self._measurements.loss(loss, step)
         except Exception as error:  # never break training
             self._guard.record("loss", error)
 
@@ -672,10 +308,8 @@ class Monitor:
         """
         if self._detached:
             return
-        self._user_marks_epochs = True
-        if self._loader_closed_at == self._readings.steps:
-            return  # track() closed this very epoch a moment ago: the same boundary, once
-        self._close_epoch()
+        if self._epochs.user_marks(self._readings.steps):
+            self._close_epoch()
 
     def track(self, loader: Iterable[T]) -> TrackedLoader[T]:
         """Iterate ``loader``, timing the input wait; its exhaustion marks an epoch end.
@@ -685,7 +319,7 @@ class Monitor:
         result keeps the loader's ``len()`` and attributes (``.dataset``, ``.sampler``).
         """
         self._timer.track_loader()
-        self._loader_marks_epochs = True
+        self._epochs.by_loader = True
         with self._guard.contain("hooks"):
             problem = loader_problem(loader)
             if problem is not None:
@@ -717,9 +351,8 @@ class Monitor:
         steps_at_start = self._readings.steps
 
         def exhausted() -> None:
-            if not self._user_marks_epochs and self._readings.steps > steps_at_start:
+            if self._epochs.pass_ended(steps_at_start, self._readings.steps):
                 self._close_epoch()
-                self._loader_closed_at = self._readings.steps
 
         workers = self._workers
         guard = self._guard
@@ -741,11 +374,11 @@ class Monitor:
         Inside it, the stall limit is ``phase_stall_seconds``, forward hooks are
         not timed as training, and observed losses are not training losses.
         """
-        label = self._phase_label(name)
+        label = self._phases.label(name)
         # A phase may take long (eval, checkpoint): what is on the host is judged before it,
         # copies still in flight by the judge thread during it (no step ends), or after it.
         # The device timer is left to the step ends, which poll it anyway.
-        self._judge_waiting()
+        self._engine.judge_waiting()
         with self._guard.contain("hooks"):
             self._throughput.abandon(self._readings.steps)  # an eval is not the step's FLOPs
             self._timer.enter_named(label)
@@ -754,7 +387,7 @@ class Monitor:
         finally:
             with self._guard.contain("hooks"):
                 self._timer.exit_named()
-            self._judge_waiting()
+            self._engine.judge_waiting()
 
     def mark_forward(self) -> None:
         """A training step's forward pass begins now; the time before it was input wait.
@@ -786,16 +419,10 @@ class Monitor:
         read first, waiting at most a second: a checkpoint is rare, and ``torch.save``
         waits for the device anyway.
         """
-        self._judge_waiting(wait_seconds=1.0)
+        self._engine.judge_waiting(wait_seconds=1.0)
         state = self._recorder.state_dict()
         state["run_id"] = self.run_id
-        state["epochs_marked_by"] = (
-            "user"
-            if self._user_marks_epochs
-            else "loader"
-            if self._loader_marks_epochs
-            else "steps"
-        )
+        state["epochs_marked_by"] = self._epochs.state()
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -806,22 +433,22 @@ class Monitor:
         """
         # Results of the steps before the resume are judged against the old baselines; copies
         # in flight get a second, as in state_dict().
-        self._judge_waiting(wait_seconds=1.0)
+        self._engine.judge_waiting(wait_seconds=1.0)
         self._recorder.load_state_dict(state)
         with self._guard.contain("detectors"):
             self._throughput.restart(self._timer.clock())  # the first steps after a resume
-        if state.get("epochs_marked_by") == "user":
-            self._user_marks_epochs = True
+        self._epochs.load(state.get("epochs_marked_by"))
 
     def detach(self) -> None:
         """Remove every hook, stop every thread and free the port; idempotent."""
         if self._detached:
             return
         deadline = time.monotonic() + DETACH_SECONDS  # one bound for the whole detach
-        self._judge_last(wait_seconds=1.0)  # bounded: never hang a detach
+        self._engine.judge_last(1.0, self._measurements.finish)  # bounded: never hang a detach
         with self._guard.contain("detectors"):
             self._throughput.close()
             self._throughput.record(self._timer.clock())  # the totals goodput reads
+        self._plugged.detach()
         self._detached = True
         self._engine.closed = True
         self._recorder.write("detach", step=self._recorder.global_step, epoch=self._readings.epoch)
@@ -861,7 +488,8 @@ class Monitor:
             except Exception as error:
                 self._guard.record("hooks", error)
             return
-        self._preclip = None  # new gradients are coming: a clip measured before is stale
+        # New gradients are coming: a clip measured before is stale.
+        self._measurements.preclip = None
         try:
             self._timer.forward_start()
             watch = self._throughput
@@ -897,99 +525,36 @@ class Monitor:
                 raise
             except Exception as error:
                 self._guard.record("hooks", error)
-        if self._readings.steps % self._measure_every:
-            return
-        try:
-            preclip = self._preclip
-            if preclip is not None and preclip[0] == self._readings.steps:
-                # Measured by this step's clip call, before clipping scaled the gradients.
-                self._preclip = None
-                sample, layout = preclip[1], preclip[2]
-            else:
-                probe = self._current_probe(optimizer)
-                sample = probe.measure()
-                layout = probe.layout  # measure() rebuilt it first if the model moved
-            if sample is not None:
-                tag = _tuple_new(_GradTag, (self._recorder.global_step, layout))
-                with self._judging:
-                    self._readback.submit(tag, sample.packed)
-        except Exception as error:
-            self._guard.record("grads", error)
-
-    def _current_probe(self, optimizer: torch.optim.Optimizer) -> GradProbe:
-        """The gradient probe, rebuilt when the optimizer's parameters changed
-        (``add_param_group()``): the step pre-hook and the clip watch both measure with it."""
-        groups = optimizer.param_groups
-        count = 0
-        for group in groups:  # _param_signature, inlined: this runs every measured step
-            count += len(group["params"])
-        probe = self._grads
-        if (len(groups), count) != self._param_signature or probe is None:
-            self._param_signature = (len(groups), count)  # add_param_group(): measure anew
-            probe = self._grads = _build_grad_probe(
-                self._model, optimizer, self.config, self._limiter
-            )
-        return probe
-
-    def _on_clip(self, params: Any, max_norm: float) -> None:
-        """A clip of our parameters is about to scale the gradients: measure them first.
-
-        The measurement is the one the step pre-hook would take (moved earlier, same cost);
-        ``max_norm`` goes to the recorder for the clip coefficient. Never a sync.
-        """
-        try:
-            step = self._recorder.global_step
-            if self._clip_after_measure:
-                step = max(step - 1, 0)  # Lightning: the step was measured (and counted) already
-            elif self._readings.steps % self._measure_every == 0:
-                probe = self._current_probe(self._optimizer)
-                sample = probe.measure()
-                self._preclip = (
-                    None if sample is None else (self._readings.steps, sample, probe.layout)
-                )
-            with self._judging:
-                self._readback.submit(_tuple_new(_ValueTag, ("clip", step)), [max_norm])
-        except Exception as error:
-            self._guard.record("grads", error)
+        if self._readings.steps % self._measure_every == 0:
+            self._measurements.step(optimizer)
 
     def _clips_after_measuring(self) -> None:
         """For adapters that step the Monitor before the framework clips (Lightning)."""
-        self._clip_after_measure = True
+        self._measurements.clip_after_measure = True
 
     def _on_step_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        now = self._judged_at  # if the timer fails: collect, and judge at the next due step
-        with self._judging:
+        engine = self._engine
+        now = engine.judged_at  # if the timer fails: collect, and judge at the next due step
+        with engine.lock:
             try:
                 now = self._timer.optimizer_end()
                 sampler = self._sampler
                 ended = self._readings.steps + self._recorder.step_offset - 1  # global step
                 if ended >= sampler.window_due:
                     if sampler.close_window(ended):  # many sample windows wait: judge them now
-                        self._judged_at = -float("inf")
+                        engine.judged_at = -float("inf")
             except Exception as error:
                 self._guard.record("hooks", error)
-            self._poll(now)
+            self._measurements.poll(now)
         if now >= self._throughput.due:  # one comparison a step; a block every few seconds
             with self._guard.contain("detectors"):
                 self._throughput.step_end(now)
-        if self._snapshots.recording:
-            self._finish_snapshot()
-        if self._readings.steps % self._window_steps == 0 and not (
-            self._user_marks_epochs or self._loader_marks_epochs
-        ):
-            self._close_epoch()
         steps = self._readings.steps
-        if steps % self._leak_sample_steps == 0 and steps > self._leak_warmup_steps:
-            self._sample_memory_trend()
-
-    def _sample_memory_trend(self) -> None:
-        """Every ``leak_sample_steps`` steps: memory for the trend leak rule (any loop shape)."""
-        with self._guard.contain("memory"):
-            samples = self._memory.trend_samples()
-            with self._judging:
-                self._recorder.memory_trend(
-                    samples, self._memory.limits, self._heartbeat.median_step_seconds()
-                )
+        if steps % self._window_steps == 0 and self._epochs.by_steps():
+            self._close_epoch()
+        plugged = self._plugged
+        if steps >= plugged.next_step:  # one comparison a step; the plug-ins when one is due
+            plugged.step_end(steps)
 
     def _on_scaler_update(self) -> None:
         """After ``GradScaler.update()``: read the new scale; close a skipped iteration."""
@@ -998,14 +563,14 @@ class Monitor:
             self._steps_at_update = self._readings.steps
             if not stepped:
                 self._timer.iteration_skipped()  # the step hooks never ran
-                self._preclip = None  # measured by a clip whose step was skipped
+                self._measurements.preclip = None  # measured by a clip whose step was skipped
                 self._throughput.abandon(self._readings.steps)
             step = self._recorder.global_step - (1 if stepped else 0)
             scale = scale_tensor(self._scaler)
-            with self._judging:
+            with self._engine.lock:
                 if scale is not None:
-                    self._readback.submit(_ValueTag("scale", max(step, 0)), scale)
-                self._poll(self._timer.clock())  # a skipped step has no step end to poll at
+                    self._measurements.scale(scale, step)
+                self._measurements.poll(self._timer.clock())  # a skipped step: no step end
         except Exception as error:
             self._guard.record("hooks", error)
 
@@ -1017,163 +582,20 @@ class Monitor:
 
     # --- host side ----------------------------------------------------------------------------
 
-    def _poll(self, now: float) -> None:
-        """Collect finished reads every step; judge them once ``judge_seconds`` have passed.
-
-        The caller holds ``_judging``.
-        """
-        try:
-            waiting = self._readback.collect()
-            if waiting and (
-                now - self._judged_at >= self._judge_seconds or waiting >= MAX_WAITING_RESULTS
-            ):
-                self._judged_at = now
-                self._consume(self._readback.poll())
-            if self._device_timer is not None:
-                self._device_timer.poll()
-        except Exception as error:
-            self._guard.record("readback", error)
-
-    # --- the judging engine (stabmon.judging), under the names the hooks use ----------------
-
-    @property
-    def _readback(self) -> Readback[_GradTag | _ValueTag]:
-        return self._engine.readback
-
-    @property
-    def _judging(self) -> threading.RLock:
-        return self._engine.lock
-
-    @property
-    def _judge_seconds(self) -> float:
-        return self._engine.judge_seconds
-
-    @property
-    def _judged_at(self) -> float:
-        return self._engine.judged_at
-
-    @_judged_at.setter
-    def _judged_at(self, value: float) -> None:
-        self._engine.judged_at = value
-
-    def _reentered(self) -> bool:
-        return self._engine.reentered()
-
-    def _judge_waiting(self, wait_seconds: float = 0.0) -> None:
-        self._engine.judge_waiting(wait_seconds)
-
-    def _judge_last(self, wait_seconds: float) -> None:
-        self._engine.judge_last(wait_seconds, self._finish_judging)
-
-    def _finish_judging(self) -> None:
-        """The device timer's last events and the step sample still waiting for a value."""
-        if self._device_timer is not None:
-            self._device_timer.poll()
-        self._recorder.flush_sample()
-
     def _judge_quiet(self) -> None:
         """Judge thread: judge what waits in a quiet loop (see stabmon.judging). The device
         timer is left to the training thread, whose hooks record its events."""
         median = self._heartbeat.median_step_seconds()
         self._engine.judge_quiet(self._timer.clock(), self._heartbeat.last_beat, median)
 
-    def _consume(self, results: list[tuple[_GradTag | _ValueTag, list[float]]]) -> None:
-        for tag, values in results:
-            try:  # per result, so one bad value does not lose the others
-                if isinstance(tag, _GradTag):
-                    layout = tag.layout  # the one it was measured with, however old
-                    summary = layout.summarize(values)
-                    self._recorder.grads(tag.step, summary, layout.nonfinite_offenders)
-                    self._judge_dead(tag.step, summary)
-                elif tag.kind == "loss":
-                    self._recorder.loss(tag.step, values[0])
-                elif tag.kind == "clip":
-                    self._recorder.clip(tag.step, values[0])
-                else:
-                    self._recorder.scale(tag.step, values[0])
-            except Exception as error:
-                self._guard.record("detectors", error)
-
-    def _judge_dead(self, step: int, summary: GradSummary) -> None:
-        """Feed the dead-branch detector; a new layout (model moved, params changed) restarts it."""
-        layout = summary.layout
-        empty_shards = layout.empty_shards
-        dead = self._dead
-        if dead is None or self._dead_layout is not layout:
-            empty = set(empty_shards)
-            names = [n for i, n in enumerate(layout.names) if i not in empty]
-            groups = [g for i, g in enumerate(layout.packed_groups) if i not in empty]
-            dead = self._dead = DeadGradients(names, groups, self.config.dead_grad_steps)
-            self._dead_layout = layout
-        norms = summary.tensor_norms
-        if empty_shards:
-            empty = set(empty_shards)
-            norms = [n for i, n in enumerate(norms) if i not in empty]
-        report = dead.update(norms, summary.zero_grad_params)
-        if report.newly_dead or report.revived or not self._readings.dead_grad_params:
-            self._recorder.dead(step, report, dead.dead_by_group())
-
     def _close_epoch(self) -> None:
-        self._judge_waiting()
+        self._engine.judge_waiting()
         with self._guard.contain("memory"):
             samples, peaks = self._memory.epoch_samples()
             self._recorder.epoch(samples, peaks)
-            self._start_snapshot()
-            if self._grads is not None and self._grads.trainable_changed():
-                self._grads = _build_grad_probe(
-                    self._model, self._optimizer, self.config, self._limiter
-                )
-
-    def _start_snapshot(self) -> None:
-        """When the leak rule holds on a CUDA device, record its allocator (if configured)."""
-        step = self._recorder.global_step
-        for label, suspected in self._readings.memory_leak_suspected.items():
-            if suspected and label.startswith("cuda") and self._snapshots.start(label, step):
-                self._recorder.write(
-                    "memory_snapshot_started",
-                    device=label,
-                    step=step,
-                    steps=self.config.memory_snapshot_steps,
-                )
-                return
-
-    def _finish_snapshot(self) -> None:
-        with self._guard.contain("memory"):
-            finished = self._snapshots.step(self._recorder.global_step)
-            if finished is not None:
-                device, path = finished
-                self._recorder.write(
-                    "memory_snapshot", device=device, step=self._recorder.global_step,
-                    path=str(path),
-                )  # fmt: skip
-                LOGGER.warning(
-                    "stabmon: CUDA allocator snapshot of %s written to %s; open it at "
-                    "https://pytorch.org/memory_viz to see which allocations grow",
-                    device,
-                    path,
-                )
-
-    def _phase_label(self, name: str) -> str:
-        if isinstance(name, str) and name in self._named_phases:
-            return name
-        problem = None
-        if not isinstance(name, str) or not _PHASE_NAME.match(name):
-            problem = "is not a short identifier ([A-Za-z_][A-Za-z0-9_]*, at most 64 characters)"
-        elif name in _RESERVED_PHASES:
-            problem = "is a built-in loop phase"
-        elif len(self._named_phases) >= MAX_NAMED_PHASES:
-            problem = f"would be phase name number {MAX_NAMED_PHASES + 1}"
-        if problem is not None:
-            self._limiter.once(
-                "phase-name",
-                logging.WARNING,
-                "stabmon: phase name %r %s; its time is counted as phase 'other' (logged once)",
-                name,
-                problem,
-            )
-            return "other"
-        self._named_phases.add(name)
-        return name
+        self._plugged.epoch_end(self._recorder.global_step)
+        with self._guard.contain("grads"):
+            self._measurements.rebuild_if_trainable_changed()
 
 
 def _judge_if_quiet(monitor: weakref.ref[Monitor]) -> None:
@@ -1195,84 +617,17 @@ def _judge_at_exit(monitor: weakref.ref[Monitor]) -> None:
     if target is None or target._detached or target._pid != os.getpid():
         return
     target._engine.exiting = True
-    target._judge_last(wait_seconds=0.5)
-
-
-def _report_duplicate(monitor: weakref.ref[Monitor], other: ProcessRecord) -> None:
-    alive = monitor()
-    if alive is not None:
-        alive._report_duplicate(other)
-
-
-def _record_exit(registration: weakref.ref[Registration]) -> None:
-    """atexit: mark the record "clean" or "exception" so the daemon can tell a crash from an end."""
-    target = registration()
-    if target is not None:
-        try:
-            target.exited(ExitWatch.status(), time.time(), signal_name=ExitWatch.signal_name())
-        except OSError:
-            pass  # the daemon then sees a process that vanished: reported as down
-
-
-def _record_sigterm(registration: weakref.ref[Registration]) -> None:
-    """SIGTERM is ending the process: say so in the record, so no one is paged for a crash."""
-    target = registration()
-    if target is not None:
-        target.exited("signal", time.time(), signal_name="SIGTERM")
+    target._engine.judge_last(0.5, target._measurements.finish)
 
 
 def _owns_param(monitor: weakref.ref[Monitor], param: torch.Tensor) -> bool:
     """Whether ``param`` is measured by the Monitor (held weakly by the clip wrappers)."""
     target = monitor()
-    probe = None if target is None or target._detached else target._grads
+    probe = None if target is None or target._detached else target._measurements.probe
     return probe is not None and probe.owns(param)
 
 
 def _clip_seen(monitor: weakref.ref[Monitor], params: Any, max_norm: float) -> None:
     target = monitor()
     if target is not None:
-        target._on_clip(params, max_norm)
-
-
-def _build_throughput(
-    monitor: Monitor, devices: tuple[torch.device, ...], probe: GradProbe | None, started: float
-) -> ThroughputWatch:
-    """Throughput and slowdown accounting; MFU only where a CUDA device's peak is known."""
-    device_name = None
-    if devices:
-        try:
-            device_name = torch.cuda.get_device_name(devices[0])
-        except (AssertionError, RuntimeError):
-            device_name = ""  # a GPU without properties: in no table, so no MFU
-    recorder = monitor._recorder
-    return ThroughputWatch(
-        monitor.config.throughput,
-        monitor._readings,
-        now=started,  # uptime then covers every phase second the loop timer books
-        device_name=device_name,
-        parameter_dtype=probe.params[0].dtype if probe and probe.params else torch.float32,
-        model=unwrap_model(monitor._model),
-        anomaly=recorder.anomaly,
-        write=recorder.write,
-        global_step=lambda: recorder.global_step,
-        limiter=monitor._limiter,
-    )
-
-
-def _param_signature(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
-    """Cheap per-step check for ``add_param_group``: group count and parameter count."""
-    groups = optimizer.param_groups
-    return len(groups), sum(len(group["params"]) for group in groups)
-
-
-def _build_grad_probe(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Config, limiter: LogLimiter
-) -> GradProbe:
-    """The probe over ``optimizer``'s parameters, named from the (unwrapped) model."""
-    return build_grad_probe(
-        unwrap_model(model).named_parameters(),
-        optimizer,
-        module_depth=config.module_depth,
-        max_modules=config.max_modules,
-        limiter=limiter,
-    )
+        target._measurements.clip(max_norm)

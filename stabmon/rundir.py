@@ -36,6 +36,7 @@ from types import TracebackType
 from typing import Any, NoReturn
 
 from stabmon.safefs import owned_directory, read_regular_with_owner
+from stabmon.wrapping import Hold, Patch, SharedWrap
 
 __all__ = [
     "DEFAULT_RUN_DIR",
@@ -514,19 +515,22 @@ class ExitWatch:
     never reaches that hook and no API gives ``atexit`` the exit code, so ``sys.exit`` is
     wrapped too: a call from the main thread with a failure status (a non-zero code, a
     message) is noted, the last call winning. ``raise SystemExit(1)`` written out is not
-    seen. Both hooks are process-wide by nature; they are installed once and only observe.
+    seen. Both hooks are process-wide by nature and only observe: installed by the first
+    attached Monitor's :meth:`install`, restored when the last releases its hold
+    (:class:`stabmon.wrapping.SharedWrap`).
     """
 
-    _installed = False
     _uncaught = False
     _interrupted = False
     _failed_exit = False
 
     @classmethod
-    def install(cls) -> None:
-        if cls._installed:
-            return
-        cls._installed = True
+    def install(cls) -> Hold[object]:
+        """Observe exits until the returned hold is released (at detach)."""
+        return _EXIT_WRAP.attach(object())
+
+    @classmethod
+    def _patches(cls, wrap: SharedWrap[object]) -> list[Patch]:
         previous = sys.excepthook
 
         def note_uncaught(
@@ -538,7 +542,6 @@ class ExitWatch:
             cls._interrupted = issubclass(kind, KeyboardInterrupt)
             previous(kind, error, trace)
 
-        sys.excepthook = note_uncaught
         previous_exit = sys.exit
 
         def note_exit(status: object = None) -> NoReturn:
@@ -546,7 +549,7 @@ class ExitWatch:
                 cls._failed_exit = status is not None and status != 0  # 1, "message", True
             previous_exit(status)  # type: ignore[arg-type]  # whatever it was given, as before
 
-        sys.exit = note_exit
+        return [Patch(sys, "excepthook", note_uncaught), Patch(sys, "exit", note_exit)]
 
     @classmethod
     def status(cls) -> str:
@@ -558,3 +561,6 @@ class ExitWatch:
     def signal_name(cls) -> str | None:
         """The signal that ended the process, where it was seen (SIGINT); else None."""
         return "SIGINT" if cls._interrupted else None
+
+
+_EXIT_WRAP: SharedWrap[object] = SharedWrap(ExitWatch._patches)

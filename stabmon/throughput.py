@@ -17,7 +17,7 @@ with this process's running totals; ``stabmon report`` turns them into goodput.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -76,6 +76,43 @@ def _first_tensor(batch: object, depth: int) -> torch.Tensor | None:
         if found is not None:
             return found
     return None
+
+
+def build_throughput(
+    config: ThroughputConfig,
+    readings: Readings,
+    *,
+    model: torch.nn.Module,
+    devices: Sequence[torch.device],
+    parameters: Sequence[torch.Tensor],
+    started: float,
+    recorder: Any,
+    limiter: LogLimiter,
+) -> ThroughputWatch:
+    """Throughput and slowdown accounting; MFU only where a CUDA device's peak is known.
+
+    ``recorder`` (a :class:`~stabmon.recorder.Recorder`) gets the anomalies and events;
+    ``started`` is at or before the loop timer's first mark, so uptime covers every phase
+    second it books.
+    """
+    device_name = None
+    if devices:
+        try:
+            device_name = torch.cuda.get_device_name(devices[0])
+        except (AssertionError, RuntimeError):
+            device_name = ""  # a GPU without properties: in no table, so no MFU
+    return ThroughputWatch(
+        config,
+        readings,
+        now=started,
+        device_name=device_name,
+        parameter_dtype=parameters[0].dtype if parameters else torch.float32,
+        model=model,
+        anomaly=recorder.anomaly,
+        write=recorder.write,
+        global_step=lambda: recorder.global_step,
+        limiter=limiter,
+    )
 
 
 class ThroughputWatch:

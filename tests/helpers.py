@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import json
 import subprocess
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -138,3 +139,34 @@ def has_nvidia_driver() -> bool:
     except OSError:
         return False
     return True
+
+
+class LoopClock:
+    """A loop clock the test moves, injected with ``attach(..., clock=clock)``.
+
+    The loop timer, the heartbeat and the stall watchdog all read it, so a stall happens
+    when the test advances it past the limit, never because the machine is slow.
+    """
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def wait_until(check: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    """Poll ``check`` until it holds (a background thread's work); fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting until {what}")
+        time.sleep(0.02)
+
+
+def interruptible_sleep(until: threading.Event, timeout: float = 30.0) -> None:
+    """Block the calling (main) thread until ``until`` is set, as a stalled loop blocks."""
+    until.wait(timeout)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stabmon.clipping import clipping_wrapped
+from stabmon.probes.clipping import clipping_wrapped
 from tests.conftest import MonitorFactory
 from tests.helpers import scrape, value
 

@@ -178,6 +178,20 @@ def contract_is_a_leaf(graph: ImportGraph) -> list[str]:
     ]
 
 
+#: Small modules every layer may import, which therefore import nothing from stabmon.
+LEAVES = ("stabmon.wrapping", "stabmon.extension")
+
+
+def leaves_import_nothing_from_stabmon(graph: ImportGraph) -> list[str]:
+    """The wrapper helper and the extension point (LEAVES) import no stabmon module at run time."""
+    return [
+        _describe(imp)
+        for leaf in LEAVES
+        for imp in graph.explicit(leaf)
+        if graph.internal(imp) is not None
+    ]
+
+
 def daemon_never_imports_torch(graph: ImportGraph) -> list[str]:
     """No daemon module imports torch, directly or through the stabmon modules it imports."""
     problems: list[str] = []
@@ -269,6 +283,7 @@ def no_import_cycles(graph: ImportGraph) -> list[str]:
 
 RULES = [
     contract_is_a_leaf,
+    leaves_import_nothing_from_stabmon,
     daemon_never_imports_torch,
     only_daemon_nvml_imports_pynvml,
     probes_never_import_detectors_or_export,
@@ -304,6 +319,9 @@ def _plant(root: Path, files: dict[str, str]) -> ImportGraph:
 
 PLANTED = {
     "contract_is_a_leaf": {"contract.py": "from stabmon.config import Config\n"},
+    "leaves_import_nothing_from_stabmon": {
+        "extension.py": "def f():\n    from stabmon.recorder import Recorder\n",
+    },
     "daemon_never_imports_torch": {
         "daemon/app.py": "from stabmon.probes.helper import thing\n",
         "probes/helper.py": "def thing():\n    import torch.cuda\n",

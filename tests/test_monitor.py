@@ -5,16 +5,27 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import MonitorFactory
-from helpers import events, scrape, tiny_model, train_step, value
+from helpers import (
+    LoopClock,
+    events,
+    interruptible_sleep,
+    scrape,
+    tiny_model,
+    train_step,
+    value,
+    wait_until,
+)
 from torch.nn.utils import get_total_norm
 
 import stabmon
+import stabmon.measurements
 
 
 def _sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -296,7 +307,7 @@ def test_results_waiting_when_the_model_is_cast_keep_their_parameter_names(
 def test_at_most_max_waiting_results_wait_however_short_the_steps(
     attach: MonitorFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(stabmon.monitor, "MAX_WAITING_RESULTS", 6)
+    monkeypatch.setattr(stabmon.measurements, "MAX_WAITING_RESULTS", 6)
     model = tiny_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     monitor = attach(model, optimizer, judge_seconds=3600)
@@ -605,13 +616,24 @@ def test_host_rss_is_sampled_from_attach(attach: MonitorFactory) -> None:
 def test_stall_is_flagged_while_the_loop_sleeps_and_cleared_after(attach: MonitorFactory) -> None:
     model = tiny_model()
     optimizer = _sgd(model)
-    monitor = attach(model, optimizer, stall_seconds=0.4)
+    clock = LoopClock()
+    monitor = attach(model, optimizer, stall_seconds=0.4, clock=clock)
     train_step(model, optimizer, monitor)
     assert value(scrape(monitor.metrics_url), "stabmon_stalled") == 0
-    time.sleep(1.0)  # the main thread is blocked: only the watchdog thread can notice
+    flagged = threading.Event()
+
+    def watch() -> None:  # scrapes from another thread: the main one stays blocked
+        wait_until(lambda: value(scrape(monitor.metrics_url), "stabmon_stalled") == 1, "stalled")
+        flagged.set()
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    clock.advance(1.0)  # the loop is past its limit
+    watcher.start()
+    interruptible_sleep(flagged)  # the main thread is blocked: only the watchdog can notice
+    watcher.join(timeout=30)
     assert value(scrape(monitor.metrics_url), "stabmon_stalled") == 1
     train_step(model, optimizer, monitor)
-    time.sleep(0.3)
+    wait_until(lambda: value(scrape(monitor.metrics_url), "stabmon_stalled") == 0, "recovered")
     samples = scrape(monitor.metrics_url)
     assert value(samples, "stabmon_stalled") == 0
     assert value(samples, "stabmon_anomalies_total", kind="stall") == 1
@@ -625,13 +647,29 @@ def test_stall_is_flagged_while_the_loop_sleeps_and_cleared_after(attach: Monito
     assert any(e["event"] == "stall_end" for e in events(monitor.event_log_path))
 
 
+def test_a_stall_is_judged_on_the_injected_loop_clock_not_the_machine_clock(
+    attach: MonitorFactory,
+) -> None:
+    model = tiny_model()
+    optimizer = _sgd(model)
+    clock = LoopClock()
+    monitor = attach(model, optimizer, stall_seconds=0.2, clock=clock)
+    train_step(model, optimizer, monitor)
+    time.sleep(0.6)  # a slow machine: real time passes, the loop clock does not
+    assert value(scrape(monitor.metrics_url), "stabmon_stalled") == 0
+    clock.advance(0.3)
+    wait_until(lambda: value(scrape(monitor.metrics_url), "stabmon_stalled") == 1, "stalled")
+
+
 def test_named_phase_uses_the_longer_stall_limit(attach: MonitorFactory) -> None:
     model = tiny_model()
     optimizer = _sgd(model)
-    monitor = attach(model, optimizer, stall_seconds=0.3, phase_stall_seconds=60)
+    clock = LoopClock()
+    monitor = attach(model, optimizer, stall_seconds=0.3, phase_stall_seconds=60, clock=clock)
     train_step(model, optimizer, monitor)
     with monitor.phase("eval"):
-        time.sleep(0.8)
+        clock.advance(0.8)
+        time.sleep(0.3)  # a few watchdog looks (it looks every 0.075 s)
         assert value(scrape(monitor.metrics_url), "stabmon_stalled") == 0
 
 
@@ -806,9 +844,11 @@ def test_resumed_run_gets_the_start_up_grace_again(attach: MonitorFactory) -> No
     train_step(model, optimizer, first)
     state = first.state_dict()
     first.detach()
-    resumed = attach(model, optimizer, stall_seconds=0.3, phase_stall_seconds=60)
+    clock = LoopClock()
+    resumed = attach(model, optimizer, stall_seconds=0.3, phase_stall_seconds=60, clock=clock)
     resumed.load_state_dict(state)
-    time.sleep(0.8)  # loading data, compiling: no step yet in this process
+    clock.advance(0.8)  # loading data, compiling: no step yet in this process
+    time.sleep(0.3)  # a few watchdog looks
     assert value(scrape(resumed.metrics_url), "stabmon_stalled") == 0
 
 
@@ -943,11 +983,14 @@ def test_evaluation_forwards_and_losses_do_not_count_as_training(attach: Monitor
 def test_no_false_stall_after_a_named_phase_longer_than_the_limit(attach: MonitorFactory) -> None:
     model = tiny_model()
     optimizer = _sgd(model)
-    monitor = attach(model, optimizer, stall_seconds=0.5, phase_stall_seconds=60)
+    clock = LoopClock()
+    monitor = attach(model, optimizer, stall_seconds=0.5, phase_stall_seconds=60, clock=clock)
     train_step(model, optimizer, monitor)
     with monitor.phase("eval"):
-        time.sleep(1.0)
-    time.sleep(0.2)  # back in the loop, well within the limit
+        clock.advance(1.0)
+        time.sleep(0.3)  # a few watchdog looks inside the phase
+    clock.advance(0.2)  # back in the loop, well within the limit
+    time.sleep(0.3)
     assert value(scrape(monitor.metrics_url), "stabmon_stalled") == 0
     assert value(scrape(monitor.metrics_url), "stabmon_anomalies_total", kind="stall") == 0
 

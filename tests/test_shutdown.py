@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-import stabmon.monitor as monitor_module
+import stabmon.resources as resources_module
 
 
 class _RecordingThread:
@@ -26,7 +26,7 @@ class _RecordingThread:
 
 def test_resources_close_asks_every_thread_to_stop_before_waiting_for_any() -> None:
     calls: list[tuple[str, str, float | None]] = []
-    resources = monitor_module._Resources()
+    resources = resources_module.Resources()
     resources.threads = [_RecordingThread(n, calls) for n in ("a", "b", "c")]  # type: ignore[misc]
     resources.close()
     kinds = [kind for kind, _, _ in calls]
@@ -35,7 +35,7 @@ def test_resources_close_asks_every_thread_to_stop_before_waiting_for_any() -> N
 
 def test_resources_close_waits_for_all_threads_against_one_deadline() -> None:
     calls: list[tuple[str, str, float | None]] = []
-    resources = monitor_module._Resources()
+    resources = resources_module.Resources()
     resources.threads = [_RecordingThread(n, calls) for n in ("a", "b", "c")]  # type: ignore[misc]
     deadline = time.monotonic() + 0.75
     resources.close(deadline)

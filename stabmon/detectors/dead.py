@@ -16,8 +16,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-__all__ = ["DeadGradients", "DeadReport", "module_of"]
+if TYPE_CHECKING:
+    from stabmon.extension import Attachment
+    from stabmon.probes.grads import GradLayout, GradSummary
+
+__all__ = ["DeadGradientJudge", "DeadGradients", "DeadReport", "module_of"]
 
 
 def module_of(param_name: str) -> str:
@@ -87,3 +92,35 @@ class DeadGradients:
         for index in self._dead:
             counts[self._groups[index]] += 1
         return counts
+
+
+class DeadGradientJudge:
+    """Plug-in (:mod:`stabmon.extension`): feeds each judged gradient summary to
+    :class:`DeadGradients`; a new layout (model moved, parameters changed) restarts it."""
+
+    component = "detectors"
+
+    def __init__(self, attachment: Attachment) -> None:
+        self._window = attachment.config.dead_grad_steps
+        self._readings = attachment.readings
+        self._recorder = attachment.recorder
+        self._dead: DeadGradients | None = None
+        self._layout: GradLayout | None = None  # the layout self._dead was built for
+
+    def grads_judged(self, step: int, summary: GradSummary) -> None:
+        layout = summary.layout
+        empty_shards = layout.empty_shards
+        dead = self._dead
+        if dead is None or self._layout is not layout:
+            empty = set(empty_shards)
+            names = [n for i, n in enumerate(layout.names) if i not in empty]
+            groups = [g for i, g in enumerate(layout.packed_groups) if i not in empty]
+            dead = self._dead = DeadGradients(names, groups, self._window)
+            self._layout = layout
+        norms = summary.tensor_norms
+        if empty_shards:
+            empty = set(empty_shards)
+            norms = [n for i, n in enumerate(norms) if i not in empty]
+        report = dead.update(norms, summary.zero_grad_params)
+        if report.newly_dead or report.revived or not self._readings.dead_grad_params:
+            self._recorder.dead(step, report, dead.dead_by_group())

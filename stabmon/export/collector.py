@@ -21,9 +21,10 @@ from prometheus_client.registry import Collector
 
 from stabmon import contract as c
 from stabmon.export.families import family, histogram_family
+from stabmon.extension import Publishes
 from stabmon.readings import Histogram, Readings
 
-__all__ = ["ReadingsCollector"]
+__all__ = ["PluginCollector", "ReadingsCollector"]
 
 
 class ReadingsCollector(Collector):
@@ -166,3 +167,17 @@ def _histogram(
     buckets, total = histogram.snapshot()
     built.add_metric(_values(tuple(labels.values()), ()), buckets, total)
     return built
+
+
+class PluginCollector(Collector):
+    """The families a plug-in publishes (:mod:`stabmon.extension`'s ``readings()``), with
+    the process labels (``rank``, ``run``) first."""
+
+    def __init__(self, labels: Mapping[str, str], plugin: Publishes) -> None:
+        self._labels = labels
+        self._plugin = plugin
+
+    def collect(self) -> Iterator[Metric]:
+        for definition, samples in self._plugin.readings():
+            rows = ((tuple(values), value) for values, value in samples)
+            yield _process_family(definition, self._labels, rows, None)

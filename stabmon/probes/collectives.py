@@ -9,9 +9,10 @@ note the call's name while it runs: two attribute stores per call, nothing on
 the device. The training thread writes, the watchdog and exporter only read.
 Nested calls (``all_gather_object`` calls ``all_gather``) count once.
 
-The replacement is process-wide by nature; ``uninstall`` restores a function
-only while it is still this counter's wrapper, so two monitors in one process
-unwind in any order. DDP's gradient all-reduces are issued from C++ and are not
+The replacement is process-wide by nature: one wrapper per function
+(:class:`stabmon.wrapping.SharedWrap`) counts for every attached counter, installed
+by the first ``install`` and restored by the last ``uninstall``, so two monitors in
+one process unwind in any order. DDP's gradient all-reduces are issued from C++ and are not
 counted: the loop phase (``backward``) covers them; nor are calls inside a
 ``torch.compile``d region, which dynamo traces as if unwrapped (no graph break
 is added). NCCL's flight recorder
@@ -26,6 +27,8 @@ import threading
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
+
+from stabmon.wrapping import Hold, Patch, SharedWrap
 
 __all__ = ["COLLECTIVE_FUNCTIONS", "CollectiveCounter"]
 
@@ -53,50 +56,83 @@ class CollectiveCounter:
         #: Name of the collective the main thread is inside now, else None.
         self.current: str | None = None
         self._modules = modules
-        #: (module, name, original, wrapper) for each replaced attribute.
-        self._installed: list[tuple[ModuleType, str, Callable[..., Any], Callable[..., Any]]] = []
-        self._main = threading.main_thread().ident
+        self._hold: Hold[CollectiveCounter] | None = None
 
     def install(self) -> None:
-        """Wrap the collective functions of ``torch.distributed`` (where it is available)."""
-        modules = self._modules if self._modules is not None else _distributed_modules()
-        wrappers: dict[int, Callable[..., Any]] = {}
-        for module in modules:
-            for name in COLLECTIVE_FUNCTIONS:
-                original = getattr(module, name, None)
-                if original is None or not callable(original):
-                    continue
-                wrapper = wrappers.get(id(original))
-                if wrapper is None:
-                    wrapper = wrappers[id(original)] = self._wrap(name, original)
-                setattr(module, name, wrapper)
-                self._installed.append((module, name, original, wrapper))
+        """Count the collective functions of ``torch.distributed`` (where it is available)."""
+        if self._hold is None:
+            modules = self._modules if self._modules is not None else _distributed_modules()
+            self._hold = _shared_wrap(modules).attach(self)
 
     def uninstall(self) -> None:
-        for module, name, original, wrapper in reversed(self._installed):
-            if getattr(module, name, None) is wrapper:
-                setattr(module, name, original)
-        self._installed.clear()
+        hold, self._hold = self._hold, None
+        if hold is not None:
+            hold.release()
 
-    def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
-        counter = self
-        main = self._main
-        compiling = _is_compiling()
 
-        @functools.wraps(original)
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            if compiling():  # dynamo traces the original, as if unwrapped: no graph break
-                return original(*args, **kwargs)
-            if threading.get_ident() != main or counter.current is not None:
-                return original(*args, **kwargs)  # another thread's, or nested: counted once
+#: One shared wrap per tuple of modules (torch.distributed's, or a test's stand-in).
+_WRAPS: dict[tuple[ModuleType, ...], SharedWrap[CollectiveCounter]] = {}
+_WRAPS_LOCK = threading.Lock()
+
+
+def _shared_wrap(modules: tuple[ModuleType, ...]) -> SharedWrap[CollectiveCounter]:
+    with _WRAPS_LOCK:
+        wrap = _WRAPS.get(modules)
+        if wrap is None:
+            wrap = _WRAPS[modules] = SharedWrap(functools.partial(_patches, modules))
+        return wrap
+
+
+def _patches(modules: tuple[ModuleType, ...], wrap: SharedWrap[CollectiveCounter]) -> list[Patch]:
+    patches: list[Patch] = []
+    wrappers: dict[int, Callable[..., Any]] = {}
+    inside = _Inside()
+    for module in modules:
+        for name in COLLECTIVE_FUNCTIONS:
+            original = getattr(module, name, None)
+            if original is None or not callable(original):
+                continue
+            wrapper = wrappers.get(id(original))
+            if wrapper is None:
+                wrapper = wrappers[id(original)] = _wrap(name, original, wrap, inside)
+            patches.append(Patch(module, name, wrapper))
+    return patches
+
+
+class _Inside:
+    """Whether the main thread is inside a counted collective (nested calls count once)."""
+
+    now = False
+
+
+def _wrap(
+    name: str,
+    original: Callable[..., Any],
+    wrap: SharedWrap[CollectiveCounter],
+    inside: _Inside,
+) -> Callable[..., Any]:
+    main = threading.main_thread().ident
+    compiling = _is_compiling()
+
+    @functools.wraps(original)
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        if compiling():  # dynamo traces the original, as if unwrapped: no graph break
+            return original(*args, **kwargs)
+        counters = wrap.users
+        if not counters or threading.get_ident() != main or inside.now:
+            return original(*args, **kwargs)  # another thread's, or nested: counted once
+        inside.now = True
+        for counter in counters:
             counter.issued += 1
             counter.current = name
-            try:
-                return original(*args, **kwargs)
-            finally:
+        try:
+            return original(*args, **kwargs)
+        finally:
+            inside.now = False
+            for counter in counters:
                 counter.current = None
 
-        return counted
+    return counted
 
 
 def _is_compiling() -> Callable[[], bool]:

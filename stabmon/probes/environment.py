@@ -16,10 +16,14 @@ from typing import Any
 
 import torch
 
+from stabmon.guard import Guard
+from stabmon.probes.identity import identify_gpus
+
 __all__ = [
     "ProcessIdentity",
     "build_info",
     "default_run_id",
+    "describe_environment",
     "environment_record",
     "format_environment",
     "process_identity",
@@ -191,6 +195,23 @@ def environment_record(
         "gpus": [dict(gpu) for gpu in gpus],
         "variables": relevant_variables(env),
     }
+
+
+def describe_environment(
+    build: Mapping[str, str], devices: Sequence[torch.device], guard: Guard
+) -> tuple[dict[str, Any], list[dict[str, str]]]:
+    """The attach record's environment, and the labels of the physical GPUs in use.
+
+    Identifying the GPUs may fail (a driver that answers nothing); that failure is
+    contained and the record is written without them.
+    """
+    gpus: list[dict[str, str]] = []
+    driver = ""
+    with guard.contain("hooks"):
+        if devices:
+            driver, identities = identify_gpus(devices)
+            gpus = [{**identity.labels(), "driver_version": driver} for identity in identities]
+    return environment_record(build, gpus, driver, os.environ), gpus
 
 
 def format_environment(record: Mapping[str, Any]) -> str:

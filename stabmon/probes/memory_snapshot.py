@@ -12,10 +12,16 @@ so a long run never fills its disk with snapshots.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["SnapshotRecorder"]
+from stabmon.log import LOGGER
+
+if TYPE_CHECKING:
+    from stabmon.extension import Attachment
+
+__all__ = ["AllocatorSnapshots", "SnapshotRecorder"]
 
 #: Allocation events kept in the recording (PyTorch's own default is 100,000).
 MAX_ENTRIES = 100_000
@@ -65,3 +71,43 @@ class SnapshotRecorder:
 
             self._memory = torch.cuda.memory
         return self._memory
+
+
+class AllocatorSnapshots:
+    """Plug-in (:mod:`stabmon.extension`): starts a snapshot at an epoch end whose leak rule
+    holds on a CUDA device (when ``memory_snapshot_steps`` is set), finishes it steps later."""
+
+    component = "memory"
+
+    def __init__(self, attachment: Attachment) -> None:
+        self._readings = attachment.readings
+        self._recorder = attachment.recorder
+        self._steps = attachment.config.memory_snapshot_steps
+        self.snapshots = SnapshotRecorder(self._steps, attachment.run_directory, attachment.rank)
+        #: Every step while recording; otherwise never (epoch_end starts a recording).
+        self.next_step = sys.maxsize
+
+    def epoch_end(self, step: int) -> None:
+        for label, suspected in self._readings.memory_leak_suspected.items():
+            if suspected and label.startswith("cuda") and self.snapshots.start(label, step):
+                self._recorder.write(
+                    "memory_snapshot_started", device=label, step=step, steps=self._steps
+                )
+                self.next_step = self._readings.steps + 1
+                return
+
+    def step_end(self, steps: int) -> None:
+        self.next_step = steps + 1
+        step = self._recorder.global_step
+        finished = self.snapshots.step(step)
+        if finished is None:
+            return
+        self.next_step = sys.maxsize
+        device, path = finished
+        self._recorder.write("memory_snapshot", device=device, step=step, path=str(path))
+        LOGGER.warning(
+            "stabmon: CUDA allocator snapshot of %s written to %s; open it at "
+            "https://pytorch.org/memory_viz to see which allocations grow",
+            device,
+            path,
+        )

@@ -11,15 +11,15 @@ return unusual types, and a run nobody scrapes.
 
 from __future__ import annotations
 
-import time
 from collections import namedtuple
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from conftest import MonitorFactory
-from helpers import events, scrape, train_step, value
+from helpers import LoopClock, events, scrape, train_step, value, wait_until
 
 
 @dataclass
@@ -81,12 +81,17 @@ def test_forward_returning_unusual_types_is_measured_without_an_exception(
     assert errors and sum(errors) == 0
 
 
+def _stall_recorded(path: Path | None) -> bool:
+    return any(r["event"] == "anomaly" and r.get("kind") == "stall" for r in events(path))
+
+
 def test_run_nobody_scrapes_keeps_every_anomaly_in_the_event_log(attach: MonitorFactory) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     # Episodes of at most 5 quiet values: the NaN steps 25 and 40 are two incidents.
+    clock = LoopClock()
     monitor = attach(model, optimizer, spike_warmup_steps=20, stall_seconds=0.3,
-                     spike_episode_gap=5)  # fmt: skip
+                     spike_episode_gap=5, clock=clock)  # fmt: skip
     batch = torch.randn(16, 8)
     nan_steps = {25, 40}
     for step in range(60):
@@ -101,8 +106,9 @@ def test_run_nobody_scrapes_keeps_every_anomaly_in_the_event_log(attach: Monitor
                     layer.reset_parameters()  # undo the spike's update
             continue
         train_step(model, optimizer, monitor, nan_grad=step in nan_steps)
-        if step == 50:
-            time.sleep(1.0)  # a stall
+        if step == 50:  # a stall: the loop hangs past its limit until the watchdog reports it
+            clock.advance(1.0)
+            wait_until(lambda: _stall_recorded(monitor.event_log_path), "the stall is recorded")
     monitor.detach()  # nothing ever scraped the endpoint
     records = [r for r in events(monitor.event_log_path) if r["event"] == "anomaly"]
     found = sorted((r["kind"], r["step"]) for r in records)

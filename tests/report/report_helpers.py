@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from helpers import tiny_model, train_step
+from helpers import LoopClock, tiny_model, train_step, wait_until
 
 import stabmon
+from stabmon.export.families import registry_sum
 
 NAN_STEP = 30
 SPIKE_STEP = 80
@@ -35,20 +35,25 @@ def train_with_faults(run_dir: Path) -> FaultyRun:
     model = tiny_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     leaked: list[bytearray] = []
+    # The loop's clock moves 10 ms a step and 4 s at the stall, whatever the machine's speed.
+    clock = LoopClock()
     with stabmon.attach(
         model, optimizer, port=0, address="127.0.0.1", run_dir=str(run_dir), run_id="faulty",
         sample_every=5, spike_warmup_steps=20, stall_seconds=2.0, leak_warmup_epochs=1,
         leak_window_epochs=1, leak_windows=2, leak_threshold=0.02, sample_seconds=0.2,
+        clock=clock,
     ) as monitor:  # fmt: skip
         step = 0
         for _ in range(EPOCHS):
             for _ in range(STEPS_PER_EPOCH):
+                clock.advance(0.01)
                 if step == SPIKE_STEP:
                     spike(model, optimizer, monitor)
                 else:
                     train_step(model, optimizer, monitor, nan_grad=step == NAN_STEP)
-                if step == STALL_AFTER_STEP:
-                    time.sleep(4.0)  # past stall_seconds: the watchdog reports it
+                if step == STALL_AFTER_STEP:  # past stall_seconds: the watchdog reports it
+                    clock.advance(4.0)
+                    wait_until(lambda: _stalled(monitor), "the watchdog reports the stall")
                 step += 1
             leaked.append(bytearray(24 * 2**20))  # touched: RSS grows 24 MiB an epoch
             leaked[-1][::4096] = b"\1" * len(range(0, 24 * 2**20, 4096))
@@ -66,6 +71,10 @@ def train_with_faults(run_dir: Path) -> FaultyRun:
             ("memory_leak", -1),  # at an epoch end; its step is whatever step that was
         ),
     )
+
+
+def _stalled(monitor: stabmon.Monitor) -> bool:
+    return registry_sum(monitor.registry, "stabmon_stalled") >= 1
 
 
 def spike(

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 import torch
-from helpers import tiny_model, train_step
+from helpers import LoopClock, tiny_model, train_step
 from report_helpers import stabmon_cli
 
 import stabmon
@@ -61,14 +61,16 @@ def test_status_exits_1_when_a_rank_saw_a_non_finite_gradient(tmp_path: Path) ->
 
 
 def test_status_exits_1_when_a_rank_is_stalled(tmp_path: Path) -> None:
+    clock = LoopClock()
     model = tiny_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     with stabmon.attach(
         model, optimizer, port=0, address="127.0.0.1", run_dir=str(tmp_path), run_id="hung",
-        stall_seconds=0.3,
+        stall_seconds=0.3, clock=clock,
     ) as monitor:  # fmt: skip
         for _ in range(5):
             train_step(model, optimizer, monitor)
+        clock.advance(1.0)  # the loop hangs past its limit
         deadline = time.monotonic() + 30
         result = stabmon_cli("status", "--run-dir", str(tmp_path), "--run", "hung")
         while "stalled" not in result.stdout.splitlines()[-1] and time.monotonic() < deadline:
