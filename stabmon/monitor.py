@@ -824,7 +824,7 @@ class Monitor:
             self._throughput.record(self._timer.clock())  # the totals goodput reads
         self._detached = True
         self._engine.closed = True
-        self._recorder.write("detach", step=self._recorder.global_step, epoch=self._readings.epoch)
+        self._recorder.detached()
         if self._finalizer.detach() is not None:  # not yet closed (nor collected)
             now = time.monotonic()
             closing = min(deadline, now + SHUTDOWN_SECONDS)
@@ -1132,7 +1132,7 @@ class Monitor:
                 self._recorder.write(
                     "memory_snapshot_started",
                     device=label,
-                    step=step,
+                    step=self._recorder.last_step,
                     steps=self.config.memory_snapshot_steps,
                 )
                 return
@@ -1143,7 +1143,7 @@ class Monitor:
             if finished is not None:
                 device, path = finished
                 self._recorder.write(
-                    "memory_snapshot", device=device, step=self._recorder.global_step,
+                    "memory_snapshot", device=device, step=self._recorder.last_step,
                     path=str(path),
                 )  # fmt: skip
                 LOGGER.warning(

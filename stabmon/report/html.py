@@ -147,7 +147,7 @@ def _rank_row(log: RankLog) -> str:
         # Every process of the rank, in order: a resumed run is several.
         ", ".join(dict.fromkeys(str(a["pid"]) for a in log.of("attach") if "pid" in a)),
         state,
-        f"{log.last_step:,}",
+        "-" if log.last_step is None else f"{log.last_step:,}",
         str(len(log.of("epoch"))),
         when(number(attach.get("time"))),
         when(number(last.get("time"))),
