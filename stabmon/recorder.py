@@ -471,7 +471,11 @@ class Recorder:
         self._readings.stalled = 0
         # The step that hung has completed: the same number as its stall record.
         self.write("stall_end", step=self._stalled_step, stalled_seconds=round(lasted, 3))
-        LOGGER.info("stabmon: steps resumed after a stall of %.1f s", lasted)
+        LOGGER.info(
+            "stabmon: step %s completed after a stall of %.1f s; steps resumed",
+            self._stalled_step,
+            lasted,
+        )
 
     # --- records ------------------------------------------------------------------------------
 

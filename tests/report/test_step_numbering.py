@@ -7,9 +7,11 @@ and the report's data (``read_run``, the verdict, the report page), on real smal
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
+import pytest
 import torch
 from helpers import events, tiny_model, train_step
 from report_helpers import stabmon_cli
@@ -127,7 +129,9 @@ def test_a_detach_before_the_first_step_names_no_step(tmp_path: Path) -> None:
     assert "0 steps on 1 rank" in judge(run).headline
 
 
-def test_a_stall_and_its_end_name_the_step_that_hung(tmp_path: Path) -> None:
+def test_a_stall_and_its_end_name_the_step_that_hung(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """The watchdog may notice the end only after more steps completed: the end still names
     the step that hung, as the stall record and the log line do."""
     path = tmp_path / "rank-0.events.jsonl"
@@ -143,7 +147,9 @@ def test_a_stall_and_its_end_name_the_step_that_hung(tmp_path: Path) -> None:
         StallReport(phase="forward", silent_seconds=9.0, limit_seconds=5.0, steps=641, stacks={})
     )
     readings.steps = 644
-    recorder.resumed(9.5)
+    with caplog.at_level(logging.INFO, logger="stabmon"):
+        recorder.resumed(9.5)
+    assert "step 641 completed after a stall of 9.5 s" in caplog.text
     records = [json.loads(line) for line in path.read_text().splitlines()]
     stall, end = records
     assert (stall["kind"], stall["step"], end["event"], end["step"]) == ("stall", 641, "stall_end",
