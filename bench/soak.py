@@ -236,7 +236,8 @@ def run_soak(
                     series_start = scraper.scrape_once()
                     names_start = scraper.last_names
                 if epoch % 100 == 0:
-                    progress(f"epoch {epoch} step {step + 1} {time.perf_counter() - started:.0f} s")
+                    elapsed = time.perf_counter() - started
+                    progress(f"epoch {epoch}, {step + 1} steps, {elapsed:.0f} s")
         wall = time.perf_counter() - started
         gc.collect()
         rss_end = process.memory_info().rss

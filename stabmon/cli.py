@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import socket
 import sys
@@ -15,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from stabmon._version import __version__
-from stabmon.config import load_config
+from stabmon.config import Config, load_config
 from stabmon.errors import ConfigError, StabmonError
 
 __all__ = ["main"]
@@ -96,6 +97,43 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _load_with_flags(
+    config_file: str | None, given: dict[str, object], flags: dict[str, str]
+) -> Config:
+    """load_config with the command line's values as overrides; a bad one names its flag."""
+    overrides = {key: value for key, value in given.items() if value is not None}
+    try:
+        return load_config(config_file, overrides, env=os.environ)
+    except ConfigError as error:
+        if error.key not in overrides or error.key not in flags:
+            raise
+        # The command line's values reach load_config as overrides: name the flag, not attach().
+        raise ConfigError(
+            error.problem, key=flags[error.key], source="the command line", allowed=error.allowed
+        ) from None
+
+
+def _directory_or_absent(path: str | None, flag: str) -> None:
+    """A run directory that exists must be a directory (one that does not yet is made later)."""
+    if path is not None and Path(path).exists() and not Path(path).is_dir():
+        raise StabmonError(
+            f"{flag} {path} is not a directory; name the folder where stabmon keeps its run records"
+        )
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from stabmon.demo import DemoPlan, run_demo
+
+    _load_with_flags(None, {"port": args.port, "run_dir": args.run_dir},
+                     {"port": "--port", "run_dir": "--run-dir"})  # fmt: skip
+    _directory_or_absent(args.run_dir, "--run-dir")
+    if not (args.serve >= 0 and math.isfinite(args.serve)):
+        raise StabmonError(f"--serve must be a number of seconds >= 0, got {args.serve}")
+    plan = DemoPlan.fast() if args.fast else DemoPlan()
+    detected = run_demo(plan, port=args.port, run_dir=args.run_dir, serve_seconds=args.serve)
+    return 0 if detected else 1
+
+
 def _report(args: argparse.Namespace) -> int:
     from stabmon.report.html import write_report  # lazily: matplotlib is an optional extra
 
@@ -136,7 +174,10 @@ def _status(args: argparse.Namespace) -> int:
     untrusted: set[str] = set()
     names: dict[str, tuple[str, str]] = {}
     if not urls:
-        root = Path(args.run_dir or os.environ.get("STABMON_DIR") or DEFAULT_RUN_DIR)
+        source = "--run-dir" if args.run_dir else "$STABMON_DIR"
+        given = args.run_dir or os.environ.get("STABMON_DIR")
+        _directory_or_absent(given, source)
+        root = Path(given or DEFAULT_RUN_DIR)
         targets = registered_targets(root, args.run)
         urls = [target.url for target in targets]
         # Written by another user: scraped, but never sent our credentials.
@@ -163,16 +204,10 @@ def _run_daemon(args: argparse.Namespace) -> int:
              "daemon.interval": "--interval", "run_dir": "--run-dir"}  # fmt: skip
     given = {"daemon.port": args.port, "daemon.address": args.address,
              "daemon.interval": args.interval, "run_dir": args.run_dir}  # fmt: skip
-    overrides = {key: value for key, value in given.items() if value is not None}
-    try:
-        config = load_config(args.config, overrides, env=os.environ)
-    except ConfigError as error:
-        if error.key not in overrides or error.key not in flags:
-            raise
-        # The command line's values reach load_config as overrides: name the flag, not attach().
-        raise ConfigError(
-            error.problem, key=flags[error.key], source="the command line", allowed=error.allowed
-        ) from None
+    config = _load_with_flags(args.config, given, flags)
+    _directory_or_absent(
+        config.run_dir, "--run-dir" if args.run_dir else "run_dir (config file or $STABMON_DIR)"
+    )
     address = config.daemon.address
     try:
         socket.getaddrinfo(address, None)
@@ -232,13 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "status":
             return _status(args)
         if args.command == "demo":
-            from stabmon.demo import DemoPlan, run_demo
-
-            plan = DemoPlan.fast() if args.fast else DemoPlan()
-            detected = run_demo(
-                plan, port=args.port, run_dir=args.run_dir, serve_seconds=args.serve
-            )
-            return 0 if detected else 1
+            return _demo(args)
     except StabmonError as error:
         sys.stderr.write(f"stabmon: error: {error}\n")
         return 2

@@ -124,7 +124,7 @@ def run_demo(
             if epoch >= plan.leak_from_epoch:
                 leaked.append(torch.ones(plan.leak_bytes_per_epoch // 4))  # a history list, kept
             print(
-                f"epoch {epoch:2d}  step {step:5d}  loss {float(loss.detach()):9.4f}  "
+                f"epoch {epoch:2d}  steps {step:5d}  loss {float(loss.detach()):9.4f}  "
                 f"anomalies {_anomaly_count(monitor)}",
                 file=out,
             )

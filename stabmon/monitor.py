@@ -451,7 +451,7 @@ class Monitor:
         self._plugged.detach()
         self._detached = True
         self._engine.closed = True
-        self._recorder.write("detach", step=self._recorder.global_step, epoch=self._readings.epoch)
+        self._recorder.detached()
         if self._finalizer.detach() is not None:  # not yet closed (nor collected)
             now = time.monotonic()
             closing = min(deadline, now + SHUTDOWN_SECONDS)

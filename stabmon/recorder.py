@@ -12,10 +12,13 @@ run at once. :meth:`stalled` and :meth:`resumed` run on the watchdog thread and
 :meth:`worker_died` on the loader thread; they touch only their own gauges, the
 anomaly counts and the event log (whose writes are serialised).
 
-Step numbers: ``step`` in every record is the global index of the step the
-record belongs to (the count of optimizer steps completed before it, across
-resumes). Counters in Readings count this process only, so a restart looks to
-Prometheus like the counter reset that ``rate()`` and ``increase()`` handle.
+Step numbers (docs/steps.md): ``step`` in every record is the 0-based global index
+of the step the record is about, across resumes. A value measured in a step, and a
+step that hangs, carry that step's index; a record written between steps (epoch
+end, detach, resume, a memory sample) carries the index of the last step completed,
+or None before the first. Counters in Readings count this process only, so a
+restart looks to Prometheus like the counter reset that ``rate()`` and
+``increase()`` handle.
 """
 
 from __future__ import annotations
@@ -89,13 +92,21 @@ class Recorder:
         # A moderate loss spike, waiting for the next loss to confirm it.
         self._pending_loss_spike: tuple[int, Spike] | None = None
         self._scale = ScaleTracker()
+        #: The step the open stall hangs in (its stall_end names the same step).
+        self._stalled_step: int | None = None
         #: step_sample records; the Monitor closes their step-time windows at step ends.
         self.sampler = StepSampler(config.sample_every, readings, self.write)
 
     @property
     def global_step(self) -> int:
-        """Optimizer steps completed, across resumes."""
+        """Optimizer steps completed, across resumes: the index of the step in progress."""
         return self.step_offset + self._readings.steps
+
+    @property
+    def last_step(self) -> int | None:
+        """The index of the last step completed, across resumes; None before the first."""
+        completed = self.step_offset + self._readings.steps
+        return completed - 1 if completed else None
 
     # --- per step -----------------------------------------------------------------------------
 
@@ -324,7 +335,7 @@ class Recorder:
         """Judge the epoch-end memory samples (bytes by device label) and close the epoch."""
         readings = self._readings
         epoch = readings.epoch
-        step = self.global_step
+        step = self.last_step  # the epoch's last step
         drift: dict[str, float | None] = {}
         for label, value in samples.items():
             verdict = self._leak_detector(label).update(epoch, value)
@@ -372,7 +383,7 @@ class Recorder:
         whose epochs never end, and the time-to-exhaustion estimate."""
         cfg = self._config
         readings = self._readings
-        step = self.global_step
+        step = self.last_step  # sampled at its end
         for label, value in samples.items():
             trend = self._trends.get(label)
             if trend is None:
@@ -441,7 +452,7 @@ class Recorder:
 
     def stalled(self, report: StallReport) -> None:
         self._readings.stalled = 1
-        step = self.global_step
+        step = self._stalled_step = self.global_step
         self.anomaly(
             "stall",
             step,
@@ -458,8 +469,13 @@ class Recorder:
 
     def resumed(self, lasted: float) -> None:
         self._readings.stalled = 0
-        self.write("stall_end", step=self.global_step, stalled_seconds=round(lasted, 3))
-        LOGGER.info("stabmon: steps resumed after a stall of %.1f s", lasted)
+        # The step that hung has completed: the same number as its stall record.
+        self.write("stall_end", step=self._stalled_step, stalled_seconds=round(lasted, 3))
+        LOGGER.info(
+            "stabmon: step %s completed after a stall of %.1f s; steps resumed",
+            self._stalled_step,
+            lasted,
+        )
 
     # --- records ------------------------------------------------------------------------------
 
@@ -473,7 +489,11 @@ class Recorder:
         if change is not None:
             self._episode_end("nonfinite_loss", change)
 
-    def anomaly(self, kind: str, step: int, message: str, **details: Any) -> None:
+    def detached(self) -> None:
+        """The detach record: the last step completed and the epoch in progress."""
+        self.write("detach", step=self.last_step, epoch=self._readings.epoch)
+
+    def anomaly(self, kind: str, step: int | None, message: str, **details: Any) -> None:
         self._readings.count_anomaly(kind)
         self.write(
             "anomaly", kind=kind, step=step, epoch=self._readings.epoch, detail=message, **details
@@ -528,7 +548,8 @@ class Recorder:
         self._readings.epoch = epoch
         self._loss_spikes, self._grad_spikes = loss_spikes, grad_spikes
         self._leaks.update(leaks)
-        self.write("resume", step=step, epoch=epoch)
+        # Numbering continues after the checkpoint's last completed step (``step`` counts them).
+        self.write("resume", step=step - 1 if step else None, epoch=epoch)
 
     def _new_spike_detectors(self) -> tuple[SpikeDetector, SpikeDetector]:
         """Loss (linear) and gradient-norm (log scale: norms vary multiplicatively) detectors."""

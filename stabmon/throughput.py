@@ -313,14 +313,14 @@ class ThroughputWatch:
             self._readings.slowdown_active[was.phase] = 0
             self._write(
                 "slowdown_end",
-                step=self._global_step(),
+                step=self._last_step(),
                 phase=was.phase,
                 lasted_seconds=round(block.end - was.started, 3),
             )
 
     def _raise(self, found: Slowdown) -> None:
         self._readings.slowdown_active[found.phase] = 1
-        step = self._global_step()
+        step = self._last_step()  # the block's last step
         self._anomaly(
             "slowdown",
             step,
@@ -337,6 +337,11 @@ class ThroughputWatch:
             phase_baseline_seconds=found.phase_baseline_seconds,
             held_seconds=round(found.held_seconds, 3),
         )
+
+    def _last_step(self) -> int | None:
+        """The index of the last step completed (block ends and records come between steps)."""
+        completed = self._global_step()
+        return completed - 1 if completed else None
 
     def restart(self, now: float) -> None:
         """After a resume (``load_state_dict``): a new baseline, after a new warm-up."""
@@ -356,8 +361,8 @@ class ThroughputWatch:
         self._record_due = now + self._config.record_seconds
         readings = self._readings
         fields: dict[str, Any] = {
-            "step": self._global_step(),
-            "steps": readings.steps,
+            "step": self._last_step(),  # the last step completed (docs/steps.md)
+            "steps": readings.steps,  # completed in this process
             "uptime_seconds": round(now - self._started, 3),
             "phase_seconds": {k: round(v, 6) for k, v in dict(readings.phase_seconds).items()},
             "samples": readings.samples,

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import stabmon
 from stabmon.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,6 +28,7 @@ PIP_INSTALL = (
     "pip install ./stabmon \"torch==$(python -c 'import torch; print(torch.__version__)')\""
 )
 RUN = "run as written in test_readme_stabmon_commands_run_as_written"
+RUN_INLINE = "run as written in test_readme_inline_commands_run_as_written"
 DAEMON = (
     "stabmon daemon [--config FILE] [--port 9399] [--address 0.0.0.0]"
     " [--run-dir /var/tmp/stabmon] [--interval 5]"
@@ -43,6 +45,42 @@ CHECKS = {
     DAEMON: "a synopsis: every option parsed by the real parser",
     '.venv/bin/python -m pytest -m "not slow"': "its marker expression collects here",
 }
+
+
+# Commands quoted inline in the README's prose (`make bench`, `stabmon env`), and how each
+# is checked; a bare subcommand (`stabmon status`) names the command the text is about.
+INLINE = re.compile(
+    r"`((?:make|stabmon|pip|python|curl|promtool|\. \.venv/bin/activate)(?: [^`]*)?)`"
+)
+INLINE_CHECKS = {
+    "make demo": "make -n (test_readme_inline_make_commands_exist)",
+    "make test": "make -n; it runs lint, typecheck and pytest (test_readme_make_test_runs_...)",
+    "make TORCH=... demo": "make -n with the default pin for ... (test_readme_inline_make_...)",
+    "make tools": "make -n (test_readme_inline_make_commands_exist)",
+    "make dashboards": "make -n (test_readme_inline_make_commands_exist)",
+    "make bench": "make -n (test_readme_inline_make_commands_exist)",
+    ". .venv/bin/activate": "the venv running the tests has bin/activate and bin/stabmon",
+    "stabmon status": "the subcommand exists (test_readme_inline_stabmon_subcommands_exist)",
+    "stabmon report": "the subcommand exists (test_readme_inline_stabmon_subcommands_exist)",
+    "stabmon daemon": "the subcommand exists (test_readme_inline_stabmon_subcommands_exist)",
+    "stabmon env": RUN_INLINE,
+    "stabmon check-config stabmon.yaml": RUN_INLINE + ", beside a stabmon.yaml",
+    "curl localhost:9400/metrics": "the exporter's default port is 9400 on every address",
+    "python bench/series.py": RUN_INLINE,
+    "promtool test rules": "tests/deploy/test_rules.py runs it on deploy/prometheus/tests",
+}
+
+
+def readme_inline_commands() -> set[str]:
+    """The commands quoted inline in the README's prose (not in code blocks)."""
+    prose, inside = [], False
+    for line in README.read_text().splitlines():
+        if line.startswith("```"):
+            inside = not inside
+            continue
+        if not inside:
+            prose.append(line)
+    return {match for match in INLINE.findall("\n".join(prose)) if " " in match}
 
 
 def readme_commands() -> list[str]:
@@ -67,6 +105,79 @@ def test_readme_make_targets_exist(target: str) -> None:
     assert result.returncode == 0, result.stderr
 
 
+def _make_plan(*args: str) -> str:
+    result = subprocess.run(["make", "-n", *args], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_readme_make_test_runs_make_lint_and_make_typecheck_then_pytest() -> None:
+    """`make lint` and `make typecheck` are checked by `make test` itself: it runs them."""
+    plan = _make_plan("test")
+    for part in ("lint", "typecheck"):
+        for line in _make_plan(part).splitlines():
+            if "pip install" not in line and "-m venv" not in line:  # the shared set-up
+                assert line in plan, (part, line)
+    assert plan.rstrip().endswith("-m pytest")
+
+
+def test_readme_every_inline_command_has_a_check() -> None:
+    assert readme_inline_commands() == set(INLINE_CHECKS)
+
+
+def test_readme_inline_make_commands_exist() -> None:
+    for command in (c for c in INLINE_CHECKS if c.startswith("make ")):
+        words = shlex.split(command.replace("TORCH=...", "TORCH=torch==2.13.0"))[1:]
+        plan = _make_plan(*words)
+        if "demo" in words:
+            assert plan.rstrip().endswith("bin/stabmon demo"), plan
+    assert "-m venv .venv" in _make_plan("-B", "demo")  # `. .venv/bin/activate` exists after it
+
+
+def test_readme_the_venv_holds_activate_and_the_stabmon_command() -> None:
+    """After `make demo`, `. .venv/bin/activate` puts `stabmon` on the PATH: the venv the
+    tests run in (that .venv under `make test`) holds both."""
+    bin_dir = Path(sys.prefix) / "bin"
+    if sys.prefix == sys.base_prefix:
+        pytest.skip("the tests do not run in a virtual environment")
+    assert (bin_dir / "activate").is_file()
+    assert (bin_dir / "stabmon").is_file()
+
+
+def test_readme_inline_stabmon_subcommands_exist(capsys: pytest.CaptureFixture[str]) -> None:
+    for command in (c for c in INLINE_CHECKS if c.startswith("stabmon ")):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*shlex.split(command)[1:], "--help"])
+        assert exit_info.value.code == 0, command
+    capsys.readouterr()
+
+
+def test_readme_curl_reaches_the_exporter_on_its_default_port() -> None:
+    config = stabmon.Config()
+    assert config.port == 9400 and config.address == "0.0.0.0"  # localhost included
+
+
+def _stabmon_command() -> list[str]:
+    """The `stabmon` console script of this venv, as the README's commands call it."""
+    script = Path(sys.prefix) / "bin" / "stabmon"
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "stabmon"]
+
+
+@pytest.mark.slow
+def test_readme_inline_commands_run_as_written(tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    (tmp_path / "stabmon.yaml").write_text("port: 9400\nstall_seconds: 600\n")
+    for command, cwd in (("stabmon env", tmp_path),
+                         ("stabmon check-config stabmon.yaml", tmp_path),
+                         ("python bench/series.py", ROOT)):  # fmt: skip
+        program, *args = shlex.split(command)
+        argv = _stabmon_command() if program == "stabmon" else [sys.executable]
+        result = subprocess.run([*argv, *args], cwd=cwd, env=env, capture_output=True,
+                                text=True, timeout=600)  # fmt: skip
+        assert result.returncode == 0, (command, result.stderr[-2000:])
+        assert result.stdout.strip(), command
+
+
 def test_readme_stabmon_commands_parse_with_the_real_parser(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -89,7 +200,7 @@ def test_readme_stabmon_commands_parse_with_the_real_parser(
 
 @pytest.mark.slow
 def test_readme_stabmon_commands_run_as_written(tmp_path: Path) -> None:
-    stabmon = [sys.executable, "-m", "stabmon.cli"]
+    stabmon = _stabmon_command()
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     demo = subprocess.Popen(
         [*stabmon, "demo", "--run-dir", "stabmon-runs", "--fast", "--serve", "120", "--port", "0"],
@@ -140,3 +251,32 @@ def test_readme_pip_install_from_the_clone_keeps_the_installed_torch(tmp_path: P
     installs = {item["metadata"]["name"].lower() for item in report["install"]}
     assert "stabmon" in installs
     assert "torch" not in installs, f"pip would replace torch {torch.__version__}"
+
+
+def readme_python_blocks() -> list[str]:
+    blocks, current = [], None
+    for line in README.read_text().splitlines():
+        if current is None and line.strip() == "```python":
+            current = []
+        elif current is not None and line.startswith("```"):
+            blocks.append("\n".join(current))
+            current = None
+        elif current is not None:
+            current.append(line)
+    return blocks
+
+
+@pytest.mark.slow
+def test_readme_one_line_loop_runs_as_written(tmp_path: Path) -> None:
+    """The first example, copied into a script, trains and writes its event log."""
+    (example,) = [block for block in readme_python_blocks() if "# the one line" in block]
+    (tmp_path / "train.py").write_text(example)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), STABMON_DIR=str(tmp_path / "runs"))
+    result = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "metrics at http://" in result.stdout
+    (log,) = (tmp_path / "runs").glob("*/rank-0.events.jsonl")
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in records if r["event"] == "detach"] == [999]
+    assert not [r for r in records if r["event"] == "anomaly"]

@@ -1,10 +1,12 @@
-"""What every adapter shares: phases held open across events, and monitor settings.
+"""What every adapter shares: phases held open across events, monitor settings, batch sizes.
 
 A trainer announces the start and the end of evaluation or checkpointing as two
 separate events, so :class:`PhaseSwitch` keeps one ``Monitor.phase(...)`` block
 open from one event to another. :func:`monitor_settings` gives each of several
 monitors in one process (one per optimizer) its own run id, so their series,
-event logs and run-directory records do not collide.
+event logs and run-directory records do not collide. Trainers whose callbacks never
+see a batch (Hugging Face, Ultralytics) count samples with :class:`EpochBatches`, from
+the loader's batch size and length: no batch is read.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from stabmon.monitor import Monitor
 from stabmon.probes.environment import default_run_id
 
 __all__ = [
-    "ConfigSource", "PhaseSwitch", "load_state", "monitor_settings", "restore", "save_state",
+    "ConfigSource", "EpochBatches", "PhaseSwitch", "load_state", "monitor_settings", "restore",
+    "save_state",
 ]  # fmt: skip
 
 ConfigSource = str | os.PathLike[str] | Mapping[str, Any] | Config | None
@@ -54,6 +57,50 @@ class PhaseSwitch:
         block, self._open, self.name = self._open, None, None
         if block is not None:
             block.__exit__(None, None, None)
+
+
+class EpochBatches:
+    """Samples in each batch of an epoch, from a loader's batch size, length and sampler.
+
+    Every batch holds ``batch_size`` samples except the epoch's last, which holds what
+    is left of the sampler's samples (unless the loader drops it); a loader whose
+    length or sampler is unknown (an iterable dataset) counts full batches.
+    """
+
+    def __init__(self, batch_size: int, batches: int | None, last: int | None) -> None:
+        self.batch_size = batch_size
+        #: Batches per epoch, or None when the loader has no length.
+        self.batches = batches
+        self._last = last
+
+    @classmethod
+    def of(cls, loader: object) -> EpochBatches | None:
+        """From a ``torch.utils.data.DataLoader`` (or a wrapper with the same attributes)."""
+        # A loader built with batch_size= batches its own sampler; one given a batch_sampler=
+        # (Accelerate's) has batch_size None, and the batch sampler holds both.
+        batcher = loader
+        batch_size = getattr(loader, "batch_size", None)
+        if batch_size is None:
+            batcher = getattr(loader, "batch_sampler", None)
+            batch_size = getattr(batcher, "batch_size", None)
+        if not isinstance(batch_size, int) or batch_size <= 0:
+            return None
+        batches = last = None
+        with contextlib.suppress(TypeError, AttributeError, NotImplementedError):
+            batches = len(loader)  # type: ignore[arg-type]  # a loader without len raises
+            drop_last = getattr(batcher, "drop_last", True)
+            samples = len(getattr(batcher, "sampler"))  # noqa: B009 - AttributeError: none
+            # Only when the sampler is this loader's own (a sharded loader's is not).
+            if not drop_last and batches == -(-samples // batch_size):
+                last = samples - (batches - 1) * batch_size
+        return cls(batch_size, batches, last)
+
+    def samples(self, first: int, count: int) -> int:
+        """Samples in batches ``first`` .. ``first + count - 1`` of an epoch (0-based)."""
+        total = count * self.batch_size
+        if self.batches is not None and self._last and first <= self.batches - 1 < first + count:
+            total -= self.batch_size - self._last  # the short last batch
+        return total
 
 
 def monitor_settings(

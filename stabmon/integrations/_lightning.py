@@ -22,6 +22,10 @@ Phases: Lightning calls ``training_step``, not the LightningModule itself, so it
 forward hooks fire only when ``training_step`` calls ``self(...)``. The adapter marks the
 forward pass from ``on_train_batch_start`` (the batch is fetched) and the backward pass
 from ``on_before_backward``; without that, the backward was timed as forward.
+
+Throughput: ``on_train_batch_start`` hands the first Monitor the batch's samples (its
+leading dimension) and tokens (``input_ids`` of shape (batch, sequence)), read from
+the tensors' shapes, never their values.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import torch
 from stabmon.integrations._common import ConfigSource, PhaseSwitch, monitor_settings, restore
 from stabmon.log import LOGGER
 from stabmon.monitor import Monitor
+from stabmon.throughput import batch_samples, batch_tokens
 
 __all__ = ["LightningAdapter", "StepMarker"]
 
@@ -152,6 +157,8 @@ class LightningAdapter:
         self._close_phases()
         for monitor in self._monitors:
             monitor.mark_forward()
+        if self._monitors:
+            self._monitors[0].observe(samples=batch_samples(batch), tokens=batch_tokens(batch))
 
     def on_before_backward(
         self, trainer: Any, pl_module: torch.nn.Module, loss: torch.Tensor

@@ -16,6 +16,13 @@ read back (``logging_steps`` sets how often); epochs end at ``on_epoch_end``;
 evaluation and checkpointing are phases, entered when ``TrainerControl`` says they
 come next and left at ``on_evaluate`` and ``on_save``.
 
+Throughput: at each ``on_step_end`` the step's samples go to ``observe(samples=...)``:
+the batches the step took (``gradient_accumulation_steps``, fewer at an epoch's end)
+times the Trainer's per-process batch size, the epoch's last batch as short as the
+train loader makes it. Tokens go to ``observe(tokens=...)`` when the Trainer counts
+them (``include_num_input_tokens_seen``): its count is summed over all processes, so
+each rank reports its share (the total over the world size).
+
 Resume: at each ``on_save`` the Monitor's state is written into the checkpoint
 folder as ``stabmon-rank<rank>.pt``; ``trainer.train(resume_from_checkpoint=...)``
 restores the Trainer's step, and ``on_train_begin`` loads the file from
@@ -31,7 +38,13 @@ import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from stabmon.integrations._common import ConfigSource, PhaseSwitch, load_state, save_state
+from stabmon.integrations._common import (
+    ConfigSource,
+    EpochBatches,
+    PhaseSwitch,
+    load_state,
+    save_state,
+)
 from stabmon.monitor import Monitor
 
 __all__ = ["StabmonCallback", "state_file"]
@@ -54,6 +67,9 @@ class StabmonCallback(TrainerCallback):
         self._monitor: Monitor | None = None
         self._phase: PhaseSwitch | None = None
         self._awaiting_log = False
+        self._batches: EpochBatches | None = None
+        self._tokens_at_start = 0  # the Trainer's token count when this training began
+        self._tokens_reported = 0  # this rank's share of the tokens since then, observed
 
     @property
     def monitor(self) -> Monitor | None:
@@ -67,10 +83,13 @@ class StabmonCallback(TrainerCallback):
         control: TrainerControl,
         model: torch.nn.Module | None = None,
         optimizer: Any = None,
+        train_dataloader: Any = None,
         **kwargs: Any,
     ) -> None:
         """Attach to the model and the optimizer; on resume, load the checkpoint's state."""
         self._detach()
+        self._batches = EpochBatches.of(train_dataloader)
+        self._tokens_at_start, self._tokens_reported = _tokens_seen(state), 0
         if model is None or optimizer is None:
             return
         inner = getattr(optimizer, "optimizer", None)  # Accelerate's AcceleratedOptimizer
@@ -88,7 +107,30 @@ class StabmonCallback(TrainerCallback):
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        self._count_throughput(args, state)
         self._after_training_work(control)
+
+    def _count_throughput(self, args: TrainingArguments, state: TrainerState) -> None:
+        """The samples of the optimizer step just taken, and this rank's share of its tokens."""
+        monitor, batches = self._monitor, self._batches
+        if monitor is None:
+            return
+        samples = None
+        if batches is not None and state.global_step > 0:
+            accumulation = max(1, args.gradient_accumulation_steps)
+            first, count = 0, accumulation
+            if batches.batches:  # each epoch has ceil(batches / accumulation) steps
+                steps_per_epoch = -(-batches.batches // accumulation)
+                first = (state.global_step - 1) % steps_per_epoch * accumulation
+                count = min(accumulation, batches.batches - first)
+            samples = batches.samples(first, count)
+        tokens = None
+        if args.include_num_input_tokens_seen not in ("no", False):
+            total = _tokens_seen(state) - self._tokens_at_start
+            world, rank = max(1, args.world_size), args.process_index
+            share = total // world + (1 if rank < total % world else 0)
+            tokens, self._tokens_reported = share - self._tokens_reported, share
+        monitor.observe(samples=samples, tokens=tokens)
 
     def on_epoch_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -167,6 +209,11 @@ class StabmonCallback(TrainerCallback):
         if self._monitor is not None:
             self._monitor.detach()
         self._monitor, self._phase, self._awaiting_log = None, None, False
+
+
+def _tokens_seen(state: TrainerState) -> int:
+    seen = state.num_input_tokens_seen
+    return int(seen) if isinstance(seen, int | float) else 0
 
 
 def _checkpoint_folder(args: TrainingArguments, state: TrainerState) -> Path:

@@ -19,7 +19,9 @@ never imported:
   in ``trainer.wdir``. Gradient-norm groups are YOLO's layers (``module_depth`` 2:
   ``model.0`` ... ``model.23``) unless ``module_depth`` is set to something else;
 - ``on_train_epoch_start`` and ``on_train_batch_start``: leave any phase (training);
-- ``on_train_batch_end``: observe ``trainer.loss`` (kept on the device);
+- ``on_train_batch_end``: observe ``trainer.loss`` (kept on the device), and the batch's
+  samples: the train loader's batch size, the epoch's last batch as short as the loader
+  makes it (the callbacks never see the batch; YOLO counts no tokens);
 - ``on_train_epoch_end``: the epoch-end work that follows is phase ``checkpoint``, and
   validation (``on_val_start`` to ``on_val_end``, which the validator runs from the
   trainer's callbacks) is phase ``eval``;
@@ -47,7 +49,13 @@ from typing import Any, Protocol
 import torch
 
 from stabmon.config import load_config
-from stabmon.integrations._common import ConfigSource, PhaseSwitch, load_state, save_state
+from stabmon.integrations._common import (
+    ConfigSource,
+    EpochBatches,
+    PhaseSwitch,
+    load_state,
+    save_state,
+)
 from stabmon.monitor import Monitor
 
 __all__ = ["UltralyticsStabmon", "add_stabmon", "state_file"]
@@ -87,6 +95,8 @@ class UltralyticsStabmon:
         self._phase: PhaseSwitch | None = None
         self._epoch_pending = False  # on_train_epoch_end seen, on_fit_epoch_end not yet
         self._ended = False  # on_train_end seen: teardown follows a normal end
+        self._batches: EpochBatches | None = None  # the train loader's, read each epoch
+        self._batch_index = 0  # batches of this epoch done
 
     @property
     def monitor(self) -> Monitor | None:
@@ -141,15 +151,25 @@ class UltralyticsStabmon:
             load_state(monitor, state_file(trainer.wdir, monitor.rank))
 
     def observe_loss(self, trainer: Any) -> None:
-        """``trainer.loss``, this batch's summed loss, handed over without a read-back."""
+        """``trainer.loss``, this batch's summed loss, handed over without a read-back, and
+        the batch's samples."""
+        monitor = self._monitor
+        if monitor is None:
+            return
         loss = getattr(trainer, "loss", None)
-        if self._monitor is not None and isinstance(loss, torch.Tensor):
-            self._monitor.observe(loss=loss)
+        if isinstance(loss, torch.Tensor):
+            monitor.observe(loss=loss)
+        if self._batches is None:  # the first batch: the loader is built by now
+            self._batches = EpochBatches.of(getattr(trainer, "train_loader", None))
+        if self._batches is not None:
+            monitor.observe(samples=self._batches.samples(self._batch_index, 1))
+        self._batch_index += 1
 
     def epoch_start(self, trainer: Any) -> None:
         """Training again. An epoch whose end was not confirmed is being repeated (NaN recovery)."""
         self._leave()
         self._epoch_pending = False
+        self._batches, self._batch_index = None, 0  # an out-of-memory retry rebuilds the loader
 
     def train_epoch_end(self, trainer: Any) -> None:
         """The epoch's training is over: validation and saving follow (``checkpoint``, ``eval``)."""

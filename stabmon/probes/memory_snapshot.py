@@ -91,7 +91,10 @@ class AllocatorSnapshots:
         for label, suspected in self._readings.memory_leak_suspected.items():
             if suspected and label.startswith("cuda") and self.snapshots.start(label, step):
                 self._recorder.write(
-                    "memory_snapshot_started", device=label, step=step, steps=self._steps
+                    "memory_snapshot_started",
+                    device=label,
+                    step=self._recorder.last_step,
+                    steps=self._steps,
                 )
                 self.next_step = self._readings.steps + 1
                 return
@@ -104,7 +107,9 @@ class AllocatorSnapshots:
             return
         self.next_step = sys.maxsize
         device, path = finished
-        self._recorder.write("memory_snapshot", device=device, step=step, path=str(path))
+        self._recorder.write(
+            "memory_snapshot", device=device, step=self._recorder.last_step, path=str(path)
+        )
         LOGGER.warning(
             "stabmon: CUDA allocator snapshot of %s written to %s; open it at "
             "https://pytorch.org/memory_viz to see which allocations grow",

@@ -30,6 +30,10 @@ MAX_DEPTH = 16
 #: Plausible Unix times: after 1970, before the year 5000.
 _MAX_TIME = 95_617_584_000.0
 _MAX_INT = 2**63
+#: Records written once a step has completed, whose ``step`` names it (docs/steps.md).
+_AFTER_STEP = frozenset(
+    {"step_sample", "epoch", "detach", "resume", "throughput", "stall_end", "slowdown_end"}
+)
 #: An event log larger than this is not read whole (a month of step samples is ~100 MB).
 MAX_LOG_BYTES = 2**30
 
@@ -62,12 +66,27 @@ class RankLog:
         return config if isinstance(config, dict) else {}
 
     @property
-    def last_step(self) -> int:
-        """The highest step recorded (the detach record and the heartbeat count steps done)."""
-        steps = [record["step"] for record in self.records if isinstance(record.get("step"), int)]
-        if self.registration is not None:
-            steps.append(self.registration.steps)
-        return max(steps, default=0)
+    def last_step(self) -> int | None:
+        """The index of the last step completed (docs/steps.md), None before the first.
+
+        Read from the records written after a step completed (epoch ends, samples, detach,
+        resume, throughput totals, a stall's end) and the heartbeat's count of steps done;
+        not from anomalies, whose step may be one that never completed (a stall, a crash).
+        """
+        steps = [
+            record["step"]
+            for record in self.records
+            if record.get("event") in _AFTER_STEP and isinstance(record.get("step"), int)
+        ]
+        if self.registration is not None and self.registration.steps:
+            steps.append(self.registration.steps - 1)
+        return max(steps, default=None)
+
+    @property
+    def steps(self) -> int:
+        """Steps completed, across resumes: the last step's index plus one."""
+        last = self.last_step
+        return 0 if last is None else last + 1
 
     @property
     def state(self) -> str:

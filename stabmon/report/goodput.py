@@ -93,7 +93,7 @@ def rank_goodput(log: RankLog) -> RankGoodput | None:
     first_attach: float | None = None
     last_time: float | None = None
     accounted = 0.0
-    previous_last_step: int | None = None
+    previous_completed: int | None = None
     previous_step_seconds: float | None = None
     for records in _incarnations(log):
         attach_time = number(records[0].get("time"))
@@ -127,9 +127,8 @@ def rank_goodput(log: RankLog) -> RankGoodput | None:
         steps = int(number(last.get("steps")) or 0)
         resumes = [r for r in records if r.get("event") == "resume"]
         lost = 0.0
-        if resumes and previous_last_step is not None and previous_step_seconds is not None:
-            resumed_at = int(number(resumes[0].get("step")) or 0)
-            redone = max(0, previous_last_step - resumed_at)
+        if resumes and previous_completed is not None and previous_step_seconds is not None:
+            redone = max(0, previous_completed - _completed(resumes[0]))
             lost = min(training, redone * previous_step_seconds)
             training -= lost
             spent["recomputed"] = spent.get("recomputed", 0.0) + lost
@@ -139,7 +138,7 @@ def rank_goodput(log: RankLog) -> RankGoodput | None:
         # training was cut by what was recomputed: put it back to find the time in no phase.
         startup = uptime - (training + lost) - sum(phases.values()) - stalled
         spent["startup"] = spent.get("startup", 0.0) + max(0.0, startup)
-        previous_last_step = int(number(last.get("step")) or 0)
+        previous_completed = _completed(last)
         previous_step_seconds = training / steps if steps else None
         result.steps += steps
         result.samples += int(number(last.get("samples")) or 0)
@@ -154,6 +153,13 @@ def rank_goodput(log: RankLog) -> RankGoodput | None:
     spent["restarts"] = max(0.0, result.wall_seconds - accounted)
     result.spent = spent
     return result
+
+
+def _completed(record: Mapping[str, Any]) -> int:
+    """Steps completed when a record between steps was written: its ``step`` is the index of
+    the last one (docs/steps.md), None before the first."""
+    step = record.get("step")
+    return step + 1 if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else 0
 
 
 def run_goodput(run: Run) -> list[RankGoodput]:

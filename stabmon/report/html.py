@@ -15,6 +15,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
+from stabmon.errors import StabmonError
 from stabmon.report.events import RankLog, Run, number, read_run
 from stabmon.report.goodput import goodput_section
 from stabmon.report.plots import KIND_COLORS, Plots, require_matplotlib
@@ -62,6 +63,12 @@ def write_report(run_path: Path, output: Path, *, module_rank: int | None = None
     """Read the run at ``run_path`` and write its report to ``output`` (atomically)."""
     require_matplotlib()  # before reading: a missing extra is the first thing to say
     run = read_run(run_path)
+    ranks = sorted(log.rank for log in run.ranks)
+    if module_rank is not None and module_rank not in ranks:
+        raise StabmonError(
+            f"module rank {module_rank}: run {run.run_id} has no rank {module_rank} (its ranks: "
+            f"{', '.join(map(str, ranks)) or 'none'}); pass one of them to --module-rank"
+        )
     page = render(run, module_rank=module_rank)
     temporary = output.with_name(f".{output.name}.tmp")
     temporary.write_text(page, encoding="utf-8")
@@ -147,7 +154,7 @@ def _rank_row(log: RankLog) -> str:
         # Every process of the rank, in order: a resumed run is several.
         ", ".join(dict.fromkeys(str(a["pid"]) for a in log.of("attach") if "pid" in a)),
         state,
-        f"{log.last_step:,}",
+        "-" if log.last_step is None else f"{log.last_step:,}",
         str(len(log.of("epoch"))),
         when(number(attach.get("time"))),
         when(number(last.get("time"))),

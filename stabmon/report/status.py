@@ -372,7 +372,8 @@ def _memory(status: RankStatus) -> str:
 
 def require_urls(urls: Sequence[str], root: Path) -> None:
     if not urls:
+        missing = "" if root.exists() else " (it does not exist)"
         raise StabmonError(
-            f"no running stabmon process is registered under {root}; pass exporter URLs "
-            "(stabmon status http://host:9400/metrics) or --run-dir"
+            f"no running stabmon process is registered under {root}{missing}; pass exporter "
+            "URLs (stabmon status http://host:9400/metrics) or the --run-dir the training uses"
         )

@@ -33,7 +33,7 @@ def judge(run: Run) -> Verdict:
     """Healthy means: no anomaly on any rank, and no rank that crashed or vanished."""
     anomalies = run.anomalies()
     states = {log.rank: log.state for log in run.ranks}
-    steps = max((log.last_step for log in run.ranks), default=0)
+    steps = max((log.steps for log in run.ranks), default=0)
     broken = {rank: state for rank, state in states.items() if state in ("crashed", "vanished")}
     ranks = f"{len(run.ranks)} rank{'s' if len(run.ranks) != 1 else ''}"
     overall = _overall_state(states)
@@ -42,7 +42,7 @@ def judge(run: Run) -> Verdict:
         log = next(log for log in run.ranks if log.rank == rank)
         last = log.records[-1] if log.records else {}
         findings.append(
-            f"rank {rank} {_STATE_TEXT[state]} after step {log.last_step}; its last record was "
+            f"rank {rank} {_STATE_TEXT[state]} {_after(log.last_step)}; its last record was "
             f"written {when(number(last.get('time')))}"
         )
     counts = Counter(str(record.get("kind")) for record in anomalies)
@@ -80,6 +80,10 @@ def when(unix: float | None) -> str:
     if unix is None:
         return "at an unknown time"
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix))
+
+
+def _after(last_step: int | None) -> str:
+    return "before its first step" if last_step is None else f"after step {last_step}"
 
 
 def _where(record: dict[str, object]) -> str:

@@ -149,10 +149,11 @@ def test_killed_and_resumed_processes_append_whole_records_to_one_event_log(
     assert Path(resumed["event_log"]).read_bytes().endswith(b"\n")  # events() parsed every line
     attaches = [r for r in log if r["event"] == "attach"]
     assert [r["pid"] for r in attaches] == [killed["pid"], resumed["pid"]]
+    # Both name the last step completed (docs/steps.md): RESUMED_AT steps were checkpointed.
     resumes = [(r["step"], r["epoch"]) for r in log if r["event"] == "resume"]
-    assert resumes == [(RESUMED_AT, RESUMED_AT // EPOCH_STEPS)]
+    assert resumes == [(RESUMED_AT - 1, RESUMED_AT // EPOCH_STEPS)]
     details = [(r["step"], r["epoch"]) for r in log if r["event"] == "detach"]
-    assert details == [(STEPS, STEPS // EPOCH_STEPS)]  # the killed process never detached
+    assert details == [(STEPS - 1, STEPS // EPOCH_STEPS)]  # the killed process never detached
     assert {r["run"] for r in log} == {"interrupted"}
 
 

@@ -31,6 +31,7 @@ pytestmark = [
 
 SAMPLES = 32
 BATCH = 4
+VOCABULARY, SEQUENCE = 16, 5
 
 
 class TinyRegressor(torch.nn.Module):
@@ -44,6 +45,7 @@ class TinyRegressor(torch.nn.Module):
         )
         self.nan_at = nan_at
         self.training_forwards = 0
+        self.training_samples = 0  # what the Trainer fed the training forwards
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
         loss = torch.nn.functional.mse_loss(self.net(x), labels)
@@ -51,7 +53,39 @@ class TinyRegressor(torch.nn.Module):
             if self.training_forwards == self.nan_at:
                 loss = loss * float("nan")
             self.training_forwards += 1
+            self.training_samples += x.shape[0]
         return {"loss": loss}
+
+
+class TinyTokenModel(torch.nn.Module):
+    """Takes ``input_ids``, as the Trainer's token count expects; counts what it is fed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embedding = torch.nn.Embedding(VOCABULARY, 8)
+        self.head = torch.nn.Linear(8, 1)
+        self.training_samples = self.training_tokens = 0
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        if self.training and torch.is_grad_enabled():
+            self.training_samples += input_ids.shape[0]
+            self.training_tokens += input_ids.numel()
+        prediction = self.head(self.embedding(input_ids).mean(dim=1))
+        return {"loss": torch.nn.functional.mse_loss(prediction, labels)}
+
+
+class TokenDataset(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    def __init__(self, size: int) -> None:
+        generator = torch.Generator().manual_seed(2)
+        self.ids = torch.randint(0, VOCABULARY, (size, SEQUENCE), generator=generator)
+        self.y = torch.randn(size, 1, generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[index], "labels": self.y[index]}
 
 
 class Dataset(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
@@ -106,7 +140,13 @@ class Run:
 
 
 def train(
-    directory: Path, model: TinyRegressor, *, epochs: int, resume: bool = False, **arguments: Any
+    directory: Path,
+    model: Any,
+    *,
+    epochs: int,
+    resume: bool = False,
+    dataset: Any = None,
+    **arguments: Any,
 ) -> Run:
     callback = StabmonCallback(port=0, address="127.0.0.1", run_dir=str(directory / "runs"),
                                run_id="hf-test")  # fmt: skip
@@ -118,8 +158,10 @@ def train(
         disable_tqdm=True, save_strategy="epoch", eval_strategy="epoch",
         dataloader_num_workers=0, seed=0, **arguments,
     )  # fmt: skip
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=Dataset(),
-                                   eval_dataset=Dataset(), callbacks=[probe, callback])  # fmt: skip
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=dataset or Dataset(),
+        eval_dataset=dataset or Dataset(), callbacks=[probe, callback],
+    )  # fmt: skip
     trainer.train(resume_from_checkpoint=True if resume else None)
     return Run(trainer, model, callback, probe)
 
@@ -143,6 +185,28 @@ def test_huggingface_callback_counts_optimizer_steps_under_gradient_accumulation
 ) -> None:
     assert accumulated.trainer.state.global_step == 3 * SAMPLES // BATCH // 2
     assert accumulated.metric("stabmon_steps_total") == accumulated.trainer.state.global_step
+
+
+def test_huggingface_callback_counts_the_samples_the_trainer_fed_the_model(
+    accumulated: Run,
+) -> None:
+    assert accumulated.model.training_samples == 3 * SAMPLES  # evaluation not counted
+    assert accumulated.metric("stabmon_samples_total") == accumulated.model.training_samples
+    assert accumulated.metric("stabmon_tokens_total") == 0  # the Trainer counted none
+
+
+def test_huggingface_callback_counts_a_short_last_batch_and_the_trainers_token_count(
+    tmp_path: Path,
+) -> None:
+    """30 samples in batches of 4, three per step: steps of 12, 12 and 6 samples an epoch."""
+    model = TinyTokenModel()
+    run = train(tmp_path, model, epochs=2, dataset=TokenDataset(30),
+                gradient_accumulation_steps=3, include_num_input_tokens_seen="all")  # fmt: skip
+    assert run.trainer.state.global_step == 2 * 3
+    assert model.training_samples == 2 * 30
+    assert run.metric("stabmon_samples_total") == model.training_samples
+    assert run.trainer.state.num_input_tokens_seen == model.training_tokens == 2 * 30 * SEQUENCE
+    assert run.metric("stabmon_tokens_total") == model.training_tokens
 
 
 def test_huggingface_callback_marks_each_epoch(accumulated: Run) -> None:

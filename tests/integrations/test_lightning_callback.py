@@ -47,12 +47,14 @@ class TinyModule(pl.LightningModule):
         self.reference_norms: list[float] = []
         self.step_losses: list[float] = []
         self._loss = 0.0
+        self.training_samples = 0  # what Lightning fed training_step
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         inputs, targets = batch
+        self.training_samples += inputs.shape[0]
         loss = torch.nn.functional.mse_loss(self(inputs), targets)
         index = self.current_epoch * BATCHES_PER_EPOCH + batch_idx
         if index == self.nan_at:
@@ -158,6 +160,12 @@ def test_lightning_callback_counts_optimizer_steps_under_gradient_accumulation(
     assert accumulated.trainer.global_step == 3 * BATCHES_PER_EPOCH // 2
     assert accumulated.metric("stabmon_steps_total") == accumulated.trainer.global_step
     assert accumulated.scraper.states[0]["step"] == accumulated.trainer.global_step
+
+
+def test_lightning_callback_counts_the_samples_of_every_training_batch(accumulated: Fit) -> None:
+    assert accumulated.module.training_samples == 3 * 4 * BATCHES_PER_EPOCH  # not validation's
+    assert accumulated.metric("stabmon_samples_total") == accumulated.module.training_samples
+    assert accumulated.metric("stabmon_tokens_total") == 0  # no input_ids in these batches
 
 
 def test_lightning_callback_marks_each_training_epoch(accumulated: Fit) -> None:

@@ -83,6 +83,9 @@ def test_ultralytics_real_training_matches_the_trainers_steps_epochs_losses_and_
     assert metric(final, "stabmon_epoch") == 3 == len(run["train_epoch_ends"])
     assert metric(final, "stabmon_loss") == pytest.approx(run["batch_losses"][-1], rel=1e-6)
     assert run["final_state"]["loss_spikes"]["count"] == len(run["batch_losses"])  # none dropped
+    # Samples: each epoch's 36 images, its last batch a short one of 4.
+    assert run["training_samples"] == 3 * 36
+    assert metric(final, "stabmon_samples_total") == run["training_samples"]
     assert run["batch_phases"] == [None] * len(run["batch_losses"])  # training is training
     assert (metric(final, "stabmon_phase_seconds_total", phase="eval") or 0) > 0
     assert (metric(final, "stabmon_phase_seconds_total", phase="checkpoint") or 0) > 0
@@ -142,6 +145,7 @@ def test_ultralytics_real_nan_recovery_repeats_the_epoch_in_training_not_in_chec
     final = run["final_scrape"]
     assert metric(final, "stabmon_steps_total") == run["optimizer_steps"]
     assert metric(final, "stabmon_epoch") == 4  # the repeat is the same epoch
+    assert metric(final, "stabmon_samples_total") == run["training_samples"] == 5 * 36
     assert metric(final, "stabmon_nonfinite_loss_total") == 1
     assert metric(final, "stabmon_anomalies_total", kind="nonfinite_grad") == 1
     finite = [loss for loss in run["batch_losses"] if loss == loss]

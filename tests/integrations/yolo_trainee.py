@@ -35,7 +35,7 @@ import torch
 
 FONT = Path("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf")
 IMAGE_SIZE = 128
-TRAIN_IMAGES = 32
+TRAIN_IMAGES = 36  # batches of 8, 8, 8, 8 and a short one of 4
 VAL_IMAGES = 8
 BATCH = 8
 
@@ -105,6 +105,7 @@ class Record:
         self.batch_epochs: list[int] = []
         self.batch_phases: list[str | None] = []
         self.optimizer_steps = 0
+        self._samples: list[int] = []  # images in each batch the trainer fed the model
         self.train_epoch_ends: list[int] = []
         self.fit_epoch_ends: list[int] = []
         self.epoch_scrapes: list[dict[str, Any]] = []
@@ -128,6 +129,15 @@ class Record:
         if id(trainer.optimizer) not in self._hooked:
             self._hooked.add(id(trainer.optimizer))
             trainer.optimizer.register_step_post_hook(lambda *args: self._count_step())
+            # Every training batch passes the trainer's preprocess_batch (validation has its
+            # own); wrapped on the trainer, not hooked on the model, which Ultralytics pickles.
+            preprocess, counted = trainer.preprocess_batch, self._samples
+
+            def count_samples(batch: dict[str, Any]) -> Any:
+                counted.append(int(batch["img"].shape[0]))
+                return preprocess(batch)
+
+            trainer.preprocess_batch = count_samples
 
     def _count_step(self) -> None:
         self.optimizer_steps += 1
@@ -150,6 +160,7 @@ class Record:
 
     def dump(self, path: Path) -> None:
         fields = {k: v for k, v in vars(self).items() if k not in {"session", "_hooked"}}
+        fields["training_samples"] = sum(self._samples)
         path.write_text(json.dumps(fields))
 
 
