@@ -402,6 +402,7 @@ class Monitor:
             on_stall=responder.stalled,
             on_recover=responder.resumed,
             clock=time.perf_counter,
+            peer_in_phase=responder.peer_in_phase,
         )
         poll = min(0.25, cfg.stall_seconds / 4) if cfg.stall_seconds else 0.25
         self._resources.threads = [

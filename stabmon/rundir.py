@@ -53,6 +53,7 @@ __all__ = [
     "prepare_run_directory",
     "read_owned_records",
     "read_records",
+    "read_run_records",
     "run_directory_name",
     "safe_component",
     "write_atomic",
@@ -158,6 +159,9 @@ class ProcessRecord:
     hang_state: str | None = None
     hang_where: str | None = None
     collectives: int = 0
+    #: While stalled, with NCCL's flight recorder available: the sequence number of the last
+    #: collective this rank completed (``stabmon.probes.flight_recorder``); else None.
+    flight_completed: int | None = None
     version: int = field(default=RECORD_VERSION)
 
     def to_json(self) -> bytes:
@@ -197,6 +201,7 @@ class ProcessRecord:
             hang_state=_optional_text(data, "hang_state"),
             hang_where=_optional_text(data, "hang_where"),
             collectives=_int(data, "collectives", minimum=0, default=0),
+            flight_completed=_optional_count(data, "flight_completed"),
         )
 
 
@@ -298,17 +303,36 @@ def read_owned_records(root: Path) -> tuple[list[OwnedRecord], list[RecordProble
         if len(records) >= MAX_RECORDS:
             problems.append(RecordProblem(path, f"more than {MAX_RECORDS} records; not read"))
             break
-        try:
-            raw, owner = read_regular_with_owner(path, MAX_RECORD_BYTES)
-            data = json.loads(raw)
-            if not isinstance(data, dict):
-                raise ValueError("not a JSON object")
-            records.append(OwnedRecord(ProcessRecord.from_mapping(data), path, owner))
-        except FileNotFoundError:
-            continue  # removed at detach between listing and reading: not a problem
-        except (OSError, ValueError, RecursionError) as error:
-            problems.append(RecordProblem(path, f"{type(error).__name__}: {_short(error)}"))
+        _read_one(path, records, problems)
     return records, problems
+
+
+def read_run_records(run_directory: Path) -> tuple[list[OwnedRecord], list[RecordProblem]]:
+    """:func:`read_owned_records` of one run's directory only (not entered through a symlink)."""
+    records: list[OwnedRecord] = []
+    problems: list[RecordProblem] = []
+    if run_directory.is_symlink() or not run_directory.is_dir():
+        return records, problems
+    try:
+        paths = sorted(run_directory.glob("rank-*.json"))
+    except OSError:
+        return records, problems
+    for path in paths[:MAX_RECORDS]:
+        _read_one(path, records, problems)
+    return records, problems
+
+
+def _read_one(path: Path, records: list[OwnedRecord], problems: list[RecordProblem]) -> None:
+    try:
+        raw, owner = read_regular_with_owner(path, MAX_RECORD_BYTES)
+        data = json.loads(raw)
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+        records.append(OwnedRecord(ProcessRecord.from_mapping(data), path, owner))
+    except FileNotFoundError:
+        pass  # removed at detach between listing and reading: not a problem
+    except (OSError, ValueError, RecursionError) as error:
+        problems.append(RecordProblem(path, f"{type(error).__name__}: {_short(error)}"))
 
 
 def _short(error: BaseException) -> str:
@@ -363,6 +387,11 @@ def _printable_utf8(value: str) -> bool:
     except UnicodeEncodeError:
         return False
     return not any(ord(character) < 32 or ord(character) == 127 for character in value)
+
+
+def _optional_count(data: Mapping[str, Any], key: str) -> int | None:
+    value = data.get(key)
+    return None if value is None else _int(data, key, minimum=0)
 
 
 def _optional_text(data: Mapping[str, Any], key: str) -> str | None:
@@ -439,7 +468,15 @@ class Registration:
             )
             self._write()
 
-    def hang(self, *, state: str | None, where: str | None, collectives: int, now: float) -> None:
+    def hang(
+        self,
+        *,
+        state: str | None,
+        where: str | None,
+        collectives: int,
+        now: float,
+        flight_completed: int | None = None,
+    ) -> None:
         """Write the hang evidence (None: not stalled) at once, for the other ranks' verdict."""
         with self._lock:
             if self._closed:
@@ -449,6 +486,7 @@ class Registration:
                 hang_state=state,
                 hang_where=where,
                 collectives=collectives,
+                flight_completed=flight_completed,
                 updated_unix=now,
             )
             self._write()

@@ -33,12 +33,13 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from stabmon.detectors.hang import RankEvidence, Verdict, classify, judge
+from stabmon.detectors.hang import Verdict, classify, judge
 from stabmon.detectors.stall import Heartbeat, StallReport
 from stabmon.errors import TrainingStalled
+from stabmon.node_peers import NodePeers
 from stabmon.probes.collectives import CollectiveCounter
 from stabmon.recorder import Recorder
-from stabmon.rundir import ProcessRecord, Registration, read_owned_records, write_atomic
+from stabmon.rundir import Registration, write_atomic
 
 __all__ = ["STALL_ACTIONS", "STALL_EXIT_CODE", "StallResponder"]
 
@@ -79,6 +80,7 @@ class StallResponder:
         self._registration = registration
         self._run_directory = run_directory
         self._root = root
+        self._peers = NodePeers(run_directory, run=run, rank=rank, clock=clock)
         self._clock = clock
         self._end_process = end_process
         self._main = threading.main_thread().ident
@@ -156,19 +158,23 @@ class StallResponder:
                 self._exit()
 
     def node_verdict(self) -> Verdict | None:
-        """The verdict over the records of this run on this node (this rank's own included)."""
-        owned, _ = read_owned_records(self._root)
-        # Only our own user's records: the ranks of one job run as one user, and a record
-        # another local user wrote must not name a culprit.
-        uid = os.geteuid()
-        evidence = [
-            _evidence(item.record)
-            for item in owned
-            if item.record.run == self._run and item.owner_uid == uid
-        ]
+        """The verdict over the records of this run on this node (this rank's own included).
+
+        Only our own user's records (:class:`~stabmon.node_peers.NodePeers`): a record
+        another local user wrote must not name a culprit.
+        """
+        evidence = self._peers.evidence()
         if not any(item.rank == self._rank for item in evidence):
             return None
         return judge(evidence)
+
+    def peer_in_phase(self) -> bool:
+        """Another rank of this run on this node is inside a named phase within its limit.
+
+        The watchdog asks once its own limit has passed: this rank waits on that one
+        (a barrier while rank 0 saves alone), and the phase's limit applies to it too.
+        """
+        return self._peers.holds_phase()
 
     def _refresh(self, stack: list[str] | None) -> None:
         if stack is None:
@@ -238,14 +244,3 @@ class StallResponder:
             self._registration.exited("exception", time.time())
         sys.stderr.flush()
         self._end_process(STALL_EXIT_CODE)
-
-
-def _evidence(record: ProcessRecord) -> RankEvidence:
-    return RankEvidence(
-        rank=record.rank,
-        stalled=record.hang_state is not None and record.exited_unix is None,
-        phase=record.phase or "",
-        state=record.hang_state,
-        collectives=record.collectives,
-        where=record.hang_where or "",
-    )

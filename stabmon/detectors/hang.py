@@ -105,6 +105,8 @@ class RankEvidence:
     state: str | None = None
     collectives: int = 0
     where: str = ""
+    #: NCCL flight recorder: sequence number of the last collective completed; None unknown.
+    flight_completed: int | None = None
 
 
 @dataclass(frozen=True)

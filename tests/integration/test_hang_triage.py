@@ -113,8 +113,8 @@ def test_a_hung_job_names_the_culprit_rank_and_reason_in_the_event_log_and_statu
                for line in findings), findings  # fmt: skip
 
 
-@pytest.mark.parametrize("mode", ["checkpoint", "eval"])
-def test_no_verdict_while_rank_0_checkpoints_alone_or_every_rank_evaluates(
+@pytest.mark.parametrize("mode", ["checkpoint", "eval", "eval0"])
+def test_no_stall_and_no_verdict_while_rank_0_checkpoints_or_evaluates_alone_or_all_evaluate(
     tmp_path: Path, processes: Processes, mode: str
 ) -> None:
     run_dir = tmp_path / "runs"
@@ -122,11 +122,29 @@ def test_no_verdict_while_rank_0_checkpoints_alone_or_every_rank_evaluates(
     assert job.wait(timeout=240) == 0
     assert _events(run_dir, "hang_verdict") == []
     assert len(_events(run_dir, "detach")) == WORLD
-    stalls = [e for e in _events(run_dir, "anomaly") if e["kind"] == "stall"]
-    if mode == "eval":  # inside mon.phase("eval") the phase's limit applies: not even a stall
-        assert stalls == []
-    else:  # the ranks waiting in the barrier did stall, and still no culprit was named
-        assert {e["rank"] for e in stalls} == {1, 2, 3}
+    # Rank 0 inside its phase has the phase's limit; the ranks waiting for it in a barrier
+    # (7 s, past their 3 s limit) read its record and take the phase's limit too.
+    assert [e for e in _events(run_dir, "anomaly") if e["kind"] == "stall"] == []
+    assert _events(run_dir, "hang_evidence") == []
+
+
+def test_a_checkpoint_that_never_ends_is_caught_once_the_phase_limit_passes(
+    tmp_path: Path, processes: Processes
+) -> None:
+    run_dir = tmp_path / "runs"
+    _torchrun(processes, run_dir, "--mode", "checkpoint-hang", "--phase-limit", "8")
+
+    def named() -> bool:
+        return any(v["culprits"] == [0] for v in _events(run_dir, "hang_verdict"))
+
+    until("a verdict naming rank 0", named, VERDICT_TIMEOUT)
+    (verdict, *_) = _events(run_dir, "hang_verdict")
+    assert verdict["reason"] == "collective_not_entered"
+    assert verdict["detail"].startswith("rank 0 of 4 stuck in compute")
+    stalls = {e["rank"]: e for e in _events(run_dir, "anomaly") if e["kind"] == "stall"}
+    assert set(stalls) == {0, 1, 2, 3}
+    # The waiting ranks were held to the phase's limit while rank 0 was within it.
+    assert all(stalls[rank]["silent_seconds"] > 8 for rank in (1, 2, 3))
 
 
 def test_stall_action_exit_ends_a_hung_job_with_the_evidence_on_disk(
