@@ -135,12 +135,54 @@ def test_judge_stays_quiet_while_one_rank_is_not_stalled() -> None:
     "states",
     [
         ["collective", "collective", "collective", "collective"],  # all alike: no odd one
-        ["collective", "data_wait"],  # two ranks, no majority
-        ["collective", "collective", "data_wait", "data_wait"],  # a tie
+        ["collective", "collective"],  # two ranks in one collective, as many issued
+        ["data_wait", "data_wait"],  # two ranks, both starved: a tie of equals
+        ["data_wait", "lock_wait"],  # neither waits on the other in a collective
+        ["collective", "data_wait", "lock_wait"],  # the two not in it disagree
+        ["data_wait", "data_wait", "compute", "compute"],  # a tie, no collective
     ],
 )
 def test_judge_stays_quiet_without_a_minority_to_name(states: list[str]) -> None:
     assert judge([_rank(index, state) for index, state in enumerate(states)]) is None
+
+
+@pytest.mark.parametrize(
+    ("odd", "reason"),
+    [
+        ("data_wait", "data_starvation"),
+        ("compute", "collective_not_entered"),
+        ("lock_wait", "deadlock"),
+        ("io", "io"),
+    ],
+)
+@pytest.mark.parametrize("culprit", [0, 1])
+def test_judge_names_the_rank_of_two_that_is_not_in_the_collective_the_other_waits_in(
+    odd: str, reason: str, culprit: int
+) -> None:
+    ranks = [_rank(rank, odd if rank == culprit else "collective") for rank in (0, 1)]
+    verdict = judge(ranks)
+    assert verdict is not None
+    assert (verdict.culprits, verdict.reason, verdict.world) == ((culprit,), reason, 2)
+    assert verdict.message.startswith(f"rank {culprit} of 2 stuck in {odd}")
+    assert "the other 1 wait in collective" in verdict.message
+
+
+def test_judge_names_the_rank_of_two_that_issued_fewer_collectives() -> None:
+    verdict = judge([_rank(0, "collective", collectives=9), _rank(1, "collective", collectives=8)])
+    assert verdict is not None
+    assert (verdict.culprits, verdict.reason) == ((1,), "collective_not_entered")
+
+
+def test_judge_names_the_two_ranks_not_in_the_collective_the_other_two_wait_in() -> None:
+    states = ["collective", "data_wait", "collective", "data_wait"]
+    verdict = judge([_rank(index, state) for index, state in enumerate(states)])
+    assert verdict is not None and (verdict.culprits, verdict.reason) == ((1, 3), "data_starvation")
+
+
+def test_judge_stays_quiet_when_most_ranks_are_behind_one() -> None:
+    # Three issued 7, one issued 8: one extra call or three skipped ones; not unambiguous.
+    ranks = [_rank(rank, "collective", collectives=8 if rank == 0 else 7) for rank in range(4)]
+    assert judge(ranks) is None
 
 
 def test_judge_stays_quiet_for_a_single_rank() -> None:

@@ -37,13 +37,15 @@ def processes() -> Iterator[Processes]:
         started.close()
 
 
-def _torchrun(processes: Processes, run_dir: Path, *args: str) -> subprocess.Popen[str]:
+def _torchrun(
+    processes: Processes, run_dir: Path, *args: str, world: int = WORLD
+) -> subprocess.Popen[str]:
     env = {**os.environ, "STABMON_DIR": str(run_dir), "STABMON_PORT": str(free_port()),
            "OMP_NUM_THREADS": "1"}  # fmt: skip
     env.pop("STABMON_RUN_ID", None)
     return processes.start(
         [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         f"--nproc_per_node={WORLD}", str(TRAINEE), *args],
+         f"--nproc_per_node={world}", str(TRAINEE), *args],
         env=env,
     )  # fmt: skip
 
@@ -111,6 +113,28 @@ def test_a_hung_job_names_the_culprit_rank_and_reason_in_the_event_log_and_statu
     findings = judge_run(read_run(directory)).findings
     assert any("hang verdict" in line and f"rank {culprit} of {WORLD}" in line
                for line in findings), findings  # fmt: skip
+
+
+def test_a_hung_two_rank_job_names_the_rank_not_in_the_collective(
+    tmp_path: Path, processes: Processes
+) -> None:
+    # No strict majority of two: the rank waiting in all_reduce waits on the other.
+    run_dir = tmp_path / "runs"
+    _torchrun(processes, run_dir, "--mode", "data", "--culprit", "1", world=2)
+
+    def named() -> bool:
+        return any(v["culprits"] == [1] for v in _events(run_dir, "hang_verdict"))
+
+    until("a verdict naming rank 1 of 2", named, VERDICT_TIMEOUT)
+    verdicts = _events(run_dir, "hang_verdict")
+    assert {(tuple(v["culprits"]), v["reason"]) for v in verdicts} == {((1,), "data_starvation")}
+    assert verdicts[0]["detail"].startswith("rank 1 of 2 stuck in data_wait")
+    assert "the other 1 wait in collective" in verdicts[0]["detail"]
+
+    def status_names_it() -> bool:
+        return "HANG rank 1 of 2 stuck in data_wait (data_starvation)" in _status(run_dir)
+
+    until("stabmon status naming rank 1 of 2", status_names_it, VERDICT_TIMEOUT)
 
 
 @pytest.mark.parametrize("mode", ["checkpoint", "eval", "eval0"])
