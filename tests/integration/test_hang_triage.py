@@ -186,8 +186,20 @@ def test_stall_action_exit_ends_a_hung_job_with_the_evidence_on_disk(
     assert stalls and all(e["stacks"] for e in stalls)
 
 
+@pytest.mark.parametrize(
+    ("mode", "culprit", "verdict"),
+    [
+        ("data", 2, "Verdict: rank 2 is stuck in data_wait (phase data_wait: data starvation)"),
+        (
+            "sleep",
+            1,
+            "Verdict: rank 1 is stuck in compute (phase backward: collective not entered)",
+        ),
+        ("deadlock", 3, "Verdict: rank 3 is stuck in lock_wait (phase backward: deadlock)"),
+    ],
+)
 def test_the_shipped_stall_alert_names_the_culprit_through_a_real_prometheus(
-    tmp_path: Path, processes: Processes
+    tmp_path: Path, processes: Processes, mode: str, culprit: int, verdict: str
 ) -> None:
     require("prometheus")
     run_dir = tmp_path / "runs"
@@ -195,9 +207,8 @@ def test_the_shipped_stall_alert_names_the_culprit_through_a_real_prometheus(
                               "--address", "127.0.0.1", "--run-dir", str(run_dir),
                               "--interval", "0.2"])  # fmt: skip
     daemon_target = announced(daemon).split("/")[2]
-    _torchrun(processes, run_dir, "--mode", "data", "--culprit", "2")
+    _torchrun(processes, run_dir, "--mode", mode, "--culprit", str(culprit))
     prometheus = start_prometheus(processes, tmp_path, daemon_target)
-    verdict = "Verdict: rank 2 is stuck in data_wait (phase data_wait: data starvation)"
 
     def described() -> bool:
         try:
@@ -209,4 +220,4 @@ def test_the_shipped_stall_alert_names_the_culprit_through_a_real_prometheus(
         return ranks == {"0", "1", "2", "3"}
 
     # Pending alerts carry their annotations too: the rule's for: 1m is not waited for.
-    until("every rank's stall alert naming rank 2", described, VERDICT_TIMEOUT, 1.0)
+    until(f"every rank's stall alert naming rank {culprit}", described, VERDICT_TIMEOUT, 1.0)
