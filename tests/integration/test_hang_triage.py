@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import scrape
 from realstack import Processes, announced, free_port, require, start_prometheus, until
 
 from stabmon.report.events import read_run
@@ -206,7 +207,8 @@ def test_the_shipped_stall_alert_names_the_culprit_through_a_real_prometheus(
     daemon = processes.start([sys.executable, "-m", "stabmon", "daemon", "--port", "0",
                               "--address", "127.0.0.1", "--run-dir", str(run_dir),
                               "--interval", "0.2"])  # fmt: skip
-    daemon_target = announced(daemon).split("/")[2]
+    daemon_url = announced(daemon)
+    daemon_target = daemon_url.split("/")[2]
     _torchrun(processes, run_dir, "--mode", mode, "--culprit", str(culprit))
     prometheus = start_prometheus(processes, tmp_path, daemon_target)
 
@@ -221,3 +223,11 @@ def test_the_shipped_stall_alert_names_the_culprit_through_a_real_prometheus(
 
     # Pending alerts carry their annotations too: the rule's for: 1m is not waited for.
     until(f"every rank's stall alert naming rank {culprit}", described, VERDICT_TIMEOUT, 1.0)
+
+    # The node daemon judged the same ranks from their records, and exports its verdict.
+    def daemon_names_it() -> bool:
+        verdicts = {dict(labels)["rank"] for (name, labels), value in scrape(daemon_url).items()
+                    if name == "stabmon_node_hang_verdict" and value == 1}  # fmt: skip
+        return verdicts == {str(culprit)}
+
+    until(f"the daemon's verdict naming rank {culprit}", daemon_names_it, VERDICT_TIMEOUT, 0.5)
