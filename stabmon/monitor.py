@@ -78,6 +78,7 @@ from stabmon.probes.memory import HostMemory, MemorySampler, cuda_devices
 from stabmon.probes.memory_snapshot import SnapshotRecorder
 from stabmon.probes.placement import Misplaced, PlacementWatch
 from stabmon.probes.timing import LoopTimer, TrackedLoader, timed_iteration
+from stabmon.probes.worker_stacks import WorkerStacks
 from stabmon.readback import Readback
 from stabmon.readings import Readings
 from stabmon.recorder import Recorder
@@ -178,6 +179,8 @@ class _Resources:
     judge_at_exit: Callable[[], None] | None = None
     #: The torch.distributed wrappers that count collectives (hang evidence).
     collectives: CollectiveCounter | None = None
+    #: The chained ``worker_init_fn`` of tracked loaders (worker stacks on a stall).
+    worker_stacks: WorkerStacks | None = None
 
     def close(self, deadline: float | None = None) -> None:
         """Release everything; threads are waited for until ``deadline`` (``time.monotonic``).
@@ -198,6 +201,8 @@ class _Resources:
             self.hooks.remove()
         if self.collectives is not None:
             self.collectives.uninstall()
+        if self.worker_stacks is not None:
+            self.worker_stacks.uninstall()
         for thread in self.threads:
             thread.request_stop()
         if self.registration is not None:
@@ -371,6 +376,9 @@ class Monitor:
         # results are judged before the record says how the process ended.
         self._resources.judge_at_exit = functools.partial(_judge_at_exit, weakref.ref(self))
         atexit.register(self._resources.judge_at_exit)
+        worker_stacks = self._resources.worker_stacks = WorkerStacks(
+            self._paths.run_directory, rank=self.rank
+        )
         collectives = CollectiveCounter()
         with self._guard.contain("hooks"):
             collectives.install()
@@ -380,6 +388,7 @@ class Monitor:
             run=self.run_id, recorder=self._recorder, heartbeat=self._heartbeat,
             collectives=collectives, registration=self._resources.registration,
             run_directory=self._paths.run_directory, root=self._paths.root,
+            worker_stacks=worker_stacks, workers=self._workers,
         )  # fmt: skip
         heartbeat_now = self._heartbeat
         registry.register(
@@ -691,6 +700,8 @@ class Monitor:
             problem = loader_problem(loader)
             if problem is not None:
                 self._limiter.once("loader:timeout", logging.WARNING, "stabmon: %s", problem)
+            if self._resources.worker_stacks is not None:
+                self._resources.worker_stacks.install(loader)
         return TrackedLoader(loader, functools.partial(self._timed_pass, loader))
 
     @contextlib.contextmanager

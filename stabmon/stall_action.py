@@ -38,6 +38,8 @@ from stabmon.detectors.stall import Heartbeat, StallReport
 from stabmon.errors import TrainingStalled
 from stabmon.node_peers import NodePeers
 from stabmon.probes.collectives import CollectiveCounter
+from stabmon.probes.loader import WorkerWatch
+from stabmon.probes.worker_stacks import WorkerStack, WorkerStacks
 from stabmon.recorder import Recorder
 from stabmon.rundir import Registration, write_atomic
 
@@ -69,6 +71,8 @@ class StallResponder:
         root: Path,
         clock: Callable[[], float] = time.monotonic,
         end_process: Callable[[int], None] = os._exit,
+        worker_stacks: WorkerStacks | None = None,
+        workers: WorkerWatch | None = None,
     ) -> None:
         self._action = action
         self._grace = grace_seconds
@@ -83,6 +87,10 @@ class StallResponder:
         self._peers = NodePeers(run_directory, run=run, rank=rank, clock=clock)
         self._clock = clock
         self._end_process = end_process
+        self._worker_stacks = worker_stacks
+        self._workers = workers
+        #: While stalled in data_wait: the blocking frame of the loader worker it waits on.
+        self._worker_where = ""
         self._main = threading.main_thread().ident
         #: While stalled: the main thread's state (``HANG_STATES``) and where; else None.
         self.state: str | None = None
@@ -99,7 +107,12 @@ class StallResponder:
         """The watchdog declared a stall: record the evidence, then act as configured."""
         self._recorder.stalled(report)
         with self._lock:
-            self._refresh(report.stacks.get(self._main_key(report.stacks)))
+            stack = report.stacks.get(self._main_key(report.stacks))
+            state, _ = classify(stack or [], phase=report.phase,
+                                collective=self._collectives.current)  # fmt: skip
+            # Before the record is written: the node's verdict names the worker's frame.
+            workers = self._capture_workers() if state == "data_wait" else []
+            self._refresh(stack)
             self._recorder.write(
                 "hang_evidence",
                 step=self._recorder.global_step,
@@ -109,8 +122,12 @@ class StallResponder:
                 collectives=self._collectives.issued,
                 collective=self._collectives.current,
                 stall_action=self._action,
-                # Data-loader worker processes are not this interpreter: their stacks need an
-                # outside tool (py-spy dump --pid); the main thread's stack shows the wait.
+                # DataLoader workers are other processes: their stacks come from their own
+                # faulthandler dump (stabmon.probes.worker_stacks), when track() installed it.
+                worker_stacks=[
+                    {"worker": s.worker, "pid": s.pid, "where": s.where, "stack": s.stack}
+                    for s in workers
+                ],
             )
             if self._action == "dump":
                 self._dump(report)
@@ -130,6 +147,7 @@ class StallResponder:
         with self._lock:
             self.state = None
             self.where = ""
+            self._worker_where = ""
             self._exit_at = None
             self._last_verdict = None
             self._write_record()
@@ -189,8 +207,25 @@ class StallResponder:
         self.state, self.where = classify(
             stack, phase=self._heartbeat.phase, collective=self._collectives.current
         )
+        if self.state == "data_wait" and self._worker_where:
+            self.where = self._worker_where  # where the loop's data actually is stuck
         if (self.state, self.where, self._collectives.issued) != before:
             self._write_record()  # only a change: a long stall rewrites nothing
+
+    def _capture_workers(self) -> list[WorkerStack]:
+        """The stacks of the loader workers the main thread waits on (at most a second)."""
+        if self._worker_stacks is None or self._workers is None:
+            return []
+        iterator = self._workers.iterator()
+        if iterator is None:
+            return []
+        stacks = self._worker_stacks.capture(iterator)
+        busy = [stack for stack in stacks if not stack.idle and stack.where] or [
+            stack for stack in stacks if stack.where
+        ]
+        if busy:
+            self._worker_where = f"{busy[0].where} (loader worker {busy[0].worker})"
+        return stacks
 
     def _write_record(self) -> None:
         self._written_collectives = self._collectives.issued

@@ -5,7 +5,8 @@
 Every rank trains with an explicit gradient all-reduce (a counted collective).
 After ``--hang-after`` steps, ``--mode`` decides what happens:
 
-- ``data``: the culprit's dataset blocks in ``__getitem__`` (data starvation);
+- ``data``: the culprit's dataset blocks in ``__getitem__`` (data starvation), in a
+  loader worker process with ``--workers N``;
 - ``sleep``: the culprit sleeps before the all-reduce (a collective not entered);
 - ``deadlock``: the culprit takes a lock it already holds (a Python deadlock);
 - ``checkpoint``: rank 0 alone writes a slow checkpoint inside ``mon.phase("checkpoint")``
@@ -58,6 +59,7 @@ def main() -> None:
     parser.add_argument("--phase-limit", type=float, default=600.0, help="phase_stall_seconds")
     parser.add_argument("--action", default="none")
     parser.add_argument("--grace", type=float, default=5.0)
+    parser.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
     args = parser.parse_args()
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
@@ -74,7 +76,8 @@ def main() -> None:
     culprit = rank == args.culprit
     batch = 4
     block = args.hang_after * batch if args.mode == "data" and culprit else None
-    loader = torch.utils.data.DataLoader(Samples(block), batch_size=batch)
+    loader = torch.utils.data.DataLoader(Samples(block), batch_size=batch,
+                                         num_workers=args.workers)  # fmt: skip
     lock = threading.Lock()
     for step, (inputs, targets) in enumerate(monitor.track(loader)):
         if step == args.steps:

@@ -116,6 +116,32 @@ def test_a_hung_job_names_the_culprit_rank_and_reason_in_the_event_log_and_statu
                for line in findings), findings  # fmt: skip
 
 
+def test_a_rank_whose_loader_worker_blocks_names_the_workers_frame(
+    tmp_path: Path, processes: Processes
+) -> None:
+    # The culprit's dataset blocks inside its DataLoader worker process: the main thread only
+    # waits on a queue; the worker's own stack dump (faulthandler) says where it is stuck.
+    run_dir = tmp_path / "runs"
+    _torchrun(processes, run_dir, "--mode", "data", "--culprit", "2", "--workers", "1")
+    lines = TRAINEE.read_text().splitlines()
+    line = next(n for n, text in enumerate(lines, 1) if "a stuck input pipeline" in text)
+    frame = f"hang_trainee.py:{line} in __getitem__"
+
+    def named() -> bool:
+        return any(v["culprits"] == [2] for v in _events(run_dir, "hang_verdict"))
+
+    until("a verdict naming rank 2", named, VERDICT_TIMEOUT)
+    (verdict, *_) = _events(run_dir, "hang_verdict")
+    assert verdict["reason"] == "data_starvation"
+    assert verdict["detail"].startswith(f"rank 2 of 4 stuck in data_wait at {frame} (loader "
+                                        "worker 0)")  # fmt: skip
+    evidence = {e["rank"]: e for e in _events(run_dir, "hang_evidence")}
+    (worker,) = evidence[2]["worker_stacks"]
+    assert worker["where"] == frame and worker["worker"] == 0
+    assert "(most recent call first)" in worker["stack"]
+    assert all(evidence[rank]["worker_stacks"] == [] for rank in (0, 1, 3))  # in all_reduce
+
+
 def test_a_hung_two_rank_job_names_the_rank_not_in_the_collective(
     tmp_path: Path, processes: Processes
 ) -> None:
