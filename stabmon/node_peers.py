@@ -49,7 +49,7 @@ def evidence_of(record: ProcessRecord) -> RankEvidence:
         state=record.hang_state,
         collectives=record.collectives,
         where=record.hang_where or "",
-        flight_completed=record.flight_completed,
+        flight=record.flight,
     )
 
 

@@ -159,9 +159,10 @@ class ProcessRecord:
     hang_state: str | None = None
     hang_where: str | None = None
     collectives: int = 0
-    #: While stalled, with NCCL's flight recorder available: the sequence number of the last
-    #: collective this rank completed (``stabmon.probes.flight_recorder``); else None.
-    flight_completed: int | None = None
+    #: While stalled, with torch's flight recorder available: the default process group's last
+    #: enqueued, started (-1: not timed) and completed collective sequence numbers
+    #: (``stabmon.probes.flight_recorder``); else None.
+    flight: tuple[int, int, int] | None = None
     version: int = field(default=RECORD_VERSION)
 
     def to_json(self) -> bytes:
@@ -201,7 +202,7 @@ class ProcessRecord:
             hang_state=_optional_text(data, "hang_state"),
             hang_where=_optional_text(data, "hang_where"),
             collectives=_int(data, "collectives", minimum=0, default=0),
-            flight_completed=_optional_count(data, "flight_completed"),
+            flight=_flight(data.get("flight")),
         )
 
 
@@ -389,9 +390,17 @@ def _printable_utf8(value: str) -> bool:
     return not any(ord(character) < 32 or ord(character) == 127 for character in value)
 
 
-def _optional_count(data: Mapping[str, Any], key: str) -> int | None:
-    value = data.get(key)
-    return None if value is None else _int(data, key, minimum=0)
+def _flight(value: object) -> tuple[int, int, int] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != 3:
+        raise ValueError(f"flight: expected three sequence numbers, got {value!r:.80}")
+    numbers = []
+    for item in value:
+        if not isinstance(item, int) or isinstance(item, bool) or not -1 <= item < 2**63:
+            raise ValueError(f"flight: expected sequence numbers >= -1, got {item!r:.40}")
+        numbers.append(item)
+    return numbers[0], numbers[1], numbers[2]
 
 
 def _optional_text(data: Mapping[str, Any], key: str) -> str | None:
@@ -475,7 +484,7 @@ class Registration:
         where: str | None,
         collectives: int,
         now: float,
-        flight_completed: int | None = None,
+        flight: tuple[int, int, int] | None = None,
     ) -> None:
         """Write the hang evidence (None: not stalled) at once, for the other ranks' verdict."""
         with self._lock:
@@ -486,7 +495,7 @@ class Registration:
                 hang_state=state,
                 hang_where=where,
                 collectives=collectives,
-                flight_completed=flight_completed,
+                flight=flight,
                 updated_unix=now,
             )
             self._write()

@@ -38,6 +38,7 @@ from stabmon.detectors.stall import Heartbeat, StallReport
 from stabmon.errors import TrainingStalled
 from stabmon.node_peers import NodePeers
 from stabmon.probes.collectives import CollectiveCounter
+from stabmon.probes.flight_recorder import FlightRecorder
 from stabmon.probes.loader import WorkerWatch
 from stabmon.probes.worker_stacks import WorkerStack, WorkerStacks
 from stabmon.recorder import Recorder
@@ -73,6 +74,7 @@ class StallResponder:
         end_process: Callable[[int], None] = os._exit,
         worker_stacks: WorkerStacks | None = None,
         workers: WorkerWatch | None = None,
+        flight_recorder: FlightRecorder | None = None,
     ) -> None:
         self._action = action
         self._grace = grace_seconds
@@ -88,6 +90,9 @@ class StallResponder:
         self._clock = clock
         self._end_process = end_process
         self._worker_stacks = worker_stacks
+        self._flight_recorder = flight_recorder if flight_recorder is not None else FlightRecorder()
+        #: While stalled: the flight recorder's (enqueued, started, completed), where available.
+        self.flight: tuple[int, int, int] | None = None
         self._workers = workers
         #: While stalled in data_wait: the blocking frame of the loader worker it waits on.
         self._worker_where = ""
@@ -121,6 +126,7 @@ class StallResponder:
                 where=self.where,
                 collectives=self._collectives.issued,
                 collective=self._collectives.current,
+                flight=list(self.flight) if self.flight is not None else None,
                 stall_action=self._action,
                 # DataLoader workers are other processes: their stacks come from their own
                 # faulthandler dump (stabmon.probes.worker_stacks), when track() installed it.
@@ -147,6 +153,7 @@ class StallResponder:
         with self._lock:
             self.state = None
             self.where = ""
+            self.flight = None
             self._worker_where = ""
             self._exit_at = None
             self._last_verdict = None
@@ -203,13 +210,14 @@ class StallResponder:
                 else [line.rstrip("\n") for line in traceback.format_stack(frame)]
             )
             del frame  # a frame pins its locals (tensors)
-        before = (self.state, self.where, self._written_collectives)
+        before = (self.state, self.where, self._written_collectives, self.flight)
+        self.flight = self._flight_recorder.progress()
         self.state, self.where = classify(
             stack, phase=self._heartbeat.phase, collective=self._collectives.current
         )
         if self.state == "data_wait" and self._worker_where:
             self.where = self._worker_where  # where the loop's data actually is stuck
-        if (self.state, self.where, self._collectives.issued) != before:
+        if (self.state, self.where, self._collectives.issued, self.flight) != before:
             self._write_record()  # only a change: a long stall rewrites nothing
 
     def _capture_workers(self) -> list[WorkerStack]:
@@ -235,6 +243,7 @@ class StallResponder:
                 where=self.where or None,
                 collectives=self._collectives.issued,
                 now=time.time(),
+                flight=self.flight,
             )
 
     def _main_key(self, stacks: dict[str, list[str]]) -> str:

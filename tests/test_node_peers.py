@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -94,3 +95,20 @@ def test_node_peers_ignores_records_of_another_uid(tmp_path: Path) -> None:
     peers = NodePeers(run_dir, run="job", rank=1, wall_clock=lambda: 1050.0,
                       uid=os.geteuid() + 1)  # fmt: skip
     assert not peers.holds_phase()
+
+
+def test_flight_sequence_numbers_survive_the_record_and_reach_the_evidence(tmp_path: Path) -> None:
+    run_dir = tmp_path / "job"
+    run_dir.mkdir()
+    record = _record(0, hang_state="collective", flight=(812, -1, 811))
+    write_atomic(run_dir / "rank-0.json", record.to_json())
+    (evidence,) = NodePeers(run_dir, run="job", rank=1).evidence()
+    assert evidence.flight == (812, -1, 811)
+
+
+@pytest.mark.parametrize("flight", [[1, 2], [1, 2, "3"], [1, -2, 3], [True, 1, 1], "812"])
+def test_a_record_with_malformed_flight_numbers_is_not_a_record(flight: object) -> None:
+    data = json.loads(_record(0).to_json())
+    data["flight"] = flight
+    with pytest.raises(ValueError, match="flight"):
+        ProcessRecord.from_mapping(data)

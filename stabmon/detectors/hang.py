@@ -105,8 +105,9 @@ class RankEvidence:
     state: str | None = None
     collectives: int = 0
     where: str = ""
-    #: NCCL flight recorder: sequence number of the last collective completed; None unknown.
-    flight_completed: int | None = None
+    #: torch's flight recorder (NCCL; gloo too in recent torch): the default group's last
+    #: enqueued, started (-1: not timed) and completed collective; None where unavailable.
+    flight: tuple[int, int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -132,9 +133,10 @@ def judge(evidence: Sequence[RankEvidence]) -> Verdict | None:
     - **waiting on**: no majority (two ranks, or a tie), but some ranks wait in a
       collective and all the others share one other state: the ones not in the
       collective hold it up (two ranks: one in ``all_reduce``, one in its data loader);
-    - **behind**: all wait in collectives, and at most half issued fewer than the
-      rest (NCCL flight recorder sequence numbers when every rank has them, else
-      the counted calls): they are behind by a collective.
+    - **behind**: all wait in collectives (or, with the flight recorder on every rank,
+      all compute: NCCL's waiting ranks block in a device sync), and at most half
+      issued fewer than the rest (flight recorder sequence numbers when every rank
+      has them, else the counted calls): they are behind by a collective.
 
     A tie of equals (two ranks in the same state, as many collectives) names no one.
     The reason class follows the culprit's state: ``data_wait`` is data starvation,
@@ -148,6 +150,7 @@ def judge(evidence: Sequence[RankEvidence]) -> Verdict | None:
     majority, size = str(ranked[0][0]), ranked[0][1]
     tie = len(ranked) > 1 and ranked[1][1] == size
     culprits: list[RankEvidence] = []
+    behind = False
     if len(ranked) > 1 and not tie:
         culprits = [rank for rank in evidence if rank.state != majority]
         if 2 * len(culprits) >= world:
@@ -157,8 +160,13 @@ def judge(evidence: Sequence[RankEvidence]) -> Verdict | None:
         if len(culprits) == world or len({rank.state for rank in culprits}) != 1:
             return None  # nobody waits in a collective, or the others disagree among themselves
         majority = "collective"
-    elif majority == "collective":
+    elif majority == "collective" or (
+        majority == "compute" and all(rank.flight is not None for rank in evidence)
+    ):
+        # NCCL returns from the call at once: ranks waiting on a peer block later, in a
+        # device sync that reads as compute; the flight recorder still says who is behind.
         culprits = _behind(evidence)
+        behind = True
         if not culprits:
             return None
     else:
@@ -166,7 +174,7 @@ def judge(evidence: Sequence[RankEvidence]) -> Verdict | None:
     odd_state = str(Counter(rank.state for rank in culprits).most_common(1)[0][0])
     if odd_state in _REASON_BY_STATE:
         reason = _REASON_BY_STATE[odd_state]
-    elif majority == "collective":
+    elif majority == "collective" or behind:
         reason = "collective_not_entered"
     else:
         reason = "compute"
@@ -181,12 +189,19 @@ def judge(evidence: Sequence[RankEvidence]) -> Verdict | None:
 
 
 def _behind(evidence: Sequence[RankEvidence]) -> list[RankEvidence]:
-    """The ranks that completed (or issued) fewer collectives, when at most half did."""
-    flight = [rank.flight_completed for rank in evidence]
-    if all(value is not None for value in flight):
-        progress = {rank.rank: int(rank.flight_completed or 0) for rank in evidence}
-    else:
-        progress = {rank.rank: rank.collectives for rank in evidence}
+    """The ranks behind the others by a collective, when at most half are.
+
+    With the flight recorder on every rank: fewer enqueued, then fewer started. Completed
+    sequence numbers are not compared: in a hang the collective the others wait in has
+    completed nowhere, and gloo marks completions late (measured: a rank's
+    ``last_completed`` lagging its finished calls by two). Without it: fewer calls counted.
+    """
+    progress: dict[int, tuple[int, ...]] = {}
+    for rank in evidence:
+        if rank.flight is not None and all(other.flight is not None for other in evidence):
+            progress[rank.rank] = (rank.flight[0], rank.flight[1])
+        else:
+            progress[rank.rank] = (rank.collectives,)
     most = max(progress.values())
     behind = [rank for rank in evidence if progress[rank.rank] < most]
     return behind if 2 * len(behind) <= len(evidence) else []

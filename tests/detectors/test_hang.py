@@ -187,3 +187,42 @@ def test_judge_stays_quiet_when_most_ranks_are_behind_one() -> None:
 
 def test_judge_stays_quiet_for_a_single_rank() -> None:
     assert judge([_rank(0, "data_wait")]) is None
+
+
+def _flown(rank: int, state: str, flight: tuple[int, int, int] | None,
+           collectives: int = 7) -> RankEvidence:  # fmt: skip
+    return RankEvidence(rank=rank, stalled=True, phase="backward", state=state,
+                        collectives=collectives, flight=flight)  # fmt: skip
+
+
+def test_judge_names_the_rank_the_flight_recorder_shows_behind_while_all_compute() -> None:
+    # NCCL: every rank returned from its all_reduce call and blocks later in a device sync
+    # (a Python "compute"); rank 2 never enqueued collective 812 (recorded-shaped numbers).
+    ranks = [_flown(rank, "compute", (811 if rank == 2 else 812, -1, 811)) for rank in range(4)]
+    verdict = judge(ranks)
+    assert verdict is not None
+    assert (verdict.culprits, verdict.reason) == ((2,), "collective_not_entered")
+
+
+def test_judge_prefers_the_flight_recorder_to_the_python_counter() -> None:
+    # DDP's C++ all-reduces are not in the Python counter (equal), but the recorder has them.
+    ranks = [_flown(rank, "collective", (40 if rank == 1 else 41, -1, 40)) for rank in range(4)]
+    verdict = judge(ranks)
+    assert verdict is not None and verdict.culprits == (1,)
+
+
+def test_judge_does_not_read_a_lagging_completion_as_behind() -> None:
+    # gloo marks completions late: equal enqueued and started, different completed.
+    ranks = [_flown(rank, "collective", (41, -1, 39 if rank == 3 else 40)) for rank in range(4)]
+    assert judge(ranks) is None
+
+
+def test_judge_falls_back_to_the_counter_when_a_rank_has_no_flight_recorder() -> None:
+    ranks = [_flown(0, "collective", (41, -1, 40), collectives=9),
+             _flown(1, "collective", None, collectives=8)]  # fmt: skip
+    verdict = judge(ranks)
+    assert verdict is not None and verdict.culprits == (1,)
+
+
+def test_judge_stays_quiet_for_ranks_all_computing_without_the_flight_recorder() -> None:
+    assert judge([_flown(rank, "compute", None) for rank in range(4)]) is None

@@ -100,6 +100,9 @@ def test_a_hung_job_names_the_culprit_rank_and_reason_in_the_event_log_and_statu
     others = [e for rank, e in evidence.items() if rank != culprit]
     assert others and all(e["state"] == "collective" for e in others)
     assert all(e["collective"] == "all_reduce" for e in others)
+    # torch's flight recorder (gloo too, in torch 2.13) counts what each rank enqueued.
+    if mode == "sleep":  # the others enqueued the all_reduce the culprit never reached
+        assert all(e["flight"][0] == evidence[culprit]["flight"][0] + 1 for e in others)
 
     lines: list[str] = []
 
