@@ -52,6 +52,8 @@ STALL_ACTIONS: tuple[str, ...] = ("none", "dump", "raise", "exit")
 #: Exit status of ``stall_action: exit``: EX_TEMPFAIL (sysexits.h), "try again later", so a
 #: scheduler or torchrun's ``--max-restarts`` restarts the job instead of idling its GPUs.
 STALL_EXIT_CODE = 75
+#: While stalled, the flight recorder is read at most this often (its dump takes a C++ lock).
+FLIGHT_READ_SECONDS = 5.0
 
 
 class StallResponder:
@@ -93,6 +95,7 @@ class StallResponder:
         self._flight_recorder = flight_recorder if flight_recorder is not None else FlightRecorder()
         #: While stalled: the flight recorder's (enqueued, started, completed), where available.
         self.flight: tuple[int, int, int] | None = None
+        self._flight_read_at: float | None = None
         self._workers = workers
         #: While stalled in data_wait: the blocking frame of the loader worker it waits on.
         self._worker_where = ""
@@ -154,6 +157,7 @@ class StallResponder:
             self.state = None
             self.where = ""
             self.flight = None
+            self._flight_read_at = None
             self._worker_where = ""
             self._exit_at = None
             self._last_verdict = None
@@ -211,7 +215,10 @@ class StallResponder:
             )
             del frame  # a frame pins its locals (tensors)
         before = (self.state, self.where, self._written_collectives, self.flight)
-        self.flight = self._flight_recorder.progress()
+        now = self._clock()
+        if self._flight_read_at is None or now - self._flight_read_at >= FLIGHT_READ_SECONDS:
+            self._flight_read_at = now
+            self.flight = self._flight_recorder.progress()
         self.state, self.where = classify(
             stack, phase=self._heartbeat.phase, collective=self._collectives.current
         )

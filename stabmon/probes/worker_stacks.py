@@ -159,7 +159,10 @@ class WorkerStacks:
             header = _HEADER.format(pid=pid).encode()
             if not _reset(path, header):
                 continue  # not registered (yet), or not this worker's file
-            os.kill(pid, STACKS_SIGNAL)
+            try:
+                os.kill(pid, STACKS_SIGNAL)
+            except OSError:
+                continue  # exited since: nothing to read
             pending[pid] = (worker_id, path, len(header))
         found: list[WorkerStack] = []
         deadline = self._clock() + timeout
