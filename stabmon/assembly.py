@@ -46,6 +46,7 @@ from stabmon.probes.loader import WorkerWatch
 from stabmon.probes.memory import HostMemory, MemorySampler, cuda_devices
 from stabmon.probes.placement import PlacementWatch
 from stabmon.probes.timing import LoopTimer
+from stabmon.probes.worker_stacks import WorkerStacks
 from stabmon.readings import Readings
 from stabmon.recorder import Recorder
 from stabmon.registration import report_misplaced
@@ -255,11 +256,12 @@ def _stall_watch(
         collectives.install()
         resources.collectives = collectives
     heartbeat = parts.heartbeat
+    worker_stacks = resources.worker_stacks = WorkerStacks(parts.paths.run_directory, rank=rank)
     responder = StallResponder(
         action=config.stall_action, grace_seconds=config.stall_grace_seconds, rank=rank,
         run=run_id, recorder=parts.recorder, heartbeat=heartbeat, collectives=collectives,
         registration=resources.registration, run_directory=parts.paths.run_directory,
-        root=parts.paths.root,
+        root=parts.paths.root, worker_stacks=worker_stacks, workers=parts.workers,
     )  # fmt: skip
     parts.registry.register(
         ContainedCollector(
@@ -281,5 +283,6 @@ def _stall_watch(
         on_stall=responder.stalled,
         on_recover=responder.resumed,
         clock=clock,
+        peer_in_phase=responder.peer_in_phase,
     )
     return watchdog, responder

@@ -16,6 +16,7 @@ __all__ = [
     "ALERT_NAMES",
     "ANOMALY_KINDS",
     "DAEMON_EXTENSION_METRICS",
+    "DAEMON_HANG_METRICS",
     "DAEMON_METRICS",
     "EXTENSION_ALERT_NAMES",
     "EXTENSION_ANOMALY_KINDS",
@@ -599,3 +600,12 @@ HANG_STATE = MetricDef(
     ("state",),
 )
 HANG_METRICS: tuple[MetricDef, ...] = (LOOP_PHASE, COLLECTIVES, COLLECTIVE_IN_PROGRESS, HANG_STATE)
+NODE_HANG_VERDICT = MetricDef(
+    "stabmon_node_hang_verdict",
+    "gauge",
+    "Node daemon: 1 for each rank it names as holding up a hung run of its node (judged over the "
+    "ranks' registration records), with the reason class; absent while there is no verdict.",
+    ("rank", "run", "reason"),
+)
+#: Daemon-side hang triage (proposed in docs/contract-proposals.md).
+DAEMON_HANG_METRICS: tuple[MetricDef, ...] = (NODE_HANG_VERDICT,)

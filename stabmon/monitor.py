@@ -324,6 +324,8 @@ class Monitor:
             problem = loader_problem(loader)
             if problem is not None:
                 self._limiter.once("loader:timeout", logging.WARNING, "stabmon: %s", problem)
+            if self._resources.worker_stacks is not None:
+                self._resources.worker_stacks.install(loader)
         return TrackedLoader(loader, functools.partial(self._timed_pass, loader))
 
     @contextlib.contextmanager

@@ -18,6 +18,7 @@ from stabmon.export.event_log import EventLog
 from stabmon.export.exporter import Exporter
 from stabmon.hooks import HookSet
 from stabmon.probes.collectives import CollectiveCounter
+from stabmon.probes.worker_stacks import WorkerStacks
 from stabmon.rundir import Registration
 from stabmon.wrapping import Hold
 
@@ -44,6 +45,8 @@ class Resources:
     judge_at_exit: Callable[[], None] | None = None
     #: The torch.distributed wrappers that count collectives (hang evidence).
     collectives: CollectiveCounter | None = None
+    #: The chained ``worker_init_fn`` of tracked loaders (worker stacks on a stall).
+    worker_stacks: WorkerStacks | None = None
     #: This Monitor's hold on the sys.excepthook/sys.exit observers (ExitWatch).
     exit_watch: Hold[object] | None = None
 
@@ -66,6 +69,8 @@ class Resources:
             self.hooks.remove()
         if self.collectives is not None:
             self.collectives.uninstall()
+        if self.worker_stacks is not None:
+            self.worker_stacks.uninstall()
         if self.exit_watch is not None:
             self.exit_watch.release()
         for thread in self.threads:

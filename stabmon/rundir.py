@@ -54,6 +54,7 @@ __all__ = [
     "prepare_run_directory",
     "read_owned_records",
     "read_records",
+    "read_run_records",
     "run_directory_name",
     "safe_component",
     "write_atomic",
@@ -159,6 +160,10 @@ class ProcessRecord:
     hang_state: str | None = None
     hang_where: str | None = None
     collectives: int = 0
+    #: While stalled, with torch's flight recorder available: the default process group's last
+    #: enqueued, started (-1: not timed) and completed collective sequence numbers
+    #: (``stabmon.probes.flight_recorder``); else None.
+    flight: tuple[int, int, int] | None = None
     version: int = field(default=RECORD_VERSION)
 
     def to_json(self) -> bytes:
@@ -198,6 +203,7 @@ class ProcessRecord:
             hang_state=_optional_text(data, "hang_state"),
             hang_where=_optional_text(data, "hang_where"),
             collectives=_int(data, "collectives", minimum=0, default=0),
+            flight=_flight(data.get("flight")),
         )
 
 
@@ -299,17 +305,36 @@ def read_owned_records(root: Path) -> tuple[list[OwnedRecord], list[RecordProble
         if len(records) >= MAX_RECORDS:
             problems.append(RecordProblem(path, f"more than {MAX_RECORDS} records; not read"))
             break
-        try:
-            raw, owner = read_regular_with_owner(path, MAX_RECORD_BYTES)
-            data = json.loads(raw)
-            if not isinstance(data, dict):
-                raise ValueError("not a JSON object")
-            records.append(OwnedRecord(ProcessRecord.from_mapping(data), path, owner))
-        except FileNotFoundError:
-            continue  # removed at detach between listing and reading: not a problem
-        except (OSError, ValueError, RecursionError) as error:
-            problems.append(RecordProblem(path, f"{type(error).__name__}: {_short(error)}"))
+        _read_one(path, records, problems)
     return records, problems
+
+
+def read_run_records(run_directory: Path) -> tuple[list[OwnedRecord], list[RecordProblem]]:
+    """:func:`read_owned_records` of one run's directory only (not entered through a symlink)."""
+    records: list[OwnedRecord] = []
+    problems: list[RecordProblem] = []
+    if run_directory.is_symlink() or not run_directory.is_dir():
+        return records, problems
+    try:
+        paths = sorted(run_directory.glob("rank-*.json"))
+    except OSError:
+        return records, problems
+    for path in paths[:MAX_RECORDS]:
+        _read_one(path, records, problems)
+    return records, problems
+
+
+def _read_one(path: Path, records: list[OwnedRecord], problems: list[RecordProblem]) -> None:
+    try:
+        raw, owner = read_regular_with_owner(path, MAX_RECORD_BYTES)
+        data = json.loads(raw)
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+        records.append(OwnedRecord(ProcessRecord.from_mapping(data), path, owner))
+    except FileNotFoundError:
+        pass  # removed at detach between listing and reading: not a problem
+    except (OSError, ValueError, RecursionError) as error:
+        problems.append(RecordProblem(path, f"{type(error).__name__}: {_short(error)}"))
 
 
 def _short(error: BaseException) -> str:
@@ -364,6 +389,19 @@ def _printable_utf8(value: str) -> bool:
     except UnicodeEncodeError:
         return False
     return not any(ord(character) < 32 or ord(character) == 127 for character in value)
+
+
+def _flight(value: object) -> tuple[int, int, int] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != 3:
+        raise ValueError(f"flight: expected three sequence numbers, got {value!r:.80}")
+    numbers = []
+    for item in value:
+        if not isinstance(item, int) or isinstance(item, bool) or not -1 <= item < 2**63:
+            raise ValueError(f"flight: expected sequence numbers >= -1, got {item!r:.40}")
+        numbers.append(item)
+    return numbers[0], numbers[1], numbers[2]
 
 
 def _optional_text(data: Mapping[str, Any], key: str) -> str | None:
@@ -440,7 +478,15 @@ class Registration:
             )
             self._write()
 
-    def hang(self, *, state: str | None, where: str | None, collectives: int, now: float) -> None:
+    def hang(
+        self,
+        *,
+        state: str | None,
+        where: str | None,
+        collectives: int,
+        now: float,
+        flight: tuple[int, int, int] | None = None,
+    ) -> None:
         """Write the hang evidence (None: not stalled) at once, for the other ranks' verdict."""
         with self._lock:
             if self._closed:
@@ -450,6 +496,7 @@ class Registration:
                 hang_state=state,
                 hang_where=where,
                 collectives=collectives,
+                flight=flight,
                 updated_unix=now,
             )
             self._write()

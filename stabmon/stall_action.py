@@ -33,12 +33,16 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from stabmon.detectors.hang import RankEvidence, Verdict, classify, judge
+from stabmon.detectors.hang import Verdict, classify, judge
 from stabmon.detectors.stall import Heartbeat, StallReport
 from stabmon.errors import TrainingStalled
+from stabmon.node_peers import NodePeers
 from stabmon.probes.collectives import CollectiveCounter
+from stabmon.probes.flight_recorder import FlightRecorder
+from stabmon.probes.loader import WorkerWatch
+from stabmon.probes.worker_stacks import WorkerStack, WorkerStacks
 from stabmon.recorder import Recorder
-from stabmon.rundir import ProcessRecord, Registration, read_owned_records, write_atomic
+from stabmon.rundir import Registration, write_atomic
 
 __all__ = ["STALL_ACTIONS", "STALL_EXIT_CODE", "StallResponder"]
 
@@ -48,6 +52,8 @@ STALL_ACTIONS: tuple[str, ...] = ("none", "dump", "raise", "exit")
 #: Exit status of ``stall_action: exit``: EX_TEMPFAIL (sysexits.h), "try again later", so a
 #: scheduler or torchrun's ``--max-restarts`` restarts the job instead of idling its GPUs.
 STALL_EXIT_CODE = 75
+#: While stalled, the flight recorder is read at most this often (its dump takes a C++ lock).
+FLIGHT_READ_SECONDS = 5.0
 
 
 class StallResponder:
@@ -68,6 +74,9 @@ class StallResponder:
         root: Path,
         clock: Callable[[], float] = time.monotonic,
         end_process: Callable[[int], None] = os._exit,
+        worker_stacks: WorkerStacks | None = None,
+        workers: WorkerWatch | None = None,
+        flight_recorder: FlightRecorder | None = None,
     ) -> None:
         self._action = action
         self._grace = grace_seconds
@@ -79,8 +88,17 @@ class StallResponder:
         self._registration = registration
         self._run_directory = run_directory
         self._root = root
+        self._peers = NodePeers(run_directory, run=run, rank=rank, clock=clock)
         self._clock = clock
         self._end_process = end_process
+        self._worker_stacks = worker_stacks
+        self._flight_recorder = flight_recorder if flight_recorder is not None else FlightRecorder()
+        #: While stalled: the flight recorder's (enqueued, started, completed), where available.
+        self.flight: tuple[int, int, int] | None = None
+        self._flight_read_at: float | None = None
+        self._workers = workers
+        #: While stalled in data_wait: the blocking frame of the loader worker it waits on.
+        self._worker_where = ""
         self._main = threading.main_thread().ident
         #: While stalled: the main thread's state (``HANG_STATES``) and where; else None.
         self.state: str | None = None
@@ -97,7 +115,12 @@ class StallResponder:
         """The watchdog declared a stall: record the evidence, then act as configured."""
         self._recorder.stalled(report)
         with self._lock:
-            self._refresh(report.stacks.get(self._main_key(report.stacks)))
+            stack = report.stacks.get(self._main_key(report.stacks))
+            state, _ = classify(stack or [], phase=report.phase,
+                                collective=self._collectives.current)  # fmt: skip
+            # Before the record is written: the node's verdict names the worker's frame.
+            workers = self._capture_workers() if state == "data_wait" else []
+            self._refresh(stack)
             self._recorder.write(
                 "hang_evidence",
                 step=self._recorder.global_step,
@@ -106,9 +129,14 @@ class StallResponder:
                 where=self.where,
                 collectives=self._collectives.issued,
                 collective=self._collectives.current,
+                flight=list(self.flight) if self.flight is not None else None,
                 stall_action=self._action,
-                # Data-loader worker processes are not this interpreter: their stacks need an
-                # outside tool (py-spy dump --pid); the main thread's stack shows the wait.
+                # DataLoader workers are other processes: their stacks come from their own
+                # faulthandler dump (stabmon.probes.worker_stacks), when track() installed it.
+                worker_stacks=[
+                    {"worker": s.worker, "pid": s.pid, "where": s.where, "stack": s.stack}
+                    for s in workers
+                ],
             )
             if self._action == "dump":
                 self._dump(report)
@@ -128,6 +156,9 @@ class StallResponder:
         with self._lock:
             self.state = None
             self.where = ""
+            self.flight = None
+            self._flight_read_at = None
+            self._worker_where = ""
             self._exit_at = None
             self._last_verdict = None
             self._write_record()
@@ -156,19 +187,23 @@ class StallResponder:
                 self._exit()
 
     def node_verdict(self) -> Verdict | None:
-        """The verdict over the records of this run on this node (this rank's own included)."""
-        owned, _ = read_owned_records(self._root)
-        # Only our own user's records: the ranks of one job run as one user, and a record
-        # another local user wrote must not name a culprit.
-        uid = os.geteuid()
-        evidence = [
-            _evidence(item.record)
-            for item in owned
-            if item.record.run == self._run and item.owner_uid == uid
-        ]
+        """The verdict over the records of this run on this node (this rank's own included).
+
+        Only our own user's records (:class:`~stabmon.node_peers.NodePeers`): a record
+        another local user wrote must not name a culprit.
+        """
+        evidence = self._peers.evidence()
         if not any(item.rank == self._rank for item in evidence):
             return None
         return judge(evidence)
+
+    def peer_in_phase(self) -> bool:
+        """Another rank of this run on this node is inside a named phase within its limit.
+
+        The watchdog asks once its own limit has passed: this rank waits on that one
+        (a barrier while rank 0 saves alone), and the phase's limit applies to it too.
+        """
+        return self._peers.holds_phase()
 
     def _refresh(self, stack: list[str] | None) -> None:
         if stack is None:
@@ -179,12 +214,33 @@ class StallResponder:
                 else [line.rstrip("\n") for line in traceback.format_stack(frame)]
             )
             del frame  # a frame pins its locals (tensors)
-        before = (self.state, self.where, self._written_collectives)
+        before = (self.state, self.where, self._written_collectives, self.flight)
+        now = self._clock()
+        if self._flight_read_at is None or now - self._flight_read_at >= FLIGHT_READ_SECONDS:
+            self._flight_read_at = now
+            self.flight = self._flight_recorder.progress()
         self.state, self.where = classify(
             stack, phase=self._heartbeat.phase, collective=self._collectives.current
         )
-        if (self.state, self.where, self._collectives.issued) != before:
+        if self.state == "data_wait" and self._worker_where:
+            self.where = self._worker_where  # where the loop's data actually is stuck
+        if (self.state, self.where, self._collectives.issued, self.flight) != before:
             self._write_record()  # only a change: a long stall rewrites nothing
+
+    def _capture_workers(self) -> list[WorkerStack]:
+        """The stacks of the loader workers the main thread waits on (at most a second)."""
+        if self._worker_stacks is None or self._workers is None:
+            return []
+        iterator = self._workers.iterator()
+        if iterator is None:
+            return []
+        stacks = self._worker_stacks.capture(iterator)
+        busy = [stack for stack in stacks if not stack.idle and stack.where] or [
+            stack for stack in stacks if stack.where
+        ]
+        if busy:
+            self._worker_where = f"{busy[0].where} (loader worker {busy[0].worker})"
+        return stacks
 
     def _write_record(self) -> None:
         self._written_collectives = self._collectives.issued
@@ -194,6 +250,7 @@ class StallResponder:
                 where=self.where or None,
                 collectives=self._collectives.issued,
                 now=time.time(),
+                flight=self.flight,
             )
 
     def _main_key(self, stacks: dict[str, list[str]]) -> str:
@@ -238,14 +295,3 @@ class StallResponder:
             self._registration.exited("exception", time.time())
         sys.stderr.flush()
         self._end_process(STALL_EXIT_CODE)
-
-
-def _evidence(record: ProcessRecord) -> RankEvidence:
-    return RankEvidence(
-        rank=record.rank,
-        stalled=record.hang_state is not None and record.exited_unix is None,
-        phase=record.phase or "",
-        state=record.hang_state,
-        collectives=record.collectives,
-        where=record.hang_where or "",
-    )

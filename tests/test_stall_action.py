@@ -15,6 +15,7 @@ from stabmon.export.event_log import EventLog
 from stabmon.guard import Guard
 from stabmon.log import LogLimiter
 from stabmon.probes.collectives import CollectiveCounter
+from stabmon.probes.flight_recorder import FlightRecorder
 from stabmon.readings import Readings
 from stabmon.recorder import Recorder
 from stabmon.rundir import ProcessRecord, Registration, RunPaths, write_atomic
@@ -33,7 +34,13 @@ class Ended(Exception):
     pass
 
 
-def _responder(tmp_path: Path, action: str, clock: Clock, exits: list[int]) -> StallResponder:
+def _responder(
+    tmp_path: Path,
+    action: str,
+    clock: Clock,
+    exits: list[int],
+    flight: FlightRecorder | None = None,
+) -> StallResponder:
     paths = RunPaths(root=tmp_path, run_id="job", rank=1)
     paths.run_directory.mkdir(parents=True)
     guard = Guard(LogLimiter())
@@ -47,6 +54,7 @@ def _responder(tmp_path: Path, action: str, clock: Clock, exits: list[int]) -> S
         heartbeat=Heartbeat(clock), collectives=CollectiveCounter(modules=()),
         registration=registration, run_directory=paths.run_directory, root=tmp_path,
         clock=clock, end_process=exits.append,
+        flight_recorder=flight if flight is not None else FlightRecorder(lambda: {}),
     )  # fmt: skip
 
 
@@ -203,3 +211,35 @@ def test_stall_action_rejects_an_unknown_action_with_the_allowed_ones() -> None:
 
     with pytest.raises(ConfigError, match="stall_action.*none.*dump.*raise.*exit"):
         load_config(overrides={"stall_action": "kill"})
+
+
+def test_stall_responder_records_the_flight_recorders_numbers_and_judges_by_them(
+    tmp_path: Path,
+) -> None:
+    # A recorded-shaped NCCL status (no GPU here): this rank enqueued one collective fewer.
+    status = {"pg_status": {"0": {"last_enqueued_collective": 811,
+                                  "last_started_collective": -1,
+                                  "last_completed_collective": 811}}}  # fmt: skip
+    clock, exits = Clock(), []
+    responder = _responder(tmp_path, "none", clock, exits, FlightRecorder(lambda: status))
+    for rank in (0, 2, 3):
+        record = ProcessRecord(pid=os.getpid(), create_time=0.0, run="job", rank=rank,
+                               hang_state="compute", flight=(812, -1, 811))  # fmt: skip
+        write_atomic(tmp_path / "job" / f"rank-{rank}.json", record.to_json())
+    responder.stalled(_report(SLEEPING))
+    (evidence,) = _events(tmp_path, "hang_evidence")
+    assert evidence["flight"] == [811, -1, 811]
+    verdict = responder.node_verdict()
+    assert verdict is not None and (verdict.culprits, verdict.reason) == (
+        (1,), "collective_not_entered")  # fmt: skip
+
+
+def test_stall_responder_records_evidence_when_the_flight_recorder_fails(tmp_path: Path) -> None:
+    def broken() -> bytes:
+        raise RuntimeError("NCCL trace buffer disabled")
+
+    clock, exits = Clock(), []
+    responder = _responder(tmp_path, "none", clock, exits, FlightRecorder(broken))
+    responder.stalled(_report(SLEEPING))
+    (evidence,) = _events(tmp_path, "hang_evidence")
+    assert evidence["flight"] is None and evidence["state"] == "compute"

@@ -34,6 +34,7 @@ from stabmon.background import PeriodicThread
 from stabmon.config import Config
 from stabmon.daemon import discovery, health
 from stabmon.daemon.gpu import GpuCollector, GpuPoller
+from stabmon.daemon.hang import NodeHangCollector, NodeHangJudge
 from stabmon.daemon.liveness import HostMemoryCollector, LivenessCollector
 from stabmon.daemon.nvml import NvmlReader, PynvmlReader
 from stabmon.daemon.placement import PlacementCollector
@@ -72,6 +73,7 @@ class DaemonApp:
         self._gpus = GpuPoller(self._reader, limiter=self._limiter)
         self._processes = ProcessTable(self.run_dir, limiter=self._limiter)
         self._placement = PlacementCollector(limiter=self._limiter)
+        self._hangs = NodeHangJudge(limiter=self._limiter)
         self._xid_state = XidState(state_path(self.run_dir), limiter=self._limiter)
         self._xid = XidWatcher(
             self._reader,
@@ -90,6 +92,7 @@ class DaemonApp:
             LivenessCollector(self._processes),
             HostMemoryCollector(),
             XidStateCollector(self._xid_state),
+            NodeHangCollector(self._hangs),
         ):
             self.registry.register(
                 ContainedCollector(collector, guard=self._guard, component="exporter")
@@ -130,6 +133,8 @@ class DaemonApp:
         started = time.monotonic()
         with self._guard.contain("processes"):
             samples = self._processes.poll()
+            with self._guard.contain("processes"):
+                self._hangs.update(samples)  # the node's hang verdict, from the same poll
             with self._guard.contain("placement"):
                 snapshot = self._gpus.snapshot()
                 self._placement.update(

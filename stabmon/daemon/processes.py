@@ -98,6 +98,9 @@ class ProcessSample:
     #: The record's exporter port, verified as listening in the process's network namespace
     #: and owned by its uid (:mod:`stabmon.daemon.trust`); None when not verified.
     target_port: int | None = None
+    #: Owner uid of the record's file (for a live process, the uid that runs it): the node's
+    #: hang verdict judges each run's ranks per user (:mod:`stabmon.daemon.hang`).
+    uid: int | None = None
 
 
 class _WorkerLedger:
@@ -190,6 +193,7 @@ class ProcessTable:
             sample = self._sample(entry, key, now)
             if sample is None:
                 continue  # cannot tell which process it is, or may not believe it
+            sample = replace(sample, uid=entry.owner_uid)
             written = _last_written(record)
             previous = self._seen.get(entry.path)
             if previous is not None and previous[0] == written:

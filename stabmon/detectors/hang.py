@@ -4,9 +4,10 @@ Pure functions of host values, no threads, no torch. A stalled rank classifies
 its own main thread (:func:`classify`) into one of :data:`HANG_STATES`; once
 the ranks of a run stall, :func:`judge` compares their evidence and names the
 rank(s) whose state differs from the majority's, with a reason class from
-:data:`HANG_REASONS`. The same comparison runs three ways: in each rank over
-the records of its node (:mod:`stabmon.stall_action`), in ``stabmon status``
-over scraped gauges, and in PromQL across nodes (the shipped
+:data:`HANG_REASONS`. The same comparison runs four ways: in each rank over
+the records of its node (:mod:`stabmon.stall_action`), in the node daemon over
+the same records (:mod:`stabmon.daemon.hang`), in ``stabmon status`` over
+scraped gauges, and in PromQL across nodes (the shipped
 ``StabmonTrainingStalled`` description), so no collective and no coordinator
 is added.
 
@@ -105,6 +106,9 @@ class RankEvidence:
     state: str | None = None
     collectives: int = 0
     where: str = ""
+    #: torch's flight recorder (NCCL; gloo too in recent torch): the default group's last
+    #: enqueued, started (-1: not timed) and completed collective; None where unavailable.
+    flight: tuple[int, int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -124,29 +128,54 @@ _REASON_BY_STATE = {"data_wait": "data_starvation", "lock_wait": "deadlock", "io
 def judge(evidence: Sequence[RankEvidence]) -> Verdict | None:
     """The verdict over every known rank of one run, or None when there is none to give.
 
-    A culprit's state differs from the majority's, or (all in collectives) it
-    issued fewer collectives than the rest. The reason class follows the
-    culprit's state: ``data_wait`` is data starvation, ``lock_wait`` a deadlock,
-    ``io`` I/O; a culprit computing while the majority waits in a collective did
-    not enter it (``collective_not_entered``), else ``compute``.
+    Three rules, the first that applies decides:
+
+    - **odd state out**: a strict minority whose state differs from the majority's;
+    - **waiting on**: no majority (two ranks, or a tie), but some ranks wait in a
+      collective and all the others share one other state: the ones not in the
+      collective hold it up (two ranks: one in ``all_reduce``, one in its data loader);
+    - **behind**: all wait in collectives (or, with the flight recorder on every rank,
+      all compute: NCCL's waiting ranks block in a device sync), and at most half
+      issued fewer than the rest (flight recorder sequence numbers when every rank
+      has them, else the counted calls): they are behind by a collective.
+
+    A tie of equals (two ranks in the same state, as many collectives) names no one.
+    The reason class follows the culprit's state: ``data_wait`` is data starvation,
+    ``lock_wait`` a deadlock, ``io`` I/O; a culprit computing while the others wait in
+    a collective did not enter it (``collective_not_entered``), else ``compute``.
     """
     world = len(evidence)
     if world < 2 or not all(rank.stalled and rank.state for rank in evidence):
         return None
-    counts = Counter(rank.state for rank in evidence)
-    (majority, size), *rest = counts.most_common()
-    if rest and rest[0][1] == size:
-        return None  # no majority: nothing to be odd against
-    culprits = [rank for rank in evidence if rank.state != majority]
-    if not culprits and majority == "collective":
-        most = max(rank.collectives for rank in evidence)
-        culprits = [rank for rank in evidence if rank.collectives < most]
-    if not culprits or 2 * len(culprits) >= world:
-        return None
+    ranked = Counter(rank.state for rank in evidence).most_common()
+    majority, size = str(ranked[0][0]), ranked[0][1]
+    tie = len(ranked) > 1 and ranked[1][1] == size
+    culprits: list[RankEvidence] = []
+    behind = False
+    if len(ranked) > 1 and not tie:
+        culprits = [rank for rank in evidence if rank.state != majority]
+        if 2 * len(culprits) >= world:
+            return None
+    elif tie:
+        culprits = [rank for rank in evidence if rank.state != "collective"]
+        if len(culprits) == world or len({rank.state for rank in culprits}) != 1:
+            return None  # nobody waits in a collective, or the others disagree among themselves
+        majority = "collective"
+    elif majority == "collective" or (
+        majority == "compute" and all(rank.flight is not None for rank in evidence)
+    ):
+        # NCCL returns from the call at once: ranks waiting on a peer block later, in a
+        # device sync that reads as compute; the flight recorder still says who is behind.
+        culprits = _behind(evidence)
+        behind = True
+        if not culprits:
+            return None
+    else:
+        return None  # every rank in the same state, not a collective: read the stacks
     odd_state = str(Counter(rank.state for rank in culprits).most_common(1)[0][0])
     if odd_state in _REASON_BY_STATE:
         reason = _REASON_BY_STATE[odd_state]
-    elif majority == "collective":
+    elif majority == "collective" or behind:
         reason = "collective_not_entered"
     else:
         reason = "compute"
@@ -155,9 +184,28 @@ def judge(evidence: Sequence[RankEvidence]) -> Verdict | None:
         culprits=tuple(rank.rank for rank in culprits),
         reason=reason,
         world=world,
-        majority_state=str(majority),
-        message=_message(culprits, reason, world, str(majority), evidence),
+        majority_state=majority,
+        message=_message(culprits, reason, world, majority, evidence),
     )
+
+
+def _behind(evidence: Sequence[RankEvidence]) -> list[RankEvidence]:
+    """The ranks behind the others by a collective, when at most half are.
+
+    With the flight recorder on every rank: fewer enqueued, then fewer started. Completed
+    sequence numbers are not compared: in a hang the collective the others wait in has
+    completed nowhere, and gloo marks completions late (measured: a rank's
+    ``last_completed`` lagging its finished calls by two). Without it: fewer calls counted.
+    """
+    progress: dict[int, tuple[int, ...]] = {}
+    for rank in evidence:
+        if rank.flight is not None and all(other.flight is not None for other in evidence):
+            progress[rank.rank] = (rank.flight[0], rank.flight[1])
+        else:
+            progress[rank.rank] = (rank.collectives,)
+    most = max(progress.values())
+    behind = [rank for rank in evidence if progress[rank.rank] < most]
+    return behind if 2 * len(behind) <= len(evidence) else []
 
 
 def _message(

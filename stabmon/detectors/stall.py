@@ -16,7 +16,12 @@ The limit is ``stall_seconds`` when configured, else the larger of 60 s and 10
 times the median of recent step times. Inside a named phase (``eval``,
 ``checkpoint``) and before the first step (``startup``: compilation, first
 batches) the longer ``phase_stall_seconds`` applies instead, so expected long
-stretches raise no false stall.
+stretches raise no false stall. So do the ranks that wait on such a stretch:
+while ``peer_in_phase`` says another rank of the run is inside a named phase
+within its limit (rank 0 saves a checkpoint alone, the others wait in a
+barrier), the phase's limit applies to them too; it is asked only once the
+rank's own limit has passed, and once the peer is past its limit (stalled
+itself) the rank's own limit applies again.
 """
 
 from __future__ import annotations
@@ -67,8 +72,10 @@ class StallWatchdog:
         on_stall: Callable[[StallReport], None],
         on_recover: Callable[[float], None],
         clock: Callable[[], float] = time.monotonic,
+        peer_in_phase: Callable[[], bool] | None = None,
     ) -> None:
         self._heartbeat = heartbeat
+        self._peer_in_phase = peer_in_phase
         self._stall_seconds = stall_seconds
         self._phase_stall_seconds = phase_stall_seconds
         self._on_stall = on_stall
@@ -83,6 +90,14 @@ class StallWatchdog:
 
     def limit_seconds(self) -> float:
         """The limit that applies now (see the module docstring)."""
+        own = self._own_limit_seconds()
+        if self._peer_in_phase is None or own >= self._phase_stall_seconds:
+            return own
+        if self._clock() - self._heartbeat.last_beat <= own:
+            return own  # within its own limit: the peers' records are not read
+        return self._phase_stall_seconds if self._peer_in_phase() else own
+
+    def _own_limit_seconds(self) -> float:
         heartbeat = self._heartbeat
         if heartbeat.named_phase or heartbeat.steps == 0:
             return self._phase_stall_seconds

@@ -49,6 +49,10 @@ class WorkerWatch:
         """The iterator of the current pass (its workers, if it has any, are watched)."""
         self._iterator = weakref.ref(iterator) if hasattr(iterator, "_workers") else None
 
+    def iterator(self) -> object | None:
+        """The loader iterator of the current pass, while it has workers and is alive."""
+        return self._iterator() if self._iterator is not None else None
+
     def check(self) -> None:
         """Report each worker that died while its loader still needed it (sampling thread)."""
         self._check(after_error=False)

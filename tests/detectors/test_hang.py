@@ -135,13 +135,94 @@ def test_judge_stays_quiet_while_one_rank_is_not_stalled() -> None:
     "states",
     [
         ["collective", "collective", "collective", "collective"],  # all alike: no odd one
-        ["collective", "data_wait"],  # two ranks, no majority
-        ["collective", "collective", "data_wait", "data_wait"],  # a tie
+        ["collective", "collective"],  # two ranks in one collective, as many issued
+        ["data_wait", "data_wait"],  # two ranks, both starved: a tie of equals
+        ["data_wait", "lock_wait"],  # neither waits on the other in a collective
+        ["collective", "data_wait", "lock_wait"],  # the two not in it disagree
+        ["data_wait", "data_wait", "compute", "compute"],  # a tie, no collective
     ],
 )
 def test_judge_stays_quiet_without_a_minority_to_name(states: list[str]) -> None:
     assert judge([_rank(index, state) for index, state in enumerate(states)]) is None
 
 
+@pytest.mark.parametrize(
+    ("odd", "reason"),
+    [
+        ("data_wait", "data_starvation"),
+        ("compute", "collective_not_entered"),
+        ("lock_wait", "deadlock"),
+        ("io", "io"),
+    ],
+)
+@pytest.mark.parametrize("culprit", [0, 1])
+def test_judge_names_the_rank_of_two_that_is_not_in_the_collective_the_other_waits_in(
+    odd: str, reason: str, culprit: int
+) -> None:
+    ranks = [_rank(rank, odd if rank == culprit else "collective") for rank in (0, 1)]
+    verdict = judge(ranks)
+    assert verdict is not None
+    assert (verdict.culprits, verdict.reason, verdict.world) == ((culprit,), reason, 2)
+    assert verdict.message.startswith(f"rank {culprit} of 2 stuck in {odd}")
+    assert "the other 1 wait in collective" in verdict.message
+
+
+def test_judge_names_the_rank_of_two_that_issued_fewer_collectives() -> None:
+    verdict = judge([_rank(0, "collective", collectives=9), _rank(1, "collective", collectives=8)])
+    assert verdict is not None
+    assert (verdict.culprits, verdict.reason) == ((1,), "collective_not_entered")
+
+
+def test_judge_names_the_two_ranks_not_in_the_collective_the_other_two_wait_in() -> None:
+    states = ["collective", "data_wait", "collective", "data_wait"]
+    verdict = judge([_rank(index, state) for index, state in enumerate(states)])
+    assert verdict is not None and (verdict.culprits, verdict.reason) == ((1, 3), "data_starvation")
+
+
+def test_judge_stays_quiet_when_most_ranks_are_behind_one() -> None:
+    # Three issued 7, one issued 8: one extra call or three skipped ones; not unambiguous.
+    ranks = [_rank(rank, "collective", collectives=8 if rank == 0 else 7) for rank in range(4)]
+    assert judge(ranks) is None
+
+
 def test_judge_stays_quiet_for_a_single_rank() -> None:
     assert judge([_rank(0, "data_wait")]) is None
+
+
+def _flown(rank: int, state: str, flight: tuple[int, int, int] | None,
+           collectives: int = 7) -> RankEvidence:  # fmt: skip
+    return RankEvidence(rank=rank, stalled=True, phase="backward", state=state,
+                        collectives=collectives, flight=flight)  # fmt: skip
+
+
+def test_judge_names_the_rank_the_flight_recorder_shows_behind_while_all_compute() -> None:
+    # NCCL: every rank returned from its all_reduce call and blocks later in a device sync
+    # (a Python "compute"); rank 2 never enqueued collective 812 (recorded-shaped numbers).
+    ranks = [_flown(rank, "compute", (811 if rank == 2 else 812, -1, 811)) for rank in range(4)]
+    verdict = judge(ranks)
+    assert verdict is not None
+    assert (verdict.culprits, verdict.reason) == ((2,), "collective_not_entered")
+
+
+def test_judge_prefers_the_flight_recorder_to_the_python_counter() -> None:
+    # DDP's C++ all-reduces are not in the Python counter (equal), but the recorder has them.
+    ranks = [_flown(rank, "collective", (40 if rank == 1 else 41, -1, 40)) for rank in range(4)]
+    verdict = judge(ranks)
+    assert verdict is not None and verdict.culprits == (1,)
+
+
+def test_judge_does_not_read_a_lagging_completion_as_behind() -> None:
+    # gloo marks completions late: equal enqueued and started, different completed.
+    ranks = [_flown(rank, "collective", (41, -1, 39 if rank == 3 else 40)) for rank in range(4)]
+    assert judge(ranks) is None
+
+
+def test_judge_falls_back_to_the_counter_when_a_rank_has_no_flight_recorder() -> None:
+    ranks = [_flown(0, "collective", (41, -1, 40), collectives=9),
+             _flown(1, "collective", None, collectives=8)]  # fmt: skip
+    verdict = judge(ranks)
+    assert verdict is not None and verdict.culprits == (1,)
+
+
+def test_judge_stays_quiet_for_ranks_all_computing_without_the_flight_recorder() -> None:
+    assert judge([_flown(rank, "compute", None) for rank in range(4)]) is None

@@ -102,3 +102,45 @@ def test_capture_stacks_includes_a_blocked_thread() -> None:
     finally:
         release.set()
         worker.join()
+
+
+def _peer_watchdog(clock: FakeClock, holds: list[bool], asked: list[float]):  # type: ignore[no-untyped-def]
+    heartbeat = Heartbeat(clock)
+    stalls: list[StallReport] = []
+
+    def peer_in_phase() -> bool:
+        asked.append(clock.now)
+        return holds[0]
+
+    watchdog = StallWatchdog(
+        heartbeat, stall_seconds=10.0, phase_stall_seconds=100.0, on_stall=stalls.append,
+        on_recover=lambda _: None, clock=clock, peer_in_phase=peer_in_phase,
+    )  # fmt: skip
+    heartbeat.beat(clock.now, None)
+    heartbeat.phase = "optimizer"
+    return watchdog, stalls
+
+
+def test_stall_watchdog_gives_a_rank_waiting_on_a_peers_phase_that_phases_limit() -> None:
+    clock, holds, asked = FakeClock(), [True], []
+    watchdog, stalls = _peer_watchdog(clock, holds, asked)
+    clock.now += 9.0
+    watchdog.check()
+    assert asked == []  # within its own limit the peers' records are not read
+    clock.now += 80.0  # rank 0 still saves its checkpoint, within the phase's limit
+    watchdog.check()
+    assert stalls == [] and watchdog.limit_seconds() == 100.0
+    clock.now += 12.0  # past the phase limit too: stalled, whatever the peer says
+    watchdog.check()
+    assert len(stalls) == 1 and stalls[0].limit_seconds == 100.0
+
+
+def test_stall_watchdog_stalls_at_its_own_limit_once_the_peer_is_past_its_phase() -> None:
+    clock, holds, asked = FakeClock(), [True], []
+    watchdog, stalls = _peer_watchdog(clock, holds, asked)
+    clock.now += 30.0
+    watchdog.check()
+    assert stalls == []
+    holds[0] = False  # the peer stalled in its phase: the waiting rank is hung too
+    watchdog.check()
+    assert len(stalls) == 1 and stalls[0].limit_seconds == 10.0

@@ -5,12 +5,17 @@
 Every rank trains with an explicit gradient all-reduce (a counted collective).
 After ``--hang-after`` steps, ``--mode`` decides what happens:
 
-- ``data``: the culprit's dataset blocks in ``__getitem__`` (data starvation);
+- ``data``: the culprit's dataset blocks in ``__getitem__`` (data starvation), in a
+  loader worker process with ``--workers N``;
 - ``sleep``: the culprit sleeps before the all-reduce (a collective not entered);
 - ``deadlock``: the culprit takes a lock it already holds (a Python deadlock);
 - ``checkpoint``: rank 0 alone writes a slow checkpoint inside ``mon.phase("checkpoint")``
   while the others wait in a barrier, then all train on and exit 0 (no verdict);
-- ``eval``: every rank evaluates for a while inside ``mon.phase("eval")`` (no verdict).
+- ``eval``: every rank evaluates for a while inside ``mon.phase("eval")`` (no verdict);
+- ``eval0``: rank 0 alone evaluates inside ``mon.phase("eval")`` while the others wait in a
+  barrier (no verdict, no stall);
+- ``checkpoint-hang``: rank 0's checkpoint never ends (a hang inside a phase): caught once
+  the phase's own limit (``--phase-limit``) passes.
 """
 
 from __future__ import annotations
@@ -19,7 +24,6 @@ import argparse
 import datetime
 import threading
 import time
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,6 +31,7 @@ import torch.distributed as dist
 import stabmon
 
 FOREVER = 3600.0
+MODES = ("data", "sleep", "deadlock", "checkpoint", "eval", "eval0", "checkpoint-hang")
 
 
 class Samples(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
@@ -45,14 +50,16 @@ class Samples(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=("data", "sleep", "deadlock", "checkpoint", "eval"))
+    parser.add_argument("--mode", choices=MODES)
     parser.add_argument("--culprit", type=int, default=2)
     parser.add_argument("--hang-after", type=int, default=5)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--stall-seconds", type=float, default=3.0)
     parser.add_argument("--phase-seconds", type=float, default=7.0, help="eval/checkpoint time")
+    parser.add_argument("--phase-limit", type=float, default=600.0, help="phase_stall_seconds")
     parser.add_argument("--action", default="none")
     parser.add_argument("--grace", type=float, default=5.0)
+    parser.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
     args = parser.parse_args()
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
@@ -62,14 +69,15 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     monitor = stabmon.attach(
         model, optimizer, sample_seconds=0.2, judge_seconds=0,
-        stall_seconds=args.stall_seconds, phase_stall_seconds=600,
+        stall_seconds=args.stall_seconds, phase_stall_seconds=args.phase_limit,
         stall_action=args.action, stall_grace_seconds=args.grace,
     )  # fmt: skip
     print(f"ready {monitor.metrics_url}", flush=True)
     culprit = rank == args.culprit
     batch = 4
     block = args.hang_after * batch if args.mode == "data" and culprit else None
-    loader = torch.utils.data.DataLoader(Samples(block), batch_size=batch)
+    loader = torch.utils.data.DataLoader(Samples(block), batch_size=batch,
+                                         num_workers=args.workers)  # fmt: skip
     lock = threading.Lock()
     for step, (inputs, targets) in enumerate(monitor.track(loader)):
         if step == args.steps:
@@ -88,25 +96,32 @@ def main() -> None:
                 dist.all_reduce(parameter.grad)
         optimizer.step()
         monitor.observe(loss)
-        if step == args.hang_after and args.mode == "checkpoint":
+        if step == args.hang_after and args.mode in ("checkpoint", "checkpoint-hang"):
             if rank == 0:
                 with monitor.phase("checkpoint"):
-                    time.sleep(args.phase_seconds)  # a slow write to shared storage
+                    # A slow write to shared storage; or one that never ends.
+                    time.sleep(args.phase_seconds if args.mode == "checkpoint" else FOREVER)
+            dist.barrier()
+        if step == args.hang_after and args.mode == "eval0":
+            if rank == 0:
+                _evaluate(monitor, model, inputs, args.phase_seconds)
             dist.barrier()
         if step == args.hang_after and args.mode == "eval":
-            with monitor.phase("eval"), torch.no_grad():
-                deadline = time.monotonic() + args.phase_seconds
-                while time.monotonic() < deadline:
-                    model(inputs)
-                    time.sleep(0.05)
+            _evaluate(monitor, model, inputs, args.phase_seconds)
             dist.barrier()
     monitor.detach()
     dist.destroy_process_group()
     print("done", flush=True)
 
 
-def _unused(*_: Any) -> None:
-    pass
+def _evaluate(
+    monitor: stabmon.Monitor, model: torch.nn.Module, inputs: torch.Tensor, seconds: float
+) -> None:
+    with monitor.phase("eval"), torch.no_grad():
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            model(inputs)
+            time.sleep(0.05)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import scrape
 from realstack import Processes, announced, free_port, require, start_prometheus, until
 
 from stabmon.report.events import read_run
@@ -37,13 +38,15 @@ def processes() -> Iterator[Processes]:
         started.close()
 
 
-def _torchrun(processes: Processes, run_dir: Path, *args: str) -> subprocess.Popen[str]:
+def _torchrun(
+    processes: Processes, run_dir: Path, *args: str, world: int = WORLD
+) -> subprocess.Popen[str]:
     env = {**os.environ, "STABMON_DIR": str(run_dir), "STABMON_PORT": str(free_port()),
            "OMP_NUM_THREADS": "1"}  # fmt: skip
     env.pop("STABMON_RUN_ID", None)
     return processes.start(
         [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         f"--nproc_per_node={WORLD}", str(TRAINEE), *args],
+         f"--nproc_per_node={world}", str(TRAINEE), *args],
         env=env,
     )  # fmt: skip
 
@@ -97,6 +100,9 @@ def test_a_hung_job_names_the_culprit_rank_and_reason_in_the_event_log_and_statu
     others = [e for rank, e in evidence.items() if rank != culprit]
     assert others and all(e["state"] == "collective" for e in others)
     assert all(e["collective"] == "all_reduce" for e in others)
+    # torch's flight recorder (gloo too, in torch 2.13) counts what each rank enqueued.
+    if mode == "sleep":  # the others enqueued the all_reduce the culprit never reached
+        assert all(e["flight"][0] == evidence[culprit]["flight"][0] + 1 for e in others)
 
     lines: list[str] = []
 
@@ -113,8 +119,56 @@ def test_a_hung_job_names_the_culprit_rank_and_reason_in_the_event_log_and_statu
                for line in findings), findings  # fmt: skip
 
 
-@pytest.mark.parametrize("mode", ["checkpoint", "eval"])
-def test_no_verdict_while_rank_0_checkpoints_alone_or_every_rank_evaluates(
+def test_a_rank_whose_loader_worker_blocks_names_the_workers_frame(
+    tmp_path: Path, processes: Processes
+) -> None:
+    # The culprit's dataset blocks inside its DataLoader worker process: the main thread only
+    # waits on a queue; the worker's own stack dump (faulthandler) says where it is stuck.
+    run_dir = tmp_path / "runs"
+    _torchrun(processes, run_dir, "--mode", "data", "--culprit", "2", "--workers", "1")
+    lines = TRAINEE.read_text().splitlines()
+    line = next(n for n, text in enumerate(lines, 1) if "a stuck input pipeline" in text)
+    frame = f"hang_trainee.py:{line} in __getitem__"
+
+    def named() -> bool:
+        return any(v["culprits"] == [2] for v in _events(run_dir, "hang_verdict"))
+
+    until("a verdict naming rank 2", named, VERDICT_TIMEOUT)
+    (verdict, *_) = _events(run_dir, "hang_verdict")
+    assert verdict["reason"] == "data_starvation"
+    assert verdict["detail"].startswith(f"rank 2 of 4 stuck in data_wait at {frame} (loader "
+                                        "worker 0)")  # fmt: skip
+    evidence = {e["rank"]: e for e in _events(run_dir, "hang_evidence")}
+    (worker,) = evidence[2]["worker_stacks"]
+    assert worker["where"] == frame and worker["worker"] == 0
+    assert "(most recent call first)" in worker["stack"]
+    assert all(evidence[rank]["worker_stacks"] == [] for rank in (0, 1, 3))  # in all_reduce
+
+
+def test_a_hung_two_rank_job_names_the_rank_not_in_the_collective(
+    tmp_path: Path, processes: Processes
+) -> None:
+    # No strict majority of two: the rank waiting in all_reduce waits on the other.
+    run_dir = tmp_path / "runs"
+    _torchrun(processes, run_dir, "--mode", "data", "--culprit", "1", world=2)
+
+    def named() -> bool:
+        return any(v["culprits"] == [1] for v in _events(run_dir, "hang_verdict"))
+
+    until("a verdict naming rank 1 of 2", named, VERDICT_TIMEOUT)
+    verdicts = _events(run_dir, "hang_verdict")
+    assert {(tuple(v["culprits"]), v["reason"]) for v in verdicts} == {((1,), "data_starvation")}
+    assert verdicts[0]["detail"].startswith("rank 1 of 2 stuck in data_wait")
+    assert "the other 1 wait in collective" in verdicts[0]["detail"]
+
+    def status_names_it() -> bool:
+        return "HANG rank 1 of 2 stuck in data_wait (data_starvation)" in _status(run_dir)
+
+    until("stabmon status naming rank 1 of 2", status_names_it, VERDICT_TIMEOUT)
+
+
+@pytest.mark.parametrize("mode", ["checkpoint", "eval", "eval0"])
+def test_no_stall_and_no_verdict_while_rank_0_checkpoints_or_evaluates_alone_or_all_evaluate(
     tmp_path: Path, processes: Processes, mode: str
 ) -> None:
     run_dir = tmp_path / "runs"
@@ -122,11 +176,29 @@ def test_no_verdict_while_rank_0_checkpoints_alone_or_every_rank_evaluates(
     assert job.wait(timeout=240) == 0
     assert _events(run_dir, "hang_verdict") == []
     assert len(_events(run_dir, "detach")) == WORLD
-    stalls = [e for e in _events(run_dir, "anomaly") if e["kind"] == "stall"]
-    if mode == "eval":  # inside mon.phase("eval") the phase's limit applies: not even a stall
-        assert stalls == []
-    else:  # the ranks waiting in the barrier did stall, and still no culprit was named
-        assert {e["rank"] for e in stalls} == {1, 2, 3}
+    # Rank 0 inside its phase has the phase's limit; the ranks waiting for it in a barrier
+    # (7 s, past their 3 s limit) read its record and take the phase's limit too.
+    assert [e for e in _events(run_dir, "anomaly") if e["kind"] == "stall"] == []
+    assert _events(run_dir, "hang_evidence") == []
+
+
+def test_a_checkpoint_that_never_ends_is_caught_once_the_phase_limit_passes(
+    tmp_path: Path, processes: Processes
+) -> None:
+    run_dir = tmp_path / "runs"
+    _torchrun(processes, run_dir, "--mode", "checkpoint-hang", "--phase-limit", "8")
+
+    def named() -> bool:
+        return any(v["culprits"] == [0] for v in _events(run_dir, "hang_verdict"))
+
+    until("a verdict naming rank 0", named, VERDICT_TIMEOUT)
+    (verdict, *_) = _events(run_dir, "hang_verdict")
+    assert verdict["reason"] == "collective_not_entered"
+    assert verdict["detail"].startswith("rank 0 of 4 stuck in compute")
+    stalls = {e["rank"]: e for e in _events(run_dir, "anomaly") if e["kind"] == "stall"}
+    assert set(stalls) == {0, 1, 2, 3}
+    # The waiting ranks were held to the phase's limit while rank 0 was within it.
+    assert all(stalls[rank]["silent_seconds"] > 8 for rank in (1, 2, 3))
 
 
 def test_stall_action_exit_ends_a_hung_job_with_the_evidence_on_disk(
@@ -144,18 +216,30 @@ def test_stall_action_exit_ends_a_hung_job_with_the_evidence_on_disk(
     assert stalls and all(e["stacks"] for e in stalls)
 
 
+@pytest.mark.parametrize(
+    ("mode", "culprit", "verdict"),
+    [
+        ("data", 2, "Verdict: rank 2 is stuck in data_wait (phase data_wait: data starvation)"),
+        (
+            "sleep",
+            1,
+            "Verdict: rank 1 is stuck in compute (phase backward: collective not entered)",
+        ),
+        ("deadlock", 3, "Verdict: rank 3 is stuck in lock_wait (phase backward: deadlock)"),
+    ],
+)
 def test_the_shipped_stall_alert_names_the_culprit_through_a_real_prometheus(
-    tmp_path: Path, processes: Processes
+    tmp_path: Path, processes: Processes, mode: str, culprit: int, verdict: str
 ) -> None:
     require("prometheus")
     run_dir = tmp_path / "runs"
     daemon = processes.start([sys.executable, "-m", "stabmon", "daemon", "--port", "0",
                               "--address", "127.0.0.1", "--run-dir", str(run_dir),
                               "--interval", "0.2"])  # fmt: skip
-    daemon_target = announced(daemon).split("/")[2]
-    _torchrun(processes, run_dir, "--mode", "data", "--culprit", "2")
+    daemon_url = announced(daemon)
+    daemon_target = daemon_url.split("/")[2]
+    _torchrun(processes, run_dir, "--mode", mode, "--culprit", str(culprit))
     prometheus = start_prometheus(processes, tmp_path, daemon_target)
-    verdict = "Verdict: rank 2 is stuck in data_wait (phase data_wait: data starvation)"
 
     def described() -> bool:
         try:
@@ -167,4 +251,12 @@ def test_the_shipped_stall_alert_names_the_culprit_through_a_real_prometheus(
         return ranks == {"0", "1", "2", "3"}
 
     # Pending alerts carry their annotations too: the rule's for: 1m is not waited for.
-    until("every rank's stall alert naming rank 2", described, VERDICT_TIMEOUT, 1.0)
+    until(f"every rank's stall alert naming rank {culprit}", described, VERDICT_TIMEOUT, 1.0)
+
+    # The node daemon judged the same ranks from their records, and exports its verdict.
+    def daemon_names_it() -> bool:
+        verdicts = {dict(labels)["rank"] for (name, labels), value in scrape(daemon_url).items()
+                    if name == "stabmon_node_hang_verdict" and value == 1}  # fmt: skip
+        return verdicts == {str(culprit)}
+
+    until(f"the daemon's verdict naming rank {culprit}", daemon_names_it, VERDICT_TIMEOUT, 0.5)

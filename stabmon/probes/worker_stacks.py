@@ -1,0 +1,241 @@
+"""Stacks of DataLoader worker processes, for a main thread that waits on them.
+
+Design
+------
+A worker is another process: the stall watchdog's ``sys._current_frames()``
+cannot see it. At ``track()`` of a DataLoader with workers,
+:meth:`WorkerStacks.install` chains the loader's ``worker_init_fn`` with
+:class:`WorkerInit`, which in each new worker:
+
+1. creates ``rank-R.loader-L.worker-W.stacks`` in the run directory through a
+   temporary name: opened without following a symlink, checked to be a regular
+   file of our own uid, mode 0600, append-only, starting with a header naming the
+   worker's pid;
+2. registers :func:`faulthandler.register` on :data:`STACKS_SIGNAL` to write every
+   thread's stack to it (async-signal-safe, even while the worker blocks in C);
+3. renames it into place, then runs the user's own ``worker_init_fn``.
+
+A failure is contained: the worker goes on without the registration, and no file
+means it is never signalled (the signal's default action would end it). Names
+are per loader slot and worker id, so there are at most ``MAX_LOADERS`` x
+workers files however many epochs restart the workers.
+
+On a stall in ``data_wait`` (:mod:`stabmon.stall_action`, watchdog thread),
+:meth:`WorkerStacks.capture` takes the live workers of the iterator the loop
+waits on, signals only those whose file's header names their pid (a child that
+is not reaped cannot have a reused pid), cuts each file back to its header first
+and reads at most :data:`MAX_STACK_BYTES` of the dump, waiting at most a second.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import re
+import signal
+import stat
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["STACKS_SIGNAL", "WorkerInit", "WorkerStack", "WorkerStacks", "innermost_frame"]
+
+#: The signal a worker dumps its stacks on. SIGUSR2: unused by PyTorch's workers.
+STACKS_SIGNAL = signal.SIGUSR2
+#: Loaders per Monitor whose workers dump stacks (a train and a validation loader, ...).
+MAX_LOADERS = 8
+#: What is read of one worker's dump (faulthandler bounds its own: 100 frames x 100 threads).
+MAX_STACK_BYTES = 64 * 1024
+_HEADER = "stabmon worker stacks pid={pid}\n"
+_FRAME = re.compile(r'File "(?P<file>[^"]*)", line (?P<line>\d+) in (?P<function>\S+)')
+
+
+@dataclass(frozen=True)
+class WorkerStack:
+    """One worker's stacks as faulthandler wrote them, and its blocking frame."""
+
+    worker: int
+    pid: int
+    where: str
+    stack: str
+    #: Waiting for work in PyTorch's worker loop (its index queue), not blocked in a fetch.
+    idle: bool = False
+
+
+class WorkerInit:
+    """A DataLoader ``worker_init_fn``: register the stack dump, then call the user's own.
+
+    A plain class, not a closure, so it pickles for the ``spawn`` start method.
+    """
+
+    def __init__(self, directory: str, prefix: str, original: Callable[[int], Any] | None) -> None:
+        self.directory = directory
+        self.prefix = prefix
+        self.original = original
+
+    def path(self, worker_id: int) -> Path:
+        return Path(self.directory) / f"{self.prefix}.worker-{worker_id}.stacks"
+
+    def __call__(self, worker_id: int) -> None:
+        try:
+            _register(self.path(worker_id))
+        except Exception:  # noqa: BLE001 (never break a worker; no file: never signalled)
+            pass
+        if self.original is not None:
+            self.original(worker_id)
+
+
+def _register(path: Path) -> None:
+    temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(temporary, flags, 0o600)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+            raise OSError(f"{temporary}: not a regular file of our own")
+        os.write(fd, _HEADER.format(pid=os.getpid()).encode())
+        faulthandler.register(STACKS_SIGNAL, file=fd, all_threads=True, chain=False)
+        os.rename(temporary, path)  # rename(2) is atomic: the file exists only once registered
+    except BaseException:
+        os.close(fd)
+        temporary.unlink(missing_ok=True)
+        raise
+    # fd stays open for the worker's life: faulthandler writes to it at the signal.
+
+
+class WorkerStacks:
+    """Installs :class:`WorkerInit` on tracked loaders; captures live workers' stacks."""
+
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        rank: int,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self._directory = directory
+        self._rank = rank
+        self._clock = clock
+        self._sleep = sleep
+        #: (loader, the init installed on it, the loader's own) per slot.
+        self._installed: list[tuple[weakref.ref[Any], WorkerInit, Any]] = []
+
+    def install(self, loader: object) -> None:
+        """Chain ``loader.worker_init_fn`` when it is a loader with worker processes."""
+        workers = getattr(loader, "num_workers", 0)
+        if not isinstance(workers, int) or workers <= 0 or not hasattr(loader, "worker_init_fn"):
+            return
+        current = loader.worker_init_fn
+        if isinstance(current, WorkerInit) or len(self._installed) >= MAX_LOADERS:
+            return  # tracked again (a new epoch), or enough loaders
+        prefix = f"rank-{self._rank}.loader-{len(self._installed)}"
+        init = WorkerInit(str(self._directory), prefix, current)
+        loader.worker_init_fn = init  # read by each new iterator (epoch) of the loader
+        self._installed.append((weakref.ref(loader), init, current))
+
+    def uninstall(self) -> None:
+        """Give each loader its own ``worker_init_fn`` back (at detach)."""
+        for reference, init, original in self._installed:
+            loader = reference()
+            if loader is not None and getattr(loader, "worker_init_fn", None) is init:
+                loader.worker_init_fn = original
+        self._installed.clear()
+
+    def capture(self, iterator: object, timeout: float = 1.0) -> list[WorkerStack]:
+        """Signal the live workers of ``iterator`` and read their stacks (at most ``timeout``)."""
+        init = getattr(iterator, "_worker_init_fn", None)
+        if not isinstance(init, WorkerInit):
+            return []
+        pending: dict[int, tuple[int, Path, int]] = {}  # pid -> (worker, path, header size)
+        for worker_id, process in enumerate(list(getattr(iterator, "_workers", ()))):
+            pid = getattr(process, "pid", None)
+            if not isinstance(pid, int) or process.exitcode is not None:
+                continue  # gone (or reaped): its pid may name another process now
+            path = init.path(worker_id)
+            header = _HEADER.format(pid=pid).encode()
+            if not _reset(path, header):
+                continue  # not registered (yet), or not this worker's file
+            try:
+                os.kill(pid, STACKS_SIGNAL)
+            except OSError:
+                continue  # exited since: nothing to read
+            pending[pid] = (worker_id, path, len(header))
+        found: list[WorkerStack] = []
+        deadline = self._clock() + timeout
+        sizes: dict[int, int] = {}
+        while pending and self._clock() < deadline:
+            self._sleep(0.02)
+            for pid, (worker_id, path, header_size) in list(pending.items()):
+                text = _read(path, header_size)
+                if text is None or not text.strip():
+                    continue
+                if sizes.get(pid) != len(text):  # still being written: read it again
+                    sizes[pid] = len(text)
+                    continue
+                del pending[pid]
+                where, file = _innermost(text)
+                found.append(WorkerStack(worker_id, pid, where, text, idle=_idle(file)))
+        return sorted(found, key=lambda stack: stack.worker)
+
+
+def _open_own(path: Path, flags: int) -> int:
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+        os.close(fd)
+        raise OSError(f"{path}: not a regular file of our own")
+    return fd
+
+
+def _reset(path: Path, header: bytes) -> bool:
+    """Cut the file back to its header when it is this worker's; whether it is."""
+    try:
+        fd = _open_own(path, os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        if os.pread(fd, len(header), 0) != header:
+            return False
+        os.ftruncate(fd, len(header))
+        return True
+    finally:
+        os.close(fd)
+
+
+def _read(path: Path, offset: int) -> str | None:
+    try:
+        fd = _open_own(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        return os.pread(fd, MAX_STACK_BYTES, offset).decode("utf-8", "replace")
+    finally:
+        os.close(fd)
+
+
+def innermost_frame(dump: str) -> str:
+    """``data.py:42 in __getitem__``: the innermost frame of the worker loop's thread.
+
+    faulthandler writes each thread most recent call first; the thread running
+    PyTorch's worker loop is the one that fetches, else the first thread is taken.
+    """
+    return _innermost(dump)[0]
+
+
+def _idle(file: str) -> bool:
+    return any(part in file for part in ("/multiprocessing/", "/_utils/worker.py", "/queue.py"))
+
+
+def _innermost(dump: str) -> tuple[str, str]:
+    blocks = [block for block in re.split(r"\n(?=(?:Current thread|Thread) )", dump) if block]
+    chosen = next((block for block in blocks if "/torch/utils/data/_utils/worker.py" in block),
+                  blocks[0] if blocks else "")  # fmt: skip
+    match = _FRAME.search(chosen)
+    if match is None:
+        return "", ""
+    file = match["file"].replace("\\", "/")
+    return f"{file.rsplit('/', 1)[-1]}:{match['line']} in {match['function']}", file

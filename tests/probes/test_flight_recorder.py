@@ -1,0 +1,106 @@
+"""torch's flight recorder: the default group's sequence numbers, parsed and read for real.
+
+NCCL cannot run here (no GPU): the NCCL shapes are recorded-shaped dumps, built from the
+format torch documents (``pg_status`` in the flight recorder tutorial: ints in the pickle
+dump, strings in the JSON one). The read itself is tested for real on gloo, which torch
+2.13's flight recorder follows too, through the same ``_dump_fr_trace`` call.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from stabmon.probes.flight_recorder import FlightRecorder, parse_dump, torch_dump
+
+#: As ProcessGroupNCCL dumps it (pickle): rank waiting in collective 2, its first done.
+NCCL_DUMP = {
+    "version": "2.5",
+    "pg_config": {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1]"}},
+    "pg_status": {
+        "0": {
+            "last_enqueued_collective": 2,
+            "last_started_collective": -1,
+            "last_completed_collective": 1,
+        },
+        "1": {
+            "last_enqueued_collective": 9,
+            "last_started_collective": 9,
+            "last_completed_collective": 9,
+        },
+    },  # fmt: skip
+    "entries": [],
+}
+
+
+def test_parse_dump_reads_the_default_groups_sequence_numbers_from_the_pickle() -> None:
+    assert parse_dump(pickle.dumps(NCCL_DUMP)) == (2, -1, 1)
+
+
+def test_parse_dump_reads_the_json_dumps_string_numbers() -> None:
+    status = {"0": {"last_enqueued_collective": "7", "last_started_collective": "7",
+                    "last_completed_collective": "6"}}  # fmt: skip
+    assert parse_dump({"pg_status": status}) == (7, 7, 6)
+
+
+@pytest.mark.parametrize(
+    "dump",
+    [
+        {"version": "2.5"},  # no pg_status
+        {"pg_status": {}},  # no default group
+        {"pg_status": {"0": {"last_enqueued_collective": "many"}}},
+        {"pg_status": {"0": {"last_enqueued_collective": True}}},
+        {"pg_status": {"0": {"last_enqueued_collective": -1}}},  # nothing followed
+        {"pg_status": {"0": {"last_enqueued_collective": 2**70}}},
+        [1, 2, 3],
+    ],
+)
+def test_parse_dump_gives_none_for_what_is_not_a_usable_status(dump: object) -> None:
+    assert parse_dump(dump if isinstance(dump, dict) else pickle.dumps(dump)) is None
+
+
+def test_flight_recorder_contains_a_failing_dump() -> None:
+    def broken() -> bytes:
+        raise RuntimeError("flight recorder not enabled")
+
+    recorder = FlightRecorder(broken)
+    assert recorder.progress() is None
+    assert recorder.error == "RuntimeError: flight recorder not enabled"
+
+
+def test_flight_recorder_is_none_without_a_process_group() -> None:
+    if dist.is_initialized():
+        pytest.skip("a process group is up in this test process")
+    assert torch_dump() is None and FlightRecorder().progress() is None
+
+
+@pytest.fixture
+def gloo_group(tmp_path: Path) -> Iterator[None]:
+    if dist.is_initialized():
+        pytest.skip("a process group is already up in this test process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)  # fmt: skip
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_flight_recorder_reads_the_real_gloo_groups_enqueued_collectives(gloo_group: None) -> None:
+    if torch_dump() is None:
+        pytest.skip("Requires: a torch with the flight recorder dump")
+    recorder = FlightRecorder()
+    tensor = torch.ones(3)
+    dist.all_reduce(tensor)  # the group's status appears with its first collective
+    before = recorder.progress()
+    assert before is not None
+    for _ in range(3):
+        dist.all_reduce(tensor)
+    after = recorder.progress()
+    assert after is not None and after[0] == before[0] + 3
+    assert recorder.error is None
