@@ -27,6 +27,7 @@ import os
 import re
 import reprlib
 import stat
+import types
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -128,9 +129,23 @@ class _Spec:
 
 
 _SectionT = TypeVar("_SectionT", bound=Section)
+_SPEC_MEMO: dict[type[Section], Mapping[str, _Spec]] = {}
 
 
-def _specs(cls: type[Section]) -> dict[str, _Spec]:
+def _specs(cls: type[Section]) -> Mapping[str, _Spec]:
+    """The fields of ``cls`` as the checker sees them, read once per class.
+
+    Memoised because resolving the annotations (``typing.get_type_hints`` compiles each
+    one) was most of the cost of a ``load_config`` call, and a class's fields do not
+    change. The memo holds one entry per section class defined in code.
+    """
+    cached = _SPEC_MEMO.get(cls)
+    if cached is None:
+        cached = _SPEC_MEMO[cls] = _read_specs(cls)
+    return cached
+
+
+def _read_specs(cls: type[Section]) -> Mapping[str, _Spec]:
     hints = typing.get_type_hints(cls)
     specs = {}
     for f in dataclasses.fields(cls):
@@ -139,7 +154,7 @@ def _specs(cls: type[Section]) -> dict[str, _Spec]:
         if len(kinds) != 1 or not (kinds[0] in _TYPE_NAMES or _is_section(kinds[0])):
             raise TypeError(f"{cls.__name__}.{f.name}: unsupported annotation {hints[f.name]}")
         specs[f.name] = _Spec(kinds[0], len(kinds) != len(members), f.metadata)
-    return specs
+    return types.MappingProxyType(specs)
 
 
 def _is_section(kind: object) -> typing.TypeGuard[type[Section]]:
