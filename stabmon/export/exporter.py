@@ -58,8 +58,8 @@ BACKLOG = 128
 #: A connection slot is held at least this long: at most MAX_CONNECTIONS / this many
 #: requests a second are served (16), however many clients flood the port. Prometheus
 #: scrapes every few seconds; a scrape that arrives in a flood waits its turn in the backlog.
-#: Each served request costs the training thread GIL time: at 0.1 s (40 a second) a 50-client
-#: flood cost a loop about 6% of its steps, over the 5% budget (bench/scrape_flood.py).
+#: Each served request costs the training thread GIL time: a shorter slot let a 50-client
+#: flood cost a loop more than its 5% budget (bench/scrape_flood.py measures it).
 MIN_REQUEST_SECONDS = 0.25
 
 #: An extra path's handler: the WSGI environ in, (content type, body) out.

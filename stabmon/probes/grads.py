@@ -54,8 +54,9 @@ __all__ = [
 
 #: Up to this many tensors, the group sums run in plain Python (numpy's call overhead is larger).
 _SMALL = 64
-#: Up to this many CPU tensors, their norms are read one by one rather than stacked first: a
-#: ``stack`` costs the host as much as reading about 16 zero-dimensional tensors (callgrind).
+#: Up to this many CPU tensors, their norms are read one by one rather than stacked first: one
+#: ``stack`` costs the host more than a few reads of zero-dimensional tensors (the crossover was
+#: a one-off callgrind count; bench/instructions.py counts whole steps, with this in them).
 _READ_UNSTACKED = 16
 #: Builds a named tuple in C, without the Python ``__new__`` that NamedTuple generates.
 _tuple_new = tuple.__new__
@@ -390,7 +391,7 @@ class GradProbe:
             try:
                 if bucket.dtype == norm_dtype:
                     # No dtype argument when it changes nothing: with one, the CPU kernel
-                    # takes a slower path (13.0 against 9.2 us for the tiny MLP's six tensors).
+                    # takes a slower path (a one-off timing; bench/overhead.py times whole steps).
                     return list(torch._foreach_norm(grads, 2.0))
                 return list(torch._foreach_norm(grads, 2.0, dtype=norm_dtype))
             except (RuntimeError, NotImplementedError):

@@ -1,0 +1,102 @@
+"""stabmon.daemon.trust on a fixture /proc tree: which ports a record may advertise.
+
+The tables are written in the kernel's ``/proc/<pid>/net/tcp`` format (hex
+``address:port``, state ``0A`` for LISTEN, the owner's uid in column 8), as
+client_python's tests stand a fixture tree in for ``/proc``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from stabmon.daemon.trust import (
+    listening_sockets,
+    owner_may_speak_for,
+    record_port,
+    verified_port,
+)
+
+_HEADER = (
+    "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt"
+    "   uid  timeout inode\n"
+)
+
+
+def _row(slot: int, port: int, state: str, uid: int) -> str:
+    return (
+        f"   {slot}: 0100007F:{port:04X} 00000000:0000 {state} 00000000:00000000 "
+        f"00:00000000 00000000  {uid}        0 {1000 + slot} 1 0000000000000000 100 0 0 10 0\n"
+    )
+
+
+def _proc(tmp_path: Path, pid: int, tcp: str | None, tcp6: str | None = None) -> Path:
+    net = tmp_path / str(pid) / "net"
+    net.mkdir(parents=True)
+    if tcp is not None:
+        (net / "tcp").write_text(_HEADER + tcp)
+    if tcp6 is not None:
+        (net / "tcp6").write_text(_HEADER + tcp6)
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("url", "port"),
+    [
+        ("http://gpu-node-3:9400/metrics", 9400),
+        ("https://[::1]:9401/metrics", 9401),
+        ("http://gpu-node-3/metrics", None),  # no port written: nothing to verify
+        ("http://gpu-node-3:99999/metrics", None),
+        ("http://gpu-node-3:0/metrics", None),
+        ("http://gpu-node-3:abc/metrics", None),
+        ("http://[::1:9400/metrics", None),  # a broken IPv6 bracket
+        ("", None),
+        (None, None),
+    ],
+)
+def test_record_port_takes_only_a_valid_explicit_port(url: str | None, port: int | None) -> None:
+    assert record_port(url) == port
+
+
+def test_listening_sockets_reads_listen_rows_of_both_tables_and_skips_the_rest(
+    tmp_path: Path,
+) -> None:
+    tcp = (
+        _row(0, 9400, "0A", 1000)
+        + _row(1, 9500, "01", 1000)  # ESTABLISHED: a client, not a listener
+        + "   2: garbage\n"
+        + "   3: 0100007F:ZZZZ 00000000:0000 0A 0:0 0:0 0 1000 0 1\n"  # port not hex
+    )
+    proc = _proc(tmp_path, 42, tcp, tcp6=_row(0, 9401, "0A", 0))
+
+    assert listening_sockets(42, proc) == {(9400, 1000), (9401, 0)}
+
+
+def test_listening_sockets_is_empty_when_the_process_has_no_tables(tmp_path: Path) -> None:
+    assert listening_sockets(7, tmp_path) == set()
+
+
+def test_listening_sockets_does_not_follow_a_symlinked_table(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "planted"
+    elsewhere.write_text(_HEADER + _row(0, 9400, "0A", 1000))
+    proc = _proc(tmp_path, 42, tcp=None)
+    (proc / "42" / "net" / "tcp").symlink_to(elsewhere)
+
+    assert listening_sockets(42, proc) == set()
+
+
+def test_verified_port_needs_the_port_listening_as_the_same_uid(tmp_path: Path) -> None:
+    proc = _proc(tmp_path, 42, _row(0, 9400, "0A", 1000) + _row(1, 9402, "0A", 2000))
+
+    assert verified_port(42, 1000, "http://gpu-node-3:9400/metrics", proc) == 9400
+    # Another user's listener on the advertised port proves nothing for this record.
+    assert verified_port(42, 1000, "http://gpu-node-3:9402/metrics", proc) is None
+    assert verified_port(42, 1000, "http://gpu-node-3:9404/metrics", proc) is None
+    assert verified_port(42, 1000, None, proc) is None
+
+
+def test_owner_may_speak_only_for_processes_of_its_own_uid() -> None:
+    assert owner_may_speak_for(1000, 1000, pid=42)
+    assert not owner_may_speak_for(1000, 0, pid=42)
+    assert not owner_may_speak_for(0, 1000, pid=42)
