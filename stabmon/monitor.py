@@ -301,6 +301,15 @@ class Monitor:
         except Exception as error:  # never break training
             self._guard.record("loss", error)
 
+    def contain(self) -> contextlib.AbstractContextManager[None]:
+        """Run an adapter's own per-step work under this Monitor's guard.
+
+        An ``Exception`` inside the block is counted in
+        ``stabmon_internal_errors_total{component="hooks"}``, logged once, and not
+        raised: the framework's training loop goes on.
+        """
+        return self._guard.contain("hooks")
+
     def epoch_end(self) -> None:
         """Mark an epoch boundary: sample memory, judge drift and leaks, log a summary.
 
