@@ -604,7 +604,8 @@ class Monitor:
         with self._guard.contain("memory"):
             samples, peaks = self._memory.epoch_samples()
             self._recorder.epoch(samples, peaks)
-        self._plugged.epoch_end(self._recorder.global_step)
+        # The epoch's last step, as its ``epoch`` record names it (docs/steps.md).
+        self._plugged.epoch_end(self._recorder.last_step)
         with self._guard.contain("grads"):
             self._measurements.rebuild_if_trainable_changed()
 
