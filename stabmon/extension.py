@@ -24,8 +24,11 @@ The hooks, each optional, each call contained by the guard under ``component``:
   completed in this process) reaches the plug-in's ``next_step``; the Monitor compares
   one integer a step, the smallest ``next_step`` of all, re-read after each call.
 - ``epoch_end(step)``: training thread, at an epoch boundary, after memory was judged.
+  ``step`` is the index of the epoch's last step, across resumes, as its ``epoch``
+  record names it (docs/steps.md): after ``n`` steps, ``n - 1``; None before the first.
 - ``grads_judged(step, summary)``: whichever thread judges read-back results, under the
-  judging lock, once per measured step's :class:`~stabmon.probes.grads.GradSummary`.
+  judging lock, once per measured step's :class:`~stabmon.probes.grads.GradSummary`;
+  ``step`` is the index of the measured step.
 - ``readings()``: the exporter thread, at scrape: ``(contract row, samples)`` pairs,
   each sample ``(label values, value)``; the ``rank`` and ``run`` labels are added.
 - ``detach()``: once, at ``Monitor.detach()``, before the threads stop.
@@ -108,7 +111,7 @@ class StepEnd(Protocol):
 class EpochEnd(Protocol):
     component: str
 
-    def epoch_end(self, step: int) -> None: ...
+    def epoch_end(self, step: int | None) -> None: ...
 
 
 @runtime_checkable

@@ -301,6 +301,15 @@ class Monitor:
         except Exception as error:  # never break training
             self._guard.record("loss", error)
 
+    def contain(self) -> contextlib.AbstractContextManager[None]:
+        """Run an adapter's own per-step work under this Monitor's guard.
+
+        An ``Exception`` inside the block is counted in
+        ``stabmon_internal_errors_total{component="hooks"}``, logged once, and not
+        raised: the framework's training loop goes on.
+        """
+        return self._guard.contain("hooks")
+
     def epoch_end(self) -> None:
         """Mark an epoch boundary: sample memory, judge drift and leaks, log a summary.
 
@@ -595,7 +604,8 @@ class Monitor:
         with self._guard.contain("memory"):
             samples, peaks = self._memory.epoch_samples()
             self._recorder.epoch(samples, peaks)
-        self._plugged.epoch_end(self._recorder.global_step)
+        # The epoch's last step, as its ``epoch`` record names it (docs/steps.md).
+        self._plugged.epoch_end(self._recorder.last_step)
         with self._guard.contain("grads"):
             self._measurements.rebuild_if_trainable_changed()
 

@@ -85,7 +85,7 @@ class Plugged:
                     self._guard.record(plugin.component, error)
         self.next_step = self._next_step()
 
-    def epoch_end(self, step: int) -> None:
+    def epoch_end(self, step: int | None) -> None:
         for plugin in self._epoch_end:
             try:
                 plugin.epoch_end(step)

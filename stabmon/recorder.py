@@ -469,13 +469,26 @@ class Recorder:
 
     def resumed(self, lasted: float) -> None:
         self._readings.stalled = 0
-        # The step that hung has completed: the same number as its stall record.
-        self.write("stall_end", step=self._stalled_step, stalled_seconds=round(lasted, 3))
-        LOGGER.info(
-            "stabmon: step %s completed after a stall of %.1f s; steps resumed",
-            self._stalled_step,
-            lasted,
-        )
+        # The same number as its stall record: the step that hung. A stall in a named phase
+        # also ends when the phase ends, with that step still in progress: ``completed`` says
+        # whether it did complete, and readers count it as done only then (docs/steps.md).
+        step = self._stalled_step
+        completed = step is not None and self.global_step > step
+        self.write("stall_end", step=step, completed=completed, stalled_seconds=round(lasted, 3))
+        if completed:
+            LOGGER.info(
+                "stabmon: step %s completed after a stall of %.1f s; steps resumed",
+                step,
+                lasted,
+            )
+        else:
+            LOGGER.info(
+                "stabmon: the stall in step %s ended after %.1f s (its phase ended or made "
+                "progress); step %s has not completed yet",
+                step,
+                lasted,
+                step,
+            )
 
     # --- records ------------------------------------------------------------------------------
 

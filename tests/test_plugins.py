@@ -13,7 +13,7 @@ from typing import cast
 import pytest
 import torch
 from conftest import MonitorFactory
-from helpers import scrape, tiny_model, train_step, value
+from helpers import events, scrape, tiny_model, train_step, value
 
 import stabmon.plugins
 from stabmon.contract import MetricDef
@@ -49,7 +49,7 @@ class Recording:
     """Plug-in with every hook: what the Monitor called, in order."""
 
     component = "detectors"
-    calls: list[tuple[str, int]]
+    calls: list[tuple[str, int | None]]
 
     def __init__(self, attachment: Attachment) -> None:
         self.calls = []
@@ -60,7 +60,7 @@ class Recording:
         self.calls.append(("step_end", steps))
         self.next_step = steps + 3
 
-    def epoch_end(self, step: int) -> None:
+    def epoch_end(self, step: int | None) -> None:
         self.calls.append(("epoch_end", step))
 
     def grads_judged(self, step: int, summary: GradSummary) -> None:
@@ -118,7 +118,27 @@ def test_a_plugged_probe_gets_each_hook_it_implements_at_the_steps_it_asks_for(
     calls = Recording.last.calls
     assert [c for c in calls if c[0] == "step_end"] == [("step_end", 2), ("step_end", 5)]
     assert [c for c in calls if c[0] == "grads_judged"] == [("grads_judged", s) for s in range(6)]
-    assert ("epoch_end", 6) in calls and calls[-1] == ("detach", -1)
+    assert ("epoch_end", 5) in calls and calls[-1] == ("detach", -1)  # 6 steps: last is 5
+
+
+def test_a_plugged_epoch_end_gets_the_step_its_epoch_record_names_across_a_resume(
+    attach: MonitorFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """epoch_end(step) is the index of the epoch's last step (docs/steps.md), as the event
+    log's ``epoch`` record; None for an epoch ended before any step."""
+    _plug(monkeypatch, Recording)
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    monitor = attach(model, optimizer, judge_seconds=0)
+    monitor.epoch_end()  # before the first step
+    monitor.load_state_dict({**monitor.state_dict(), "step": 10})  # resumed after 10 steps
+    for _ in range(4):
+        train_step(model, optimizer, monitor)
+    monitor.epoch_end()
+    monitor.detach()
+    received = [step for hook, step in Recording.last.calls if hook == "epoch_end"]
+    records = [r["step"] for r in events(monitor.event_log_path) if r["event"] == "epoch"]
+    assert received == records == [None, 13]  # steps 10..13 ran in this process
 
 
 def test_a_failing_plugged_probe_is_contained_and_counted_against_its_component(

@@ -158,7 +158,9 @@ class LightningAdapter:
         for monitor in self._monitors:
             monitor.mark_forward()
         if self._monitors:
-            self._monitors[0].observe(samples=batch_samples(batch), tokens=batch_tokens(batch))
+            monitor = self._monitors[0]
+            with monitor.contain():  # an odd batch must not stop training: it goes uncounted
+                monitor.observe(samples=batch_samples(batch), tokens=batch_tokens(batch))
 
     def on_before_backward(
         self, trainer: Any, pl_module: torch.nn.Module, loss: torch.Tensor

@@ -88,7 +88,7 @@ class StabmonCallback(TrainerCallback):
     ) -> None:
         """Attach to the model and the optimizer; on resume, load the checkpoint's state."""
         self._detach()
-        self._batches = EpochBatches.of(train_dataloader)
+        self._batches = None
         self._tokens_at_start, self._tokens_reported = _tokens_seen(state), 0
         if model is None or optimizer is None:
             return
@@ -101,13 +101,17 @@ class StabmonCallback(TrainerCallback):
             **self._overrides,
         )
         self._monitor, self._phase = monitor, PhaseSwitch(monitor)
+        with monitor.contain():  # an odd loader goes uncounted; training goes on
+            self._batches = EpochBatches.of(train_dataloader)
         if state.global_step > 0:
             load_state(monitor, state_file(_checkpoint_folder(args, state), monitor.rank))
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        self._count_throughput(args, state)
+        if self._monitor is not None:
+            with self._monitor.contain():  # uncounted rather than a stopped training
+                self._count_throughput(args, state)
         self._after_training_work(control)
 
     def _count_throughput(self, args: TrainingArguments, state: TrainerState) -> None:

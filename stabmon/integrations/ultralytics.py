@@ -159,10 +159,11 @@ class UltralyticsStabmon:
         loss = getattr(trainer, "loss", None)
         if isinstance(loss, torch.Tensor):
             monitor.observe(loss=loss)
-        if self._batches is None:  # the first batch: the loader is built by now
-            self._batches = EpochBatches.of(getattr(trainer, "train_loader", None))
-        if self._batches is not None:
-            monitor.observe(samples=self._batches.samples(self._batch_index, 1))
+        with monitor.contain():  # an odd loader goes uncounted; training goes on
+            if self._batches is None:  # the first batch: the loader is built by now
+                self._batches = EpochBatches.of(getattr(trainer, "train_loader", None))
+            if self._batches is not None:
+                monitor.observe(samples=self._batches.samples(self._batch_index, 1))
         self._batch_index += 1
 
     def epoch_start(self, trainer: Any) -> None:

@@ -87,9 +87,10 @@ class AllocatorSnapshots:
         #: Every step while recording; otherwise never (epoch_end starts a recording).
         self.next_step = sys.maxsize
 
-    def epoch_end(self, step: int) -> None:
+    def epoch_end(self, step: int | None) -> None:
+        completed = 0 if step is None else step + 1  # the recorder counts steps completed
         for label, suspected in self._readings.memory_leak_suspected.items():
-            if suspected and label.startswith("cuda") and self.snapshots.start(label, step):
+            if suspected and label.startswith("cuda") and self.snapshots.start(label, completed):
                 self._recorder.write(
                     "memory_snapshot_started",
                     device=label,

@@ -70,13 +70,18 @@ class RankLog:
         """The index of the last step completed (docs/steps.md), None before the first.
 
         Read from the records written after a step completed (epoch ends, samples, detach,
-        resume, throughput totals, a stall's end) and the heartbeat's count of steps done;
-        not from anomalies, whose step may be one that never completed (a stall, a crash).
+        resume, throughput totals, the end of a stall whose step completed) and the
+        heartbeat's count of steps done; not from anomalies, whose step may be one that
+        never completed (a stall, a crash).
         """
         steps = [
             record["step"]
             for record in self.records
-            if record.get("event") in _AFTER_STEP and isinstance(record.get("step"), int)
+            if record.get("event") in _AFTER_STEP
+            and isinstance(record.get("step"), int)
+            # A stall ended by its phase's end, not by the step completing, names a step
+            # still in progress (logs written before the field existed lack it).
+            and not (record.get("event") == "stall_end" and record.get("completed") is False)
         ]
         if self.registration is not None and self.registration.steps:
             steps.append(self.registration.steps - 1)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from stabmon.probes.memory_snapshot import MAX_ENTRIES, SnapshotRecorder
+from stabmon.probes.memory_snapshot import MAX_ENTRIES, AllocatorSnapshots, SnapshotRecorder
 
 
 class FakeCudaMemory:
@@ -53,3 +54,43 @@ def test_off_by_default_and_stopped_even_when_the_dump_fails(tmp_path: Path) -> 
         snapshots.step(2)
     assert memory.calls[-1] == ("record", None)
     assert not snapshots.recording
+
+
+class _Recorder:
+    """The recorder's step numbering as the plug-in reads it (docs/steps.md)."""
+
+    def __init__(self) -> None:
+        self.global_step = 0  # steps completed
+        self.records: list[tuple[str, dict[str, Any]]] = []
+
+    @property
+    def last_step(self) -> int | None:
+        return self.global_step - 1 if self.global_step else None
+
+    def write(self, event: str, **fields: Any) -> None:
+        self.records.append((event, fields))
+
+
+def test_the_plug_in_records_for_the_configured_steps_after_the_epochs_last_step(
+    tmp_path: Path,
+) -> None:
+    """epoch_end gets the epoch's last step index (99 after 100 steps); the window of 3
+    steps still ends after step 102, when 103 steps have completed."""
+    recorder = _Recorder()
+    readings = SimpleNamespace(memory_leak_suspected={"cuda:0": True}, steps=100)
+    attachment = SimpleNamespace(
+        readings=readings, recorder=recorder, rank=0, run_directory=tmp_path / "run",
+        config=SimpleNamespace(memory_snapshot_steps=3),
+    )  # fmt: skip
+    plugin = AllocatorSnapshots(attachment)  # type: ignore[arg-type]  # the fields it reads
+    plugin.snapshots = SnapshotRecorder(3, tmp_path / "run", rank=0, memory=FakeCudaMemory())
+    recorder.global_step = 100
+    plugin.epoch_end(recorder.last_step)
+    assert recorder.records == [("memory_snapshot_started", {"device": "cuda:0", "step": 99,
+                                                              "steps": 3})]  # fmt: skip
+    for completed in (101, 102, 103):
+        recorder.global_step = completed
+        plugin.step_end(completed)
+    (_, snapshot) = recorder.records[-1]
+    assert snapshot["step"] == 102
+    assert snapshot["path"].endswith("rank-0.memory-snapshot-step103.pickle")

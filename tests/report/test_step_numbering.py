@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import events, tiny_model, train_step
+from helpers import LoopClock, events, tiny_model, train_step, wait_until
 from report_helpers import stabmon_cli
 
 import stabmon
@@ -155,3 +155,47 @@ def test_a_stall_and_its_end_name_the_step_that_hung(
     assert (stall["kind"], stall["step"], end["event"], end["step"]) == ("stall", 641, "stall_end",
                                                                           641)  # fmt: skip
     assert "step 641 hangs" in stall["detail"]
+    assert end["completed"] is True
+
+
+def test_a_stall_ended_by_its_phase_ending_does_not_claim_the_hung_step_completed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An evaluation longer than its phase limit stalls step 3 (3 steps done); the phase's
+    end ends the stall with step 3 still in progress: the end names step 3, says it did not
+    complete, and the report still says last step 2, 3 steps."""
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    clock = LoopClock()
+    monitor = stabmon.attach(
+        model, optimizer, port=0, address="127.0.0.1", run_dir=str(tmp_path), run_id="phase",
+        stall_seconds=60, phase_stall_seconds=5, judge_seconds=0, clock=clock,
+    )  # fmt: skip
+    log_path = monitor.event_log_path
+    try:
+        for _ in range(3):
+            train_step(model, optimizer, monitor)
+        with caplog.at_level(logging.INFO, logger="stabmon"):
+            with monitor.phase("eval"):
+                clock.advance(10.0)  # past the phase limit: a stall in step 3
+                wait_until(lambda: any(r.get("kind") == "stall" for r in events(log_path)),
+                           "the stall is recorded")  # fmt: skip
+            clock.advance(0.1)  # the phase ended: progress, but no step completed
+            wait_until(lambda: any(r["event"] == "stall_end" for r in events(log_path)),
+                       "the stall's end is recorded")  # fmt: skip
+        status = stabmon_cli("status", "--run-dir", str(tmp_path))
+    finally:
+        monitor.detach()
+    assert _steps_cell(status.stdout) == "3"
+    records = events(log_path)
+    (stall,) = [r for r in records if r.get("kind") == "stall"]
+    (end,) = [r for r in records if r["event"] == "stall_end"]
+    assert (stall["step"], end["step"], end["completed"]) == (3, 3, False)
+    assert "step 3 completed" not in caplog.text
+    assert "step 3 has not completed yet" in caplog.text
+    (detach,) = [r for r in records if r["event"] == "detach"]
+    assert detach["step"] == 2
+    run = read_run(tmp_path / "phase")
+    (rank,) = run.ranks
+    assert (rank.last_step, rank.steps) == (2, 3)
+    assert "3 steps on 1 rank" in judge(run).headline
