@@ -15,7 +15,12 @@ refreshes the state, reads the records of this run on this node, judges them
 log once; after the grace period it ends the process for ``stall_action:
 exit`` with :data:`STALL_EXIT_CODE`. ``raise`` asks the interpreter to raise
 :class:`stabmon.TrainingStalled` in the main thread at its next Python
-instruction. A stall that ends before the grace period cancels the exit.
+instruction. A stall that ends before the grace period cancels the exit. The exit
+deadline is set first at the stall and checked first at each poll, and
+nothing on that path can block: NCCL's flight recorder, whose dump takes a
+C++ lock a hung collective can hold for ever, is read in a thread of its own
+(at most one at a time; the stall's evidence waits for it at most
+:data:`FLIGHT_WAIT_SECONDS`).
 
 Neither thread can run while a C call holds the GIL; the node daemon's
 heartbeat age covers that case from outside the process.
@@ -54,6 +59,8 @@ STALL_ACTIONS: tuple[str, ...] = ("none", "dump", "raise", "exit")
 STALL_EXIT_CODE = 75
 #: While stalled, the flight recorder is read at most this often (its dump takes a C++ lock).
 FLIGHT_READ_SECONDS = 5.0
+#: At the stall's edge, how long the evidence waits for the flight recorder's first read.
+FLIGHT_WAIT_SECONDS = 1.0
 
 
 class StallResponder:
@@ -92,10 +99,11 @@ class StallResponder:
         self._clock = clock
         self._end_process = end_process
         self._worker_stacks = worker_stacks
-        self._flight_recorder = flight_recorder if flight_recorder is not None else FlightRecorder()
+        self._flight_reads = _FlightReads(
+            flight_recorder if flight_recorder is not None else FlightRecorder(), clock
+        )
         #: While stalled: the flight recorder's (enqueued, started, completed), where available.
         self.flight: tuple[int, int, int] | None = None
-        self._flight_read_at: float | None = None
         self._workers = workers
         #: While stalled in data_wait: the blocking frame of the loader worker it waits on.
         self._worker_where = ""
@@ -114,6 +122,11 @@ class StallResponder:
     def stalled(self, report: StallReport) -> None:
         """The watchdog declared a stall: record the evidence, then act as configured."""
         self._recorder.stalled(report)
+        if self._action == "exit":
+            with self._lock:  # first: nothing below may delay the exit it schedules
+                self._exit_at = self._clock() + self._grace
+        # Outside the lock, waiting a bounded time: an NCCL hang can hold the dump's lock.
+        self._flight_reads.read(wait=FLIGHT_WAIT_SECONDS)
         with self._lock:
             stack = report.stacks.get(self._main_key(report.stacks))
             state, _ = classify(stack or [], phase=report.phase,
@@ -143,7 +156,6 @@ class StallResponder:
             if self._action == "raise":
                 self._raise_in_main()
             if self._action == "exit":
-                self._exit_at = self._clock() + self._grace
                 LOGGER.error(
                     "stabmon: stalled; the process exits with status %d in %.0f s unless a "
                     "step completes (stall_action: exit)",
@@ -157,7 +169,7 @@ class StallResponder:
             self.state = None
             self.where = ""
             self.flight = None
-            self._flight_read_at = None
+            self._flight_reads.reset()
             self._worker_where = ""
             self._exit_at = None
             self._last_verdict = None
@@ -168,6 +180,11 @@ class StallResponder:
     def poll(self) -> None:
         """While stalled: refresh the evidence, judge the node, end the process when due."""
         with self._lock:
+            # First, and never behind anything that can block (the flight recorder's read,
+            # done in a thread of its own): a hung NCCL call must not keep the process alive.
+            if self._exit_at is not None and self._clock() >= self._exit_at:
+                self._exit()
+                return
             if self.state is None:
                 return
             self._refresh(None)
@@ -183,8 +200,6 @@ class StallResponder:
                     detail=verdict.message,
                 )
                 LOGGER.error("stabmon: hang verdict: %s", verdict.message)
-            if self._exit_at is not None and self._clock() >= self._exit_at:
-                self._exit()
 
     def node_verdict(self) -> Verdict | None:
         """The verdict over the records of this run on this node (this rank's own included).
@@ -215,10 +230,7 @@ class StallResponder:
             )
             del frame  # a frame pins its locals (tensors)
         before = (self.state, self.where, self._written_collectives, self.flight)
-        now = self._clock()
-        if self._flight_read_at is None or now - self._flight_read_at >= FLIGHT_READ_SECONDS:
-            self._flight_read_at = now
-            self.flight = self._flight_recorder.progress()
+        self.flight = self._flight_reads.read(wait=0.0)  # the latest read; never waits
         self.state, self.where = classify(
             stack, phase=self._heartbeat.phase, collective=self._collectives.current
         )
@@ -295,3 +307,50 @@ class StallResponder:
             self._registration.exited("exception", time.time())
         sys.stderr.flush()
         self._end_process(STALL_EXIT_CODE)
+
+
+class _FlightReads:
+    """The flight recorder read in a thread of its own, at most one at a time.
+
+    Its dump takes a lock in C++ that a hung NCCL call can hold for ever: a read that
+    never returns leaves one blocked daemon thread, and the callers keep the last value.
+    """
+
+    def __init__(self, recorder: FlightRecorder, clock: Callable[[], float]) -> None:
+        self._recorder = recorder
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._read_at: float | None = None
+        self._generation = 0
+        self._latest: tuple[int, int, int] | None = None
+
+    def read(self, *, wait: float) -> tuple[int, int, int] | None:
+        """Start a read when one is due and none is running; the latest result."""
+        with self._lock:
+            now = self._clock()
+            due = self._read_at is None or now - self._read_at >= FLIGHT_READ_SECONDS
+            if due and (self._thread is None or not self._thread.is_alive()):
+                self._read_at = now
+                self._thread = threading.Thread(
+                    target=self._read, args=(self._generation,), daemon=True,
+                    name="stabmon-flight-recorder",
+                )  # fmt: skip
+                self._thread.start()
+            thread = self._thread
+        if wait > 0 and thread is not None:
+            thread.join(wait)
+        return self._latest
+
+    def reset(self) -> None:
+        """The stall ended: forget the numbers (a read still running is dropped)."""
+        with self._lock:
+            self._generation += 1
+            self._read_at = None
+            self._latest = None
+
+    def _read(self, generation: int) -> None:
+        progress = self._recorder.progress()  # never raises
+        with self._lock:
+            if generation == self._generation:
+                self._latest = progress

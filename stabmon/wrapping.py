@@ -17,8 +17,11 @@ than one wrapper per Monitor: a per-Monitor wrapper that another Monitor wrapped
 cannot be taken out of the chain when its Monitor detaches first. ``users`` is a tuple
 replaced under the lock on every attach and release, so the wrapper reads it without
 one. A name somebody else wrapped over ours is left as they set it (their wrapper calls
-ours, which then calls the original without users). This module imports nothing from
-stabmon and nothing heavy: it is a leaf.
+ours, which then calls the original without users). That left-behind wrapper still
+dispatches to ``users``, so after the next first attach installs a new one over theirs,
+one call passes through two of ours: wrappers must share one re-entrancy guard across
+all the generations a SharedWrap installs, and act only in the outermost. This module
+imports nothing from stabmon and nothing heavy: it is a leaf.
 """
 
 from __future__ import annotations

@@ -246,3 +246,30 @@ def test_a_clipped_spike_that_persists_is_a_grad_spike_at_its_first_step(
 
 def test_an_unclipped_spike_is_a_grad_spike_at_once(attach: MonitorFactory) -> None:
     assert _clipped_run(attach, {40}, clip=False) == [("grad_spike", 40)]
+
+
+def test_a_clip_is_measured_once_after_a_reattach_under_somebody_elses_wrapper() -> None:
+    from torch.nn.utils import clip_grad
+
+    from stabmon.probes.clipping import watch_clipping
+
+    internal, public = clip_grad._clip_grads_with_norm_, torch.nn.utils.clip_grads_with_norm_
+    model = _model()
+    _backward(model)
+    seen: list[float] = []
+    first = watch_clipping(lambda p: True, lambda params, max_norm: seen.append(max_norm))
+    ours = clip_grad._clip_grads_with_norm_
+
+    def theirs(*args: object, **kwargs: object) -> None:  # a library wraps the clip after us
+        ours(*args, **kwargs)
+
+    clip_grad._clip_grads_with_norm_ = theirs  # type: ignore[assignment]
+    try:
+        first.remove()  # ours stays inside their chain: it cannot be unwrapped under theirs
+        second = watch_clipping(lambda p: True, lambda params, max_norm: seen.append(max_norm))
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # a new wrapper over theirs
+        second.remove()
+    finally:
+        clip_grad._clip_grads_with_norm_ = internal  # type: ignore[assignment]
+        torch.nn.utils.clip_grads_with_norm_ = public
+    assert seen == [1.0]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -243,3 +244,34 @@ def test_stall_responder_records_evidence_when_the_flight_recorder_fails(tmp_pat
     responder.stalled(_report(SLEEPING))
     (evidence,) = _events(tmp_path, "hang_evidence")
     assert evidence["flight"] is None and evidence["state"] == "compute"
+
+
+@pytest.mark.parametrize("blocks_from_read", [1, 2], ids=["at-the-stall", "while-stalled"])
+def test_stall_action_exit_fires_while_the_flight_recorder_read_blocks_forever(
+    tmp_path: Path, blocks_from_read: int
+) -> None:
+    # The blocking dump stands in for NCCL's, whose C++ lock a hung collective holds
+    # (NCCL cannot run here); it blocks until the test ends, as if for ever.
+    release, reads = threading.Event(), []
+
+    def hung_dump() -> dict[str, object]:
+        reads.append(1)
+        if len(reads) >= blocks_from_read:
+            release.wait()
+        return {}
+
+    clock, exits = Clock(), []
+    responder = _responder(tmp_path, "exit", clock, exits, FlightRecorder(hung_dump))
+
+    def stall_then_poll_past_the_grace_period() -> None:
+        responder.stalled(_report(SLEEPING))
+        clock.now += 31.0  # past the grace period, and a new flight read is due
+        responder.poll()
+
+    loop = threading.Thread(target=stall_then_poll_past_the_grace_period, daemon=True)
+    loop.start()
+    loop.join(timeout=60)  # a bound for the broken case only: the fixed one never waits on it
+    try:
+        assert exits == [STALL_EXIT_CODE]
+    finally:
+        release.set()

@@ -10,7 +10,11 @@ matching, this boot: :mod:`stabmon.daemon.processes`) by run *and* by that uid,
 and judges each group with :func:`stabmon.detectors.hang.judge`, the same pure
 function the ranks and ``stabmon status`` use. Grouping by uid keeps another
 local user's record, even for the same run id, out of a run's verdict: on a
-shared node a record names a culprit only among its own user's ranks.
+shared node a record names a culprit only among its own user's ranks. The
+exported series carry only ``run``, though, so a run id seen under more than
+one uid on the node gets no verdict at all (logged once while it lasts): else
+another user could register ranks of their own under a victim's run id and
+have the daemon name culprits in the victim's run.
 
 A new verdict is logged once (``stabmon daemon: hang verdict ...``) and exported
 as ``stabmon_node_hang_verdict{rank,run,reason}`` until the run recovers; the
@@ -36,6 +40,8 @@ from stabmon.node_peers import evidence_of
 
 __all__ = ["NodeHangCollector", "NodeHangJudge"]
 
+LOGGER = logging.getLogger("stabmon")
+
 #: Runs judged per poll at most: the process table is bounded already; this is a second fence.
 MAX_RUNS = 256
 
@@ -47,6 +53,8 @@ class NodeHangJudge:
         self._limiter = limiter
         #: (run, uid) -> the verdict of the last poll; replaced whole, read by the collector.
         self._verdicts: dict[tuple[str, int], Verdict] = {}
+        #: Run ids seen under more than one uid at the last poll (each logged once).
+        self._shared: set[str] = set()
 
     def update(self, samples: Sequence[ProcessSample]) -> dict[tuple[str, int], Verdict]:
         groups: dict[tuple[str, int], list[RankEvidence]] = defaultdict(list)
@@ -60,8 +68,23 @@ class NodeHangJudge:
             if not sample.alive:  # a dead rank is the process-down alert's, not a hang's
                 evidence = RankEvidence(rank=evidence.rank, stalled=False, phase=evidence.phase)
             groups[key].append(evidence)
+        uids: dict[str, set[int]] = defaultdict(set)
+        for run, uid in groups:
+            uids[run].add(uid)
+        shared = {run for run, users in uids.items() if len(users) > 1}
+        for run in sorted(shared - self._shared):
+            LOGGER.warning(
+                "stabmon daemon: run id %s is registered by %d local users on this node; no "
+                "hang verdict is exported for it (its series name only the run, and one user "
+                "could name culprits in another's run). Give each job its own run id.",
+                run,
+                len(uids[run]),
+            )
+        self._shared = shared
         verdicts: dict[tuple[str, int], Verdict] = {}
         for key, ranks in groups.items():
+            if key[0] in shared:
+                continue
             verdict = judge(ranks)
             if verdict is None:
                 continue

@@ -32,8 +32,10 @@ Nothing of this reaches a model, so ``torch.save(model)`` is unaffected.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Iterable, Sequence
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -94,8 +96,10 @@ def _wrap_clip_with_norm(
     ) -> None:
         if not isinstance(parameters, torch.Tensor):
             parameters = list(parameters)  # a generator is read once: by us, then passed on
-        _notify(wrap, parameters, max_norm)
-        return original(parameters, max_norm, total_norm, foreach)  # type: ignore[no-any-return]  # returns None
+        with _once() as outermost:
+            if outermost:
+                _notify(wrap, parameters, max_norm)
+            return original(parameters, max_norm, total_norm, foreach)  # type: ignore[no-any-return]  # returns None
 
     return clip_grads_with_norm_
 
@@ -103,10 +107,39 @@ def _wrap_clip_with_norm(
 def _wrap_fsdp(original: Callable[..., Any], wrap: SharedWrap[ClipWatch]) -> Callable[..., Any]:
     @functools.wraps(original)
     def clip_grad_norm_(self: torch.nn.Module, max_norm: float, *args: Any, **kwargs: Any) -> Any:
-        _notify(wrap, list(self.parameters()), max_norm)
-        return original(self, max_norm, *args, **kwargs)
+        with _once() as outermost:
+            if outermost:
+                _notify(wrap, list(self.parameters()), max_norm)
+            return original(self, max_norm, *args, **kwargs)
 
     return clip_grad_norm_
+
+
+class _Inside(threading.local):
+    """Whether this thread is inside a clip that stabmon already notified.
+
+    One for every generation of wrappers: one left inside somebody else's chain at the
+    last detach is still called after the next attach puts a new one over theirs, and
+    one clip must be measured once.
+    """
+
+    now = False
+
+
+_INSIDE = _Inside()
+
+
+@contextlib.contextmanager
+def _once() -> Iterator[bool]:
+    """Yields whether this is the outermost stabmon clip wrapper on this thread."""
+    if _INSIDE.now:
+        yield False
+        return
+    _INSIDE.now = True
+    try:
+        yield True
+    finally:
+        _INSIDE.now = False
 
 
 def _notify(wrap: SharedWrap[ClipWatch], parameters: Any, max_norm: Any) -> None:

@@ -79,14 +79,19 @@ def _shared_wrap(modules: tuple[ModuleType, ...]) -> SharedWrap[CollectiveCounte
     with _WRAPS_LOCK:
         wrap = _WRAPS.get(modules)
         if wrap is None:
-            wrap = _WRAPS[modules] = SharedWrap(functools.partial(_patches, modules))
+            # One _Inside for every generation of wrappers: a wrapper left inside somebody
+            # else's chain at the last detach is still called after the next attach puts a
+            # new one over theirs, and the two must count the call once.
+            install = functools.partial(_patches, modules, _Inside())
+            wrap = _WRAPS[modules] = SharedWrap(install)
         return wrap
 
 
-def _patches(modules: tuple[ModuleType, ...], wrap: SharedWrap[CollectiveCounter]) -> list[Patch]:
+def _patches(
+    modules: tuple[ModuleType, ...], inside: _Inside, wrap: SharedWrap[CollectiveCounter]
+) -> list[Patch]:
     patches: list[Patch] = []
     wrappers: dict[int, Callable[..., Any]] = {}
-    inside = _Inside()
     for module in modules:
         for name in COLLECTIVE_FUNCTIONS:
             original = getattr(module, name, None)
@@ -100,9 +105,13 @@ def _patches(modules: tuple[ModuleType, ...], wrap: SharedWrap[CollectiveCounter
 
 
 class _Inside:
-    """Whether the main thread is inside a counted collective (nested calls count once)."""
+    """Whether the main thread is inside a counted collective (nested calls count once).
 
-    now = False
+    One per :class:`SharedWrap`, shared by all the wrappers it ever installed.
+    """
+
+    def __init__(self) -> None:
+        self.now = False
 
 
 def _wrap(

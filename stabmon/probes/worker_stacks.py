@@ -12,13 +12,20 @@ cannot see it. At ``track()`` of a DataLoader with workers,
    file of our own uid, mode 0600, append-only, starting with a header naming the
    worker's pid;
 2. registers :func:`faulthandler.register` on :data:`STACKS_SIGNAL` to write every
-   thread's stack to it (async-signal-safe, even while the worker blocks in C);
+   thread's stack to it (async-signal-safe, even while the worker blocks in C). A
+   handler the worker already had for it (submitit's, say, inherited from the main
+   process) is chained: it runs after the dump. The default action is not chained (it
+   would end the worker), so a worker without a handler only dumps; a handler the
+   user's own ``worker_init_fn`` installs afterwards replaces ours (no stacks then);
 3. renames it into place, then runs the user's own ``worker_init_fn``.
 
 A failure is contained: the worker goes on without the registration, and no file
 means it is never signalled (the signal's default action would end it). Names
 are per loader slot and worker id, so there are at most ``MAX_LOADERS`` x
-workers files however many epochs restart the workers.
+workers files however many epochs restart the workers; the slot of a loader that
+was collected (a loop that builds its DataLoader each epoch) is reused. A second
+live Monitor of the same rank in one process (one run directory) names its files
+``rank-R.monitor-K.loader-L``, K its index among the live ones.
 
 On a stall in ``data_wait`` (:mod:`stabmon.stall_action`, watchdog thread),
 :meth:`WorkerStacks.capture` takes the live workers of the iterator the loop
@@ -34,6 +41,7 @@ import os
 import re
 import signal
 import stat
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -92,14 +100,22 @@ def _register(path: Path) -> None:
     temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
     fd = os.open(temporary, flags, 0o600)
+    registered = False
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
             raise OSError(f"{temporary}: not a regular file of our own")
         os.write(fd, _HEADER.format(pid=os.getpid()).encode())
-        faulthandler.register(STACKS_SIGNAL, file=fd, all_threads=True, chain=False)
+        previous = signal.getsignal(STACKS_SIGNAL)
+        # Chain to a handler the worker had (submitit's, say); never to the default action,
+        # which would end the worker, nor to SIG_IGN (nothing to call).
+        chain = previous not in (signal.SIG_DFL, signal.SIG_IGN)
+        faulthandler.register(STACKS_SIGNAL, file=fd, all_threads=True, chain=chain)
+        registered = True
         os.rename(temporary, path)  # rename(2) is atomic: the file exists only once registered
     except BaseException:
+        if registered:  # else faulthandler would write into whatever file reuses the fd number
+            faulthandler.unregister(STACKS_SIGNAL)
         os.close(fd)
         temporary.unlink(missing_ok=True)
         raise
@@ -121,8 +137,13 @@ class WorkerStacks:
         self._rank = rank
         self._clock = clock
         self._sleep = sleep
-        #: (loader, the init installed on it, the loader's own) per slot.
-        self._installed: list[tuple[weakref.ref[Any], WorkerInit, Any]] = []
+        #: slot -> (loader, the init installed on it, the loader's own).
+        self._installed: dict[int, tuple[weakref.ref[Any], WorkerInit, Any]] = {}
+        #: This instance's index among those in this process with loaders installed: two
+        #: Monitors of one rank (one run directory) must not share file names. 0 keeps the
+        #: plain names. Taken at the first install, given back at uninstall (or collection).
+        self._monitor = 0
+        self._give_back: weakref.finalize[[int], WorkerStacks] | None = None
 
     def install(self, loader: object) -> None:
         """Chain ``loader.worker_init_fn`` when it is a loader with worker processes."""
@@ -130,20 +151,34 @@ class WorkerStacks:
         if not isinstance(workers, int) or workers <= 0 or not hasattr(loader, "worker_init_fn"):
             return
         current = loader.worker_init_fn
-        if isinstance(current, WorkerInit) or len(self._installed) >= MAX_LOADERS:
-            return  # tracked again (a new epoch), or enough loaders
-        prefix = f"rank-{self._rank}.loader-{len(self._installed)}"
+        if isinstance(current, WorkerInit):
+            return  # tracked again (a new epoch)
+        for dead, (reference, _, _) in list(self._installed.items()):
+            if reference() is None:  # a loader built per epoch: its slot is free again
+                del self._installed[dead]
+        free = [n for n in range(MAX_LOADERS) if n not in self._installed]
+        if not free:
+            return  # enough live loaders
+        slot = free[0]
+        if self._give_back is None:
+            self._monitor = _MONITORS.take()
+            self._give_back = weakref.finalize(self, _MONITORS.give_back, self._monitor)
+        monitor = f".monitor-{self._monitor}" if self._monitor else ""
+        prefix = f"rank-{self._rank}{monitor}.loader-{slot}"
         init = WorkerInit(str(self._directory), prefix, current)
         loader.worker_init_fn = init  # read by each new iterator (epoch) of the loader
-        self._installed.append((weakref.ref(loader), init, current))
+        self._installed[slot] = (weakref.ref(loader), init, current)
 
     def uninstall(self) -> None:
         """Give each loader its own ``worker_init_fn`` back (at detach)."""
-        for reference, init, original in self._installed:
+        for reference, init, original in self._installed.values():
             loader = reference()
             if loader is not None and getattr(loader, "worker_init_fn", None) is init:
                 loader.worker_init_fn = original
         self._installed.clear()
+        give_back, self._give_back = self._give_back, None
+        if give_back is not None:
+            give_back()  # the index, once (a finalizer runs at most once)
 
     def capture(self, iterator: object, timeout: float = 1.0) -> list[WorkerStack]:
         """Signal the live workers of ``iterator`` and read their stacks (at most ``timeout``)."""
@@ -180,6 +215,27 @@ class WorkerStacks:
                 where, file = _innermost(text)
                 found.append(WorkerStack(worker_id, pid, where, text, idle=_idle(file)))
         return sorted(found, key=lambda stack: stack.worker)
+
+
+class _Indices:
+    """The lowest free small integers, taken and given back under a lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._taken: set[int] = set()
+
+    def take(self) -> int:
+        with self._lock:
+            index = next(n for n in range(len(self._taken) + 1) if n not in self._taken)
+            self._taken.add(index)
+            return index
+
+    def give_back(self, index: int) -> None:
+        with self._lock:
+            self._taken.discard(index)
+
+
+_MONITORS = _Indices()
 
 
 def _open_own(path: Path, flags: int) -> int:

@@ -167,3 +167,45 @@ def test_node_hang_judge_gives_no_verdict_with_a_dead_rank() -> None:
     samples = [_sample(rank, "collective", 1000) for rank in range(3)]
     samples.append(_sample(3, "data_wait", 1000, alive=False))
     assert judge.update(samples) == {}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="Requires: root, to run ranks as another uid")
+def test_daemon_gives_no_verdict_for_a_run_id_another_user_also_registers_ranks_under(
+    tmp_path: Path, ranks: list[subprocess.Popen[bytes]]
+) -> None:
+    import pwd
+
+    nobody = pwd.getpwnam("nobody").pw_uid
+    # The victim's ranks 0-2 of "job" train; another local user runs two processes of
+    # its own and registers them as stalled ranks 4 and 5 of "job", one in its loader.
+    intruders = [subprocess.Popen(["sleep", "120"], user=nobody) for _ in range(2)]
+    try:
+        for rank, process in enumerate(ranks[:3]):
+            _register(tmp_path, rank, process.pid, None)
+        for rank, (process, state) in enumerate(
+            zip(intruders, ("collective", "data_wait"), strict=True), 4
+        ):
+            os.chown(_register(tmp_path, rank, process.pid, state), nobody, -1)
+        app = _daemon(tmp_path)
+        try:
+            assert _verdicts(app) == {}  # not "rank 5 of job starved of data"
+        finally:
+            app.stop()
+    finally:
+        for process in intruders:
+            process.kill()
+            process.wait()
+
+
+def test_node_hang_judge_logs_once_that_a_run_id_of_two_users_gets_no_verdict(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    judge = NodeHangJudge(limiter=LogLimiter())
+    ours = [_sample(0, "collective", 1000), _sample(1, "data_wait", 1000)]
+    theirs = [_sample(0, "collective", 2000), _sample(1, "data_wait", 2000)]
+    assert judge.update(ours) != {}  # one user alone: judged
+    with caplog.at_level(logging.WARNING, logger="stabmon"):
+        assert judge.update([*ours, *theirs]) == {}
+        assert judge.update([*ours, *theirs]) == {}
+    (record,) = [r for r in caplog.records if "registered by 2 local users" in r.getMessage()]
+    assert "no hang verdict" in record.getMessage()

@@ -54,3 +54,21 @@ def test_collective_counter_uninstall_is_idempotent() -> None:
     assert second.issued == 1
     second.uninstall()
     assert module.barrier is original
+
+
+def test_a_collective_counts_once_after_a_reattach_under_somebody_elses_wrapper() -> None:
+    module, _ = _fake_distributed()
+    first = CollectiveCounter(modules=(module,))
+    first.install()
+    ours = module.barrier
+
+    def theirs() -> None:  # a profiler or another library wraps barrier after stabmon
+        ours()
+
+    module.barrier = theirs  # type: ignore[attr-defined]
+    first.uninstall()  # ours stays inside their chain: it cannot be unwrapped under theirs
+    second = CollectiveCounter(modules=(module,))
+    second.install()  # a new wrapper over theirs, which still calls the old one
+    module.barrier()
+    assert (second.issued, second.current) == (1, None)
+    second.uninstall()

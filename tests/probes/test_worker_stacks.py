@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import faulthandler
+import gc
 import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -12,7 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from stabmon.probes.worker_stacks import STACKS_SIGNAL, WorkerInit, WorkerStacks, innermost_frame
+from stabmon.probes.worker_stacks import (
+    MAX_LOADERS,
+    STACKS_SIGNAL,
+    WorkerInit,
+    WorkerStacks,
+    innermost_frame,
+)
 
 BLOCK_LINE = 0
 
@@ -146,3 +154,70 @@ def test_innermost_frame_reads_the_worker_loops_thread_most_recent_call_first() 
         '  File "/venv/torch/utils/data/_utils/worker.py", line 349 in _worker_loop\n'
     )
     assert innermost_frame(dump) == "data.py:42 in __getitem__"
+
+
+def test_worker_init_unregisters_the_dump_when_its_file_cannot_be_put_in_place(
+    tmp_path: Path,
+) -> None:
+    init = WorkerInit(str(tmp_path), "rank-0.loader-0", None)
+    init.path(5).mkdir()  # rename(2) of a file over a directory fails
+    try:
+        init(5)
+    finally:
+        registered = faulthandler.unregister(STACKS_SIGNAL)
+    assert not registered  # else a later signal writes into whatever file reuses the fd
+
+
+def test_worker_init_chains_a_signal_handler_the_worker_already_had(tmp_path: Path) -> None:
+    received: list[int] = []
+    previous = signal.signal(STACKS_SIGNAL, lambda signum, frame: received.append(signum))
+    init = WorkerInit(str(tmp_path), "rank-0.loader-0", None)
+    try:
+        init(0)
+        os.kill(os.getpid(), STACKS_SIGNAL)
+        deadline = time.monotonic() + 30
+        while not received and time.monotonic() < deadline:
+            time.sleep(0.01)  # the Python-level handler runs at the next bytecode boundary
+    finally:
+        faulthandler.unregister(STACKS_SIGNAL)
+        signal.signal(STACKS_SIGNAL, previous)
+    assert received == [STACKS_SIGNAL]  # submitit's handler, say, still runs
+    assert "most recent call first" in init.path(0).read_text()  # and the stacks were dumped
+
+
+def test_worker_stacks_reuse_the_slot_of_a_loader_built_anew_each_epoch(tmp_path: Path) -> None:
+    stacks = WorkerStacks(tmp_path, rank=0)
+    prefixes = []
+    for _ in range(MAX_LOADERS + 2):
+        loader = torch.utils.data.DataLoader(Blocking(), num_workers=1)
+        stacks.install(loader)
+        assert isinstance(loader.worker_init_fn, WorkerInit)
+        prefixes.append(loader.worker_init_fn.prefix)
+        del loader
+        gc.collect()
+    assert set(prefixes) == {"rank-0.loader-0"}  # the dead loader's slot, not a new one
+
+
+def test_worker_stacks_keep_at_most_max_loaders_live_loaders(tmp_path: Path) -> None:
+    stacks = WorkerStacks(tmp_path, rank=0)
+    loaders = [
+        torch.utils.data.DataLoader(Blocking(), num_workers=1) for _ in range(MAX_LOADERS + 1)
+    ]
+    for loader in loaders:
+        stacks.install(loader)
+    assert [isinstance(loader.worker_init_fn, WorkerInit) for loader in loaders] == [
+        True
+    ] * MAX_LOADERS + [False]
+
+
+def test_two_worker_stacks_of_one_rank_in_one_process_name_their_files_apart(
+    tmp_path: Path,
+) -> None:
+    first, second = WorkerStacks(tmp_path, rank=0), WorkerStacks(tmp_path, rank=0)
+    loaders = [torch.utils.data.DataLoader(Blocking(), num_workers=1) for _ in range(2)]
+    first.install(loaders[0])
+    second.install(loaders[1])
+    paths = {loader.worker_init_fn.path(0) for loader in loaders}
+    first.uninstall()
+    second.uninstall()
+    assert len(paths) == 2
