@@ -19,6 +19,7 @@ culprit to name.
 
 from __future__ import annotations
 
+import os
 import re
 from collections import Counter
 from collections.abc import Sequence
@@ -34,6 +35,9 @@ _IO_CODE = re.compile(
     r"\b(torch\.save|torch\.load|fsync|\.write\(|\.read\(|\.readinto\(|\.flush\(|open\(|"
     r"shutil\.|copyfile)"
 )
+#: stabmon's own files, wherever it is installed: skipped when naming where a thread waits.
+#: (A path test, not a "/stabmon/" substring: a user's project or checkout may be named so.)
+_PACKAGE_DIRECTORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _LOCK_FUNCTIONS = frozenset({"acquire", "wait", "join", "__enter__"})
 #: Innermost code lines that wait on a lock, a condition or a thread.
 _LOCK_CODE = re.compile(r"\.acquire\(|\.join\(|\.wait\(|^with\b.*(lock|mutex|cond)", re.IGNORECASE)
@@ -65,13 +69,17 @@ def parse_stack(stack: Sequence[str]) -> list[Frame]:
     return frames
 
 
+def _is_stabmon(file: str) -> bool:
+    return os.path.abspath(file).startswith(_PACKAGE_DIRECTORY)
+
+
 def classify(stack: Sequence[str], *, phase: str, collective: str | None) -> tuple[str, str]:
     """The state of a stalled main thread, and where it is (innermost frame outside stabmon).
 
     ``collective`` is the torch.distributed call the thread is inside, if any
     (:mod:`stabmon.probes.collectives`); ``phase`` the loop phase.
     """
-    frames = [frame for frame in parse_stack(stack) if "/stabmon/" not in frame.file]
+    frames = [frame for frame in parse_stack(stack) if not _is_stabmon(frame.file)]
     innermost = frames[-1] if frames else None
     where = innermost.where if innermost is not None else ""
     if collective is not None:

@@ -6,10 +6,12 @@ import sys
 import threading
 import time
 import traceback
+from pathlib import Path
 
 import pytest
 
 from stabmon.contract import HANG_REASONS, HANG_STATES
+from stabmon.detectors import hang
 from stabmon.detectors.hang import RankEvidence, classify, judge
 
 
@@ -226,3 +228,18 @@ def test_judge_falls_back_to_the_counter_when_a_rank_has_no_flight_recorder() ->
 
 def test_judge_stays_quiet_for_ranks_all_computing_without_the_flight_recorder() -> None:
     assert judge([_flown(rank, "compute", None) for rank in range(4)]) is None
+
+
+def test_classify_skips_stabmons_own_frames_but_not_a_project_named_stabmon() -> None:
+    """A checkout or project in a directory named ``stabmon`` is the user's code, not ours:
+    only the installed package's own frames are skipped (a fresh clone at
+    ``/tmp/x/stabmon`` once made every deadlock read as ``compute``)."""
+    ours = str(Path(hang.__file__).resolve())
+    stack = [
+        '  File "/home/user/stabmon/train.py", line 42, in step\n    with self.lock:\n',
+        f'  File "{ours}", line 7, in stalled\n    self.record()\n',
+    ]
+    assert classify(stack, phase="forward", collective=None) == (
+        "lock_wait",
+        "train.py:42 in step",
+    )
