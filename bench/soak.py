@@ -8,7 +8,11 @@ episode, freed again before the end; the rank's exporter scraped every second
 by a concurrent thread; the node daemon running as a subprocess. It reports:
 
 - wall time and steps per second;
-- the process's RSS after the first epochs and at the end (flat within 1 MiB);
+- the process's RSS once the run is in its steady state and at the end (flat within
+  1 MiB). The steady state starts at the first epoch after every kind of fault has
+  happened once and the leak episode is over: a first stall, say, starts a thread
+  whose malloc arena stays (a one-off of about 0.5 MiB, not growth), and the freed
+  leak leaves its own churn;
 - the number of series at the first and the last scrape (equal);
 - scrape latency p50/p99 and the number of scrapes;
 - every injected fault, and whether the event log holds it exactly once at the
@@ -82,6 +86,15 @@ class Schedule:
     epoch_steps: int
     faults: tuple[Fault, ...]
     leak_epochs: range  # host memory grows in these epochs; freed at the end of the last
+
+    @property
+    def steady_epoch(self) -> int:
+        """The epoch whose end starts the RSS comparison (see the module docstring)."""
+        firsts: dict[str, int] = {}
+        for fault in self.faults:
+            firsts.setdefault(fault.kind, fault.step)
+        after_faults = max(firsts.values(), default=0) // self.epoch_steps + 1
+        return max(1, after_faults, self.leak_epochs.stop)
 
     @classmethod
     def build(cls, steps: int, epoch_steps: int, fault_every: int) -> Schedule:
@@ -230,7 +243,7 @@ def run_soak(
                 if epoch == schedule.leak_epochs.stop - 1:
                     leaked.clear()  # the leak is fixed: memory back where it was
                 monitor.epoch_end()
-                if epoch == 1:  # after the first scrapes and epochs: the steady state
+                if epoch == schedule.steady_epoch:
                     gc.collect()
                     rss_start = process.memory_info().rss
                     series_start = scraper.scrape_once()
@@ -326,6 +339,7 @@ def _report(
         "epoch_steps": schedule.epoch_steps,
         "wall_seconds": round(wall, 1),
         "steps_per_second": round(schedule.steps / wall, 1),
+        "rss_steady_from_epoch": schedule.steady_epoch,
         "rss_start_bytes": rss_start,
         "rss_end_bytes": rss_end,
         "rss_change_bytes": None if rss_start is None else rss_end - rss_start,
