@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from stabmon.monitor import Monitor
 from stabmon.probes.clipping import clipping_wrapped
 from tests.conftest import MonitorFactory
 from tests.helpers import scrape, value
@@ -21,6 +22,13 @@ ROOT = Path(__file__).resolve().parents[1]
 def _model(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def _attached(attach: MonitorFactory) -> tuple[torch.nn.Module, torch.optim.Optimizer, Monitor]:
+    """The tiny model, plain SGD and a Monitor that judges every result at once."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    return model, optimizer, attach(model, optimizer, judge_seconds=0)
 
 
 def _backward(model: torch.nn.Module, scale: float = 100.0, micro_batches: int = 1) -> None:
@@ -37,9 +45,7 @@ def _unclipped_norm(model: torch.nn.Module) -> float:
 def test_grad_norm_is_the_pre_clip_norm_when_the_loop_uses_clip_grad_norm(
     attach: MonitorFactory,
 ) -> None:
-    model = _model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
-    monitor = attach(model, optimizer, judge_seconds=0)
+    model, optimizer, monitor = _attached(attach)
     for _ in range(3):
         _backward(model, micro_batches=4)
         true_norm = _unclipped_norm(model)
@@ -57,9 +63,7 @@ def test_grad_norm_is_the_pre_clip_norm_when_the_loop_uses_clip_grad_norm(
 
 
 def test_module_grad_norms_are_pre_clip_norms(attach: MonitorFactory) -> None:
-    model = _model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
-    monitor = attach(model, optimizer, judge_seconds=0)
+    model, optimizer, monitor = _attached(attach)
     _backward(model)
     first_layer = math.hypot(*(float(p.grad.norm()) for p in model[0].parameters()))  # type: ignore[union-attr]
     torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
@@ -73,9 +77,7 @@ def test_module_grad_norms_are_pre_clip_norms(attach: MonitorFactory) -> None:
 def test_grad_norm_is_the_pre_clip_norm_with_get_total_norm_and_clip_grads_with_norm(
     attach: MonitorFactory,
 ) -> None:
-    model = _model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
-    monitor = attach(model, optimizer, judge_seconds=0)
+    model, optimizer, monitor = _attached(attach)
     _backward(model)
     params = list(model.parameters())
     total = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
@@ -87,9 +89,7 @@ def test_grad_norm_is_the_pre_clip_norm_with_get_total_norm_and_clip_grads_with_
 
 
 def test_clip_coefficient_is_one_when_the_clip_does_not_bite(attach: MonitorFactory) -> None:
-    model = _model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
-    monitor = attach(model, optimizer, judge_seconds=0)
+    model, optimizer, monitor = _attached(attach)
     _backward(model, scale=1e-3)
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1e6)
     optimizer.step()
@@ -101,9 +101,7 @@ def test_clip_coefficient_is_one_when_the_clip_does_not_bite(attach: MonitorFact
 def test_loop_without_clipping_reports_coefficient_one_and_no_clipped_steps(
     attach: MonitorFactory,
 ) -> None:
-    model = _model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
-    monitor = attach(model, optimizer, judge_seconds=0)
+    model, optimizer, monitor = _attached(attach)
     _backward(model)
     true_norm = _unclipped_norm(model)
     optimizer.step()
@@ -153,9 +151,7 @@ def test_two_monitors_each_see_only_their_own_clipping(attach: MonitorFactory) -
 def test_a_clip_whose_step_is_skipped_is_not_used_for_the_next_step(
     attach: MonitorFactory,
 ) -> None:
-    model = _model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
-    monitor = attach(model, optimizer, judge_seconds=0)
+    model, optimizer, monitor = _attached(attach)
     _backward(model)
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.zero_grad()  # the loop gave up on this step (say, a skipped batch)

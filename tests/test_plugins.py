@@ -20,6 +20,7 @@ from stabmon.contract import MetricDef
 from stabmon.extension import Attachment, Reading
 from stabmon.guard import Guard
 from stabmon.log import LOGGER, LogLimiter
+from stabmon.monitor import Monitor
 from stabmon.plugins import PLUGINS, Plugged
 from stabmon.probes.grads import GradSummary
 
@@ -104,13 +105,20 @@ def test_a_probe_plugged_into_plugins_publishes_its_metric_on_a_real_scrape(
     assert value(samples, "stabmon_learning_rate", group="0", rank="0") == 0.125
 
 
+def _attach_plugged(
+    attach: MonitorFactory, monkeypatch: pytest.MonkeyPatch, plugin: type
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, Monitor]:
+    """A tiny model and optimizer attached with ``plugin`` plugged in, judging at once."""
+    _plug(monkeypatch, plugin)
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    return model, optimizer, attach(model, optimizer, judge_seconds=0)
+
+
 def test_a_plugged_probe_gets_each_hook_it_implements_at_the_steps_it_asks_for(
     attach: MonitorFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _plug(monkeypatch, Recording)
-    model = tiny_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    monitor = attach(model, optimizer, judge_seconds=0)
+    model, optimizer, monitor = _attach_plugged(attach, monkeypatch, Recording)
     for _ in range(6):
         train_step(model, optimizer, monitor)
     monitor.epoch_end()
@@ -126,10 +134,7 @@ def test_a_plugged_epoch_end_gets_the_step_its_epoch_record_names_across_a_resum
 ) -> None:
     """epoch_end(step) is the index of the epoch's last step (docs/steps.md), as the event
     log's ``epoch`` record; None for an epoch ended before any step."""
-    _plug(monkeypatch, Recording)
-    model = tiny_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    monitor = attach(model, optimizer, judge_seconds=0)
+    model, optimizer, monitor = _attach_plugged(attach, monkeypatch, Recording)
     monitor.epoch_end()  # before the first step
     monitor.load_state_dict({**monitor.state_dict(), "step": 10})  # resumed after 10 steps
     for _ in range(4):
@@ -144,10 +149,7 @@ def test_a_plugged_epoch_end_gets_the_step_its_epoch_record_names_across_a_resum
 def test_a_failing_plugged_probe_is_contained_and_counted_against_its_component(
     attach: MonitorFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _plug(monkeypatch, Broken)
-    model = tiny_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    monitor = attach(model, optimizer, judge_seconds=0)
+    model, optimizer, monitor = _attach_plugged(attach, monkeypatch, Broken)
     for _ in range(3):
         train_step(model, optimizer, monitor)
     scrape(monitor.metrics_url)  # its readings() fails here, after the errors were read

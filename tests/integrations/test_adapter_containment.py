@@ -80,9 +80,8 @@ def test_lightning_adapter_counts_an_uncountable_nested_tensor_batch_as_an_inter
         callback.teardown(trainer, model, "fit")
 
 
-def test_huggingface_callback_counts_a_loader_it_cannot_measure_as_an_internal_error(
-    tmp_path: Path,
-) -> None:
+def _huggingface(tmp_path: Path) -> tuple[Any, ...]:
+    """A model, its optimizer, the Hugging Face callback and the Trainer's args/state/control."""
     transformers = pytest.importorskip("transformers")
     from stabmon.integrations.huggingface import StabmonCallback
 
@@ -91,6 +90,13 @@ def test_huggingface_callback_counts_a_loader_it_cannot_measure_as_an_internal_e
     callback = StabmonCallback(**_settings(tmp_path))
     args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), report_to=[])
     state, control = transformers.TrainerState(), transformers.TrainerControl()
+    return model, optimizer, callback, args, state, control
+
+
+def test_huggingface_callback_counts_a_loader_it_cannot_measure_as_an_internal_error(
+    tmp_path: Path,
+) -> None:
+    model, optimizer, callback, args, state, control = _huggingface(tmp_path)
     callback.on_train_begin(
         args, state, control, model=model, optimizer=optimizer,
         train_dataloader=_LoaderWithoutLength(),
@@ -109,14 +115,7 @@ def test_huggingface_callback_counts_a_loader_it_cannot_measure_as_an_internal_e
 def test_huggingface_callback_counts_a_failing_throughput_count_as_an_internal_error(
     tmp_path: Path,
 ) -> None:
-    transformers = pytest.importorskip("transformers")
-    from stabmon.integrations.huggingface import StabmonCallback
-
-    model = torch.nn.Linear(3, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    callback = StabmonCallback(**_settings(tmp_path))
-    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), report_to=[])
-    state, control = transformers.TrainerState(), transformers.TrainerControl()
+    model, optimizer, callback, args, state, control = _huggingface(tmp_path)
     callback.on_train_begin(args, state, control, model=model, optimizer=optimizer)
     monitor = callback.monitor
     assert monitor is not None
