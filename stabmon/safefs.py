@@ -120,16 +120,14 @@ def owned_directory(path: Path, *, create: bool = True) -> None:
         )
 
 
-def open_append(path: Path, mode: int = 0o644) -> int:
-    """A descriptor for appending to ``path`` (created if missing), never through a symlink.
-
-    The file must be a regular file owned by this process's effective uid.
-    """
-    flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+def open_owned(path: Path, flags: int, mode: int = 0o600) -> int:
+    """A descriptor for ``path`` opened with ``flags``, never through a symlink, never
+    blocking: it must be a regular file owned by this process's effective uid."""
+    flags |= os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
         fd = os.open(path, flags, mode)
     except OSError as error:
-        if error.errno == 40:
+        if error.errno == 40:  # ELOOP: the final component is a symlink
             raise UnsafePathError(
                 error.errno, "is a symbolic link; not followed", str(path)
             ) from None
@@ -144,6 +142,11 @@ def open_append(path: Path, mode: int = 0o644) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def open_append(path: Path, mode: int = 0o644) -> int:
+    """A descriptor for appending to ``path`` (created if missing): see :func:`open_owned`."""
+    return open_owned(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, mode)
 
 
 def append_all(fd: int, data: bytes) -> None:

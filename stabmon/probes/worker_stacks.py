@@ -40,7 +40,6 @@ import faulthandler
 import os
 import re
 import signal
-import stat
 import threading
 import time
 import weakref
@@ -48,6 +47,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from stabmon.safefs import open_owned
 
 __all__ = ["STACKS_SIGNAL", "WorkerInit", "WorkerStack", "WorkerStacks", "innermost_frame"]
 
@@ -98,13 +99,9 @@ class WorkerInit:
 
 def _register(path: Path) -> None:
     temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
-    fd = os.open(temporary, flags, 0o600)
+    fd = open_owned(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND)
     registered = False
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
-            raise OSError(f"{temporary}: not a regular file of our own")
         os.write(fd, _HEADER.format(pid=os.getpid()).encode())
         previous = signal.getsignal(STACKS_SIGNAL)
         # Chain to a handler the worker had (submitit's, say); never to the default action,
@@ -238,19 +235,10 @@ class _Indices:
 _MONITORS = _Indices()
 
 
-def _open_own(path: Path, flags: int) -> int:
-    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    info = os.fstat(fd)
-    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
-        os.close(fd)
-        raise OSError(f"{path}: not a regular file of our own")
-    return fd
-
-
 def _reset(path: Path, header: bytes) -> bool:
     """Cut the file back to its header when it is this worker's; whether it is."""
     try:
-        fd = _open_own(path, os.O_RDWR)
+        fd = open_owned(path, os.O_RDWR)
     except OSError:
         return False
     try:
@@ -264,7 +252,7 @@ def _reset(path: Path, header: bytes) -> bool:
 
 def _read(path: Path, offset: int) -> str | None:
     try:
-        fd = _open_own(path, os.O_RDONLY)
+        fd = open_owned(path, os.O_RDONLY)
     except OSError:
         return None
     try:
