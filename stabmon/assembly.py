@@ -283,6 +283,6 @@ def _stall_watch(
         on_stall=responder.stalled,
         on_recover=responder.resumed,
         clock=clock,
-        peer_in_phase=responder.peer_in_phase,
+        peer_phase=responder.peer_phase,
     )
     return watchdog, responder

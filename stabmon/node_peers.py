@@ -8,12 +8,13 @@ adds the hang evidence at once. A rank reads its peers' records for two
 judgements, both from the watchdog or responder thread and never the training
 thread:
 
-- :meth:`NodePeers.phase_holder`: a peer inside a named phase (``checkpoint``,
-  ``eval``) or its start-up, within that phase's own limit. The ranks waiting
-  on it (rank 0 saves alone, the others wait in a barrier) are not stalled:
-  the watchdog gives them the phase's limit too, so no ``stall`` is recorded.
-  Once the peer passes its limit it is stalled itself, and the waiting ranks
-  are judged against their own limits again.
+- :meth:`NodePeers.peer_phase`: whether a peer is inside a named phase
+  (``checkpoint``, ``eval``) or its start-up, within that phase's own limit.
+  The ranks waiting on it (rank 0 saves alone, the others wait in a barrier)
+  are not stalled: the watchdog gives them the phase's limit too, so no
+  ``stall`` is recorded. Once the peer passes its limit, or any peer declares a
+  stall, the job is hung, and the waiting ranks are judged against their own
+  limits again.
 - :meth:`NodePeers.evidence`: every rank's hang evidence, for the node verdict.
 
 Only this run's directory is read, never through a symlink, and only records
@@ -32,9 +33,10 @@ from pathlib import Path
 
 from stabmon.contract import PHASES
 from stabmon.detectors.hang import RankEvidence
+from stabmon.detectors.stall import PeerPhase
 from stabmon.rundir import ProcessRecord, read_run_records
 
-__all__ = ["NodePeers", "evidence_of", "phase_holder"]
+__all__ = ["NodePeers", "evidence_of", "peer_phase", "phase_holder"]
 
 #: A peer's reads are reused this long: one directory listing a second at most.
 REFRESH_SECONDS = 1.0
@@ -71,6 +73,20 @@ def phase_holder(
         if 0.0 <= now_unix - since < record.stall_limit_seconds:
             return record
     return None
+
+
+def peer_phase(records: Sequence[ProcessRecord], *, rank: int, now_unix: float) -> PeerPhase:
+    """HOLDING if a peer holds a named phase (:func:`phase_holder`), else STALLED if a peer
+    has declared a stall or is in a named phase past its limit, else NONE."""
+    if phase_holder(records, rank=rank, now_unix=now_unix) is not None:
+        return PeerPhase.HOLDING
+    for record in records:
+        if record.rank == rank or record.exited_unix is not None:
+            continue
+        named = record.phase is not None and record.phase not in PHASES
+        if record.hang_state or (named and record.stall_limit_seconds is not None):
+            return PeerPhase.STALLED  # in a named phase that no longer holds: past its limit
+    return PeerPhase.NONE
 
 
 class NodePeers:
@@ -115,8 +131,9 @@ class NodePeers:
         """See :func:`phase_holder`; the watchdog asks only once its own limit has passed."""
         return phase_holder(self.records(), rank=self._rank, now_unix=self._wall_clock())
 
-    def holds_phase(self) -> bool:
-        return self.phase_holder() is not None
+    def peer_phase(self) -> PeerPhase:
+        """See :func:`peer_phase`; the watchdog asks only once its own limit has passed."""
+        return peer_phase(self.records(), rank=self._rank, now_unix=self._wall_clock())
 
     def evidence(self) -> list[RankEvidence]:
         """Every rank's hang evidence, read now (a verdict must not be a second old)."""

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from stabmon.detectors.hang import Verdict, classify, judge
-from stabmon.detectors.stall import Heartbeat, StallReport
+from stabmon.detectors.stall import Heartbeat, PeerPhase, StallReport
 from stabmon.errors import TrainingStalled
 from stabmon.node_peers import NodePeers
 from stabmon.probes.collectives import CollectiveCounter
@@ -212,13 +212,13 @@ class StallResponder:
             return None
         return judge(evidence)
 
-    def peer_in_phase(self) -> bool:
-        """Another rank of this run on this node is inside a named phase within its limit.
+    def peer_phase(self) -> PeerPhase:
+        """Whether another rank of this run on this node holds a named phase.
 
-        The watchdog asks once its own limit has passed: this rank waits on that one
-        (a barrier while rank 0 saves alone), and the phase's limit applies to it too.
+        The watchdog asks once its own limit has passed: this rank may wait on that
+        one (a barrier while rank 0 saves alone), and the phase's limit applies to it too.
         """
-        return self._peers.holds_phase()
+        return self._peers.peer_phase()
 
     def _refresh(self, stack: list[str] | None) -> None:
         if stack is None:

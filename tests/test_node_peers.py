@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from stabmon.node_peers import NodePeers, phase_holder
+from stabmon.detectors.stall import PeerPhase
+from stabmon.node_peers import NodePeers, peer_phase, phase_holder
 from stabmon.rundir import ProcessRecord, write_atomic
 
 
@@ -48,17 +49,36 @@ def test_phase_holder_is_never_the_rank_itself() -> None:
     assert phase_holder([_record(1, **CHECKPOINTING)], rank=1, now_unix=1050.0) is None
 
 
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        (CHECKPOINTING, PeerPhase.HOLDING),
+        ({**CHECKPOINTING, "hang_state": "compute"}, PeerPhase.STALLED),
+        ({**CHECKPOINTING, "last_step_unix": 900.0}, PeerPhase.STALLED),
+        ({"phase": "backward", "hang_state": "data"}, PeerPhase.STALLED),
+        ({**CHECKPOINTING, "phase": "data_wait"}, PeerPhase.NONE),  # left its phase
+        ({**CHECKPOINTING, "exited_unix": 1040.0}, PeerPhase.NONE),
+        ({"phase": None}, PeerPhase.NONE),  # registered, no heartbeat written yet
+    ],
+)
+def test_peer_phase_tells_a_holder_from_a_stalled_peer_from_none(
+    fields: dict[str, object], expected: PeerPhase
+) -> None:
+    records = [_record(0, **fields), _record(1, phase="optimizer", hang_state="collective")]
+    assert peer_phase(records, rank=1, now_unix=1050.0) is expected  # its own state is not read
+
+
 def test_node_peers_reads_its_run_and_caches_for_a_second(tmp_path: Path) -> None:
     run_dir = tmp_path / "job"
     run_dir.mkdir()
     write_atomic(run_dir / "rank-0.json", _record(0, **CHECKPOINTING).to_json())
     now = [0.0]
     peers = NodePeers(run_dir, run="job", rank=1, clock=lambda: now[0], wall_clock=lambda: 1050.0)
-    assert peers.holds_phase()
+    assert peers.peer_phase() is PeerPhase.HOLDING
     (run_dir / "rank-0.json").unlink()
-    assert peers.holds_phase()  # cached
+    assert peers.peer_phase() is PeerPhase.HOLDING  # cached
     now[0] = 1.5
-    assert not peers.holds_phase()
+    assert peers.peer_phase() is not PeerPhase.HOLDING
 
 
 def test_node_peers_ignores_another_runs_record_in_the_directory(tmp_path: Path) -> None:
@@ -67,7 +87,7 @@ def test_node_peers_ignores_another_runs_record_in_the_directory(tmp_path: Path)
     other = _record(0, **{**CHECKPOINTING, "run": "someone-else"})
     write_atomic(run_dir / "rank-0.json", other.to_json())
     peers = NodePeers(run_dir, run="job", rank=1, wall_clock=lambda: 1050.0)
-    assert not peers.holds_phase() and peers.evidence() == []
+    assert peers.peer_phase() is not PeerPhase.HOLDING and peers.evidence() == []
 
 
 def test_node_peers_does_not_enter_a_symlinked_run_directory(tmp_path: Path) -> None:
@@ -76,7 +96,7 @@ def test_node_peers_does_not_enter_a_symlinked_run_directory(tmp_path: Path) -> 
     write_atomic(real / "rank-0.json", _record(0, **CHECKPOINTING).to_json())
     (tmp_path / "job").symlink_to(real)
     peers = NodePeers(tmp_path / "job", run="job", rank=1, wall_clock=lambda: 1050.0)
-    assert not peers.holds_phase()
+    assert peers.peer_phase() is not PeerPhase.HOLDING
 
 
 def test_node_peers_does_not_follow_a_symlinked_record(tmp_path: Path) -> None:
@@ -85,7 +105,7 @@ def test_node_peers_does_not_follow_a_symlinked_record(tmp_path: Path) -> None:
     write_atomic(tmp_path / "planted.json", _record(0, **CHECKPOINTING).to_json())
     (run_dir / "rank-0.json").symlink_to(tmp_path / "planted.json")
     peers = NodePeers(run_dir, run="job", rank=1, wall_clock=lambda: 1050.0)
-    assert not peers.holds_phase()
+    assert peers.peer_phase() is not PeerPhase.HOLDING
 
 
 def test_node_peers_ignores_records_of_another_uid(tmp_path: Path) -> None:
@@ -94,7 +114,7 @@ def test_node_peers_ignores_records_of_another_uid(tmp_path: Path) -> None:
     write_atomic(run_dir / "rank-0.json", _record(0, **CHECKPOINTING).to_json())
     peers = NodePeers(run_dir, run="job", rank=1, wall_clock=lambda: 1050.0,
                       uid=os.geteuid() + 1)  # fmt: skip
-    assert not peers.holds_phase()
+    assert peers.peer_phase() is not PeerPhase.HOLDING
 
 
 def test_flight_sequence_numbers_survive_the_record_and_reach_the_evidence(tmp_path: Path) -> None:

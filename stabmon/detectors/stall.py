@@ -21,11 +21,16 @@ while ``peer_in_phase`` says another rank of the run is inside a named phase
 within its limit (rank 0 saves a checkpoint alone, the others wait in a
 barrier), the phase's limit applies to them too; it is asked only once the
 rank's own limit has passed, and once the peer is past its limit (stalled
-itself) the rank's own limit applies again.
+itself) the rank's own limit applies again. When the peer leaves its phase, the
+waiting rank still has the next step to finish (the barrier returns, then a
+whole forward and backward): its own limit counts again from the last time it
+saw the peer holding, not from its last step, or every long checkpoint would
+end in a false stall on the ranks that waited for it.
 """
 
 from __future__ import annotations
 
+import enum
 import sys
 import threading
 import time
@@ -38,6 +43,7 @@ from stabmon.probes.heartbeat import STARTUP_PHASE, Heartbeat
 __all__ = [
     "STARTUP_PHASE",
     "Heartbeat",
+    "PeerPhase",
     "StallReport",
     "StallWatchdog",
     "capture_stacks",
@@ -47,6 +53,17 @@ __all__ = [
 MIN_AUTO_STALL_SECONDS = 60.0
 #: The automatic limit is this many median step times.
 AUTO_STALL_STEPS = 10.0
+
+
+class PeerPhase(enum.Enum):
+    """What the other ranks of the run say about named phases (see the module docstring)."""
+
+    #: No peer is inside a named phase.
+    NONE = "none"
+    #: A peer is inside a named phase (or its start-up) within that phase's limit.
+    HOLDING = "holding"
+    #: A peer is past its phase's limit or has declared a stall: the job is hung.
+    STALLED = "stalled"
 
 
 @dataclass(frozen=True)
@@ -72,10 +89,12 @@ class StallWatchdog:
         on_stall: Callable[[StallReport], None],
         on_recover: Callable[[float], None],
         clock: Callable[[], float] = time.monotonic,
-        peer_in_phase: Callable[[], bool] | None = None,
+        peer_phase: Callable[[], PeerPhase] | None = None,
     ) -> None:
         self._heartbeat = heartbeat
-        self._peer_in_phase = peer_in_phase
+        self._peer_phase = peer_phase
+        #: When, on ``clock``, a peer was last seen holding a named phase.
+        self._peer_held_at = float("-inf")
         self._stall_seconds = stall_seconds
         self._phase_stall_seconds = phase_stall_seconds
         self._on_stall = on_stall
@@ -91,11 +110,19 @@ class StallWatchdog:
     def limit_seconds(self) -> float:
         """The limit that applies now (see the module docstring)."""
         own = self._own_limit_seconds()
-        if self._peer_in_phase is None or own >= self._phase_stall_seconds:
+        if self._peer_phase is None or own >= self._phase_stall_seconds:
             return own
-        if self._clock() - self._heartbeat.last_beat <= own:
+        now = self._clock()
+        last_beat = self._heartbeat.last_beat
+        if now - last_beat <= own:
             return own  # within its own limit: the peers' records are not read
-        return self._phase_stall_seconds if self._peer_in_phase() else own
+        peers = self._peer_phase()
+        if peers is PeerPhase.HOLDING:
+            self._peer_held_at = now
+            return self._phase_stall_seconds
+        if peers is PeerPhase.NONE and self._peer_held_at > last_beat:
+            return self._peer_held_at - last_beat + own  # released: its own limit from there
+        return own
 
     def _own_limit_seconds(self) -> float:
         heartbeat = self._heartbeat

@@ -7,7 +7,13 @@ import time
 
 import pytest
 
-from stabmon.detectors.stall import Heartbeat, StallReport, StallWatchdog, capture_stacks
+from stabmon.detectors.stall import (
+    Heartbeat,
+    PeerPhase,
+    StallReport,
+    StallWatchdog,
+    capture_stacks,
+)
 
 
 class FakeClock:
@@ -104,17 +110,21 @@ def test_capture_stacks_includes_a_blocked_thread() -> None:
         worker.join()
 
 
-def _peer_watchdog(clock: FakeClock, holds: list[bool], asked: list[float]):  # type: ignore[no-untyped-def]
+def _peer_watchdog(clock: FakeClock, holds: list[bool | PeerPhase], asked: list[float]):  # type: ignore[no-untyped-def]
+    """``holds[0]``: True, a peer holds a named phase; False, the peer stalled in it."""
     heartbeat = Heartbeat(clock)
     stalls: list[StallReport] = []
 
-    def peer_in_phase() -> bool:
+    def peer_phase() -> PeerPhase:
         asked.append(clock.now)
-        return holds[0]
+        state = holds[0]
+        if isinstance(state, PeerPhase):
+            return state
+        return PeerPhase.HOLDING if state else PeerPhase.STALLED
 
     watchdog = StallWatchdog(
         heartbeat, stall_seconds=10.0, phase_stall_seconds=100.0, on_stall=stalls.append,
-        on_recover=lambda _: None, clock=clock, peer_in_phase=peer_in_phase,
+        on_recover=lambda _: None, clock=clock, peer_phase=peer_phase,
     )  # fmt: skip
     heartbeat.beat(clock.now, None)
     heartbeat.phase = "optimizer"
@@ -142,5 +152,36 @@ def test_stall_watchdog_stalls_at_its_own_limit_once_the_peer_is_past_its_phase(
     watchdog.check()
     assert stalls == []
     holds[0] = False  # the peer stalled in its phase: the waiting rank is hung too
+    watchdog.check()
+    assert len(stalls) == 1 and stalls[0].limit_seconds == 10.0
+
+
+def test_stall_watchdog_gives_its_own_limit_again_from_when_the_peer_left_its_phase() -> None:
+    clock, asked = FakeClock(), []
+    holds: list[bool | PeerPhase] = [True]
+    watchdog, stalls = _peer_watchdog(clock, holds, asked)
+    clock.now += 40.0  # waiting in a barrier while rank 0 saves
+    watchdog.check()
+    holds[0] = PeerPhase.NONE  # rank 0 finished; this rank's barrier returns, its step goes on
+    clock.now += 1.0
+    watchdog.check()
+    clock.now += 9.0  # the step after the barrier takes a while: within its own 10 s limit
+    watchdog.check()
+    assert stalls == []
+    clock.now += 1.5  # 10.5 s since it last saw rank 0 holding, and still no step: stalled
+    watchdog.check()
+    assert len(stalls) == 1 and stalls[0].limit_seconds == 50.0
+    assert stalls[0].silent_seconds == 51.5
+
+
+def test_stall_watchdog_without_a_peer_phase_since_its_last_step_keeps_its_own_limit() -> None:
+    clock, asked = FakeClock(), []
+    holds: list[bool | PeerPhase] = [True]
+    watchdog, stalls = _peer_watchdog(clock, holds, asked)
+    clock.now += 20.0
+    watchdog.check()  # held
+    watchdog._heartbeat.beat(clock.now, 1.0)  # the step ended: the wait is over
+    holds[0] = PeerPhase.NONE
+    clock.now += 10.5
     watchdog.check()
     assert len(stalls) == 1 and stalls[0].limit_seconds == 10.0
