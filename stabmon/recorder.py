@@ -451,7 +451,8 @@ class Recorder:
     # --- stalls (watchdog thread) -------------------------------------------------------------
 
     def stalled(self, report: StallReport) -> None:
-        self._readings.stalled = 1
+        # The record before the gauge (here and in resumed()): whoever scrapes the gauge
+        # finds the record.
         step = self._stalled_step = self.global_step
         self.anomaly(
             "stall",
@@ -466,15 +467,16 @@ class Recorder:
             limit_seconds=round(report.limit_seconds, 3),
             stacks=report.stacks,
         )
+        self._readings.stalled = 1
 
     def resumed(self, lasted: float) -> None:
-        self._readings.stalled = 0
         # The same number as its stall record: the step that hung. A stall in a named phase
         # also ends when the phase ends, with that step still in progress: ``completed`` says
         # whether it did complete, and readers count it as done only then (docs/steps.md).
         step = self._stalled_step
         completed = step is not None and self.global_step > step
         self.write("stall_end", step=step, completed=completed, stalled_seconds=round(lasted, 3))
+        self._readings.stalled = 0
         if completed:
             LOGGER.info(
                 "stabmon: step %s completed after a stall of %.1f s; steps resumed",

@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 from stabmon.rundir import read_records
+from tests.helpers import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,10 +87,11 @@ def test_sigterm_to_a_forked_worker_ends_the_worker_not_the_parent(tmp_path: Pat
         (line,) = _wait_ready(process)
         child = int(line.split()[1])
         os.kill(child, signal.SIGTERM)
-        time.sleep(1.0)
+        # The worker dies of it (a zombie until its parent reaps it), SIGTERM unblocked.
+        wait_until(lambda: psutil.Process(child).status() == psutil.STATUS_ZOMBIE,
+                   "the worker to die of SIGTERM", timeout=60)  # fmt: skip
+        time.sleep(0.5)  # a parent dying of it would die now; the assertion is on its state
         assert process.poll() is None, "the parent died of its worker's SIGTERM"
-        # The worker did die of it (a zombie until its parent reaps it), SIGTERM unblocked.
-        assert psutil.Process(child).status() == psutil.STATUS_ZOMBIE
         (record,), _ = read_records(tmp_path)
         assert record.exit_status is None
         process.send_signal(signal.SIGTERM)

@@ -175,16 +175,19 @@ class FakeNvml:
         return list(gpu.processes)
 
     def start_xid_events(self) -> None:
-        if self._event_set is not None:
-            return  # like the real reader: a no-op while a set exists, broken or not
-        self._check("nvmlEventSetCreate")
-        if not self.xid_supported:
-            raise NvmlError(
-                "nvmlDeviceRegisterEvents",
-                "no GPU on this node supports XID events",
-                code=_NOT_SUPPORTED,
-            )
-        self._event_set = "ok"
+        # Under the lock: a test that breaks the set once it sees the create call must
+        # find the set made, not race this method between the call and the assignment.
+        with self._event_arrived:
+            if self._event_set is not None:
+                return  # like the real reader: a no-op while a set exists, broken or not
+            self._check("nvmlEventSetCreate")
+            if not self.xid_supported:
+                raise NvmlError(
+                    "nvmlDeviceRegisterEvents",
+                    "no GPU on this node supports XID events",
+                    code=_NOT_SUPPORTED,
+                )
+            self._event_set = "ok"
 
     def reset_xid_events(self) -> None:
         with self._event_arrived:

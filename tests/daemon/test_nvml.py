@@ -477,17 +477,17 @@ def test_pynvml_reader_shutdown_does_not_wait_for_a_stuck_xid_wait(
     waiter.start()
     while "nvmlEventSetWait_v2" not in raw.calls:
         time.sleep(0.01)
-    release = threading.Timer(2.0, raw.wait_released.set)  # a reader that waits fails, not hangs
+    release = threading.Timer(30.0, raw.wait_released.set)  # a reader that waits fails, not hangs
     release.start()
-    started = time.monotonic()
     try:
         with caplog.at_level(logging.WARNING, logger="stabmon"):
             reader.shutdown()
+        returned_while_the_wait_was_stuck = not raw.wait_released.is_set()
     finally:
         release.cancel()
         raw.wait_released.set()
         waiter.join(timeout=1.0)
-    assert time.monotonic() - started < 0.5
+    assert returned_while_the_wait_was_stuck
     assert "nvmlShutdown" in raw.calls
     assert "nvmlEventSetFree" not in raw.calls
     assert [r.getMessage() for r in caplog.records] == [
