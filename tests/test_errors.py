@@ -16,8 +16,12 @@ from stabmon.errors import (
 
 @pytest.mark.parametrize(
     ("error", "also"),
-    [(ConfigError, ValueError), (AlreadyAttachedError, Exception),
-     (DeviceMismatchError, RuntimeError), (TrainingStalled, RuntimeError)],  # fmt: skip
+    [
+        (ConfigError, ValueError),
+        (AlreadyAttachedError, Exception),
+        (DeviceMismatchError, RuntimeError),
+        (TrainingStalled, RuntimeError),
+    ],
 )
 def test_every_error_is_a_stabmon_error_and_the_builtin_its_callers_expect(
     error: type[Exception], also: type[Exception]
@@ -36,7 +40,11 @@ def test_config_error_reads_key_in_source_colon_problem_and_keeps_the_facts() ->
     error = ConfigError("must be >= 0, got -1", key="port", source="overrides", allowed=">= 0")
     assert str(error) == "port in overrides: must be >= 0, got -1"
     assert (error.key, error.source, error.allowed, error.problem) == (
-        "port", "overrides", ">= 0", "must be >= 0, got -1")  # fmt: skip
+        "port",
+        "overrides",
+        ">= 0",
+        "must be >= 0, got -1",
+    )
 
 
 def test_config_error_without_a_key_names_only_the_source() -> None:

@@ -41,7 +41,9 @@ def test_histogram_count_and_totals_grow_with_each_observation() -> None:
     histogram.observe(0.2)
     histogram.observe(700.0)  # past the last bound: only +Inf
     assert histogram.count == 2
-    assert histogram.totals() == (2.0, pytest.approx(700.2))
+    count, total = histogram.totals()
+    assert count == 2.0
+    assert total == pytest.approx(700.2)
     assert histogram.snapshot()[0][-2] == (repr(DEFAULT_SECONDS_BUCKETS[-1]), 1.0)
 
 

@@ -21,8 +21,15 @@ from stabmon.probes.grads import GradLayout, GradSummary
 from stabmon.readings import Readings
 from stabmon.recorder import Recorder
 
-LAYOUT = GradLayout(("encoder", "head"), (0, 1), None, None, names=("encoder.weight", "head.weight"),
-                    model_order=(0, 1), empty_shards=())  # fmt: skip
+LAYOUT = GradLayout(
+    ("encoder", "head"),
+    (0, 1),
+    None,
+    None,
+    names=("encoder.weight", "head.weight"),
+    model_order=(0, 1),
+    empty_shards=(),
+)
 
 
 class Harness:
@@ -48,8 +55,9 @@ class Harness:
 
     def grads(self, step: int, encoder: float, head: float = 1.0) -> None:
         total = (encoder**2 + head**2) ** 0.5
-        summary = GradSummary(total, 0, total != total or total == float("inf"), [encoder, head],
-                              LAYOUT)  # fmt: skip
+        summary = GradSummary(
+            total, 0, total != total or total == float("inf"), [encoder, head], LAYOUT
+        )
         self.recorder.grads(step, summary, lambda s: ["encoder.weight"])
 
 
@@ -66,8 +74,11 @@ def test_recorder_records_one_anomaly_per_nonfinite_gradient_episode_and_counts_
     for step in range(3, 7):
         harness.grads(step, float("nan"))
     (anomaly,) = harness.anomalies("nonfinite_grad")
-    assert (anomaly["step"], anomaly["modules"], anomaly["parameters"]) == (3, ["encoder"],
-                                                                            ["encoder.weight"])  # fmt: skip
+    assert (anomaly["step"], anomaly["modules"], anomaly["parameters"]) == (
+        3,
+        ["encoder"],
+        ["encoder.weight"],
+    )
     assert harness.readings.nonfinite_grad_steps == 4
     assert harness.readings.anomalies["nonfinite_grad"] == 1
 
@@ -80,8 +91,12 @@ def test_recorder_ends_a_nonfinite_gradient_episode_after_the_gap_of_finite_step
     for step in range(2, 6):
         harness.grads(step, 1.0)
     (end,) = harness.records("nonfinite_grad_end")
-    assert (end["first_step"], end["last_step"], end["count"], end["modules"]) == (0, 1, 2,
-                                                                                   ["encoder"])  # fmt: skip
+    assert (end["first_step"], end["last_step"], end["count"], end["modules"]) == (
+        0,
+        1,
+        2,
+        ["encoder"],
+    )
 
 
 def test_recorder_closes_an_open_nonfinite_loss_episode_at_flush(harness: Harness) -> None:
@@ -163,8 +178,14 @@ def test_recorder_counts_each_scale_drop_as_a_skipped_step_and_raises_one_anomal
 
 
 def test_recorder_reports_a_leak_once_when_epoch_memory_keeps_growing(tmp_path: Path) -> None:
-    harness = Harness(tmp_path, leak_rule="epoch_windows", leak_window_epochs=1, leak_windows=2,
-                      leak_warmup_epochs=0, leak_threshold=0.03)  # fmt: skip
+    harness = Harness(
+        tmp_path,
+        leak_rule="epoch_windows",
+        leak_window_epochs=1,
+        leak_windows=2,
+        leak_warmup_epochs=0,
+        leak_threshold=0.03,
+    )
     memory = 100e6
     for _ in range(8):
         harness.readings.steps += 10
@@ -180,8 +201,13 @@ def test_recorder_reports_a_leak_once_when_epoch_memory_keeps_growing(tmp_path: 
 
 
 def test_recorder_reports_no_leak_while_epoch_memory_stays_flat(tmp_path: Path) -> None:
-    harness = Harness(tmp_path, leak_rule="epoch_windows", leak_window_epochs=1, leak_windows=2,
-                      leak_warmup_epochs=0)  # fmt: skip
+    harness = Harness(
+        tmp_path,
+        leak_rule="epoch_windows",
+        leak_window_epochs=1,
+        leak_windows=2,
+        leak_warmup_epochs=0,
+    )
     for _ in range(8):
         harness.recorder.epoch({"cuda:0": 100e6}, {"cuda:0": 100e6})
     assert harness.anomalies("memory_leak") == []
@@ -194,8 +220,10 @@ def test_recorder_raises_one_dead_gradient_anomaly_per_newly_dead_group(harness:
     harness.recorder.dead(101, DeadReport(("encoder.1.weight",), ()), {"encoder": 2, "head": 0})
     (anomaly,) = harness.anomalies("dead_grad")
     assert anomaly["modules"] == ["encoder"]
-    assert [r["modules"] for r in harness.records("dead_gradients")] == [["encoder.0"],
-                                                                         ["encoder.1"]]  # fmt: skip
+    assert [r["modules"] for r in harness.records("dead_gradients")] == [
+        ["encoder.0"],
+        ["encoder.1"],
+    ]
     assert harness.readings.dead_grad_params == {"encoder": 2, "head": 0}
 
 

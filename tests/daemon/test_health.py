@@ -23,11 +23,17 @@ def base_url(tmp_path: Path) -> Iterator[str]:
     auth = tmp_path / "auth"
     auth.write_text("prom:secret\n")
     registry = CollectorRegistry()
-    Gauge("stabmon_daemon_test", "A series only an authenticated scrape may read.",
-          registry=registry).set(1)  # fmt: skip
-    exporter = Exporter(registry, address="127.0.0.1", ports=[0], limiter=LogLimiter(),
-                        security=Security(basic_auth_file=str(auth)),
-                        public_routes={health.PATH: health.healthz})  # fmt: skip
+    Gauge(
+        "stabmon_daemon_test", "A series only an authenticated scrape may read.", registry=registry
+    ).set(1)
+    exporter = Exporter(
+        registry,
+        address="127.0.0.1",
+        ports=[0],
+        limiter=LogLimiter(),
+        security=Security(basic_auth_file=str(auth)),
+        public_routes={health.PATH: health.healthz},
+    )
     assert exporter.start()
     assert exporter.url is not None
     yield exporter.url.removesuffix("/metrics")

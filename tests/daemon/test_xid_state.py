@@ -28,8 +28,10 @@ def test_a_restarted_daemon_continues_the_counts_and_times(tmp_path: Path) -> No
     first.record(0, "GPU-a", 79, now=200.0)
     first.record(1, "GPU-b", 48, now=150.0)
     restarted = _state(path)
-    assert restarted.entries() == {("GPU-a", 79): XidEntry(0, 2, 200.0),
-                                   ("GPU-b", 48): XidEntry(1, 1, 150.0)}  # fmt: skip
+    assert restarted.entries() == {
+        ("GPU-a", 79): XidEntry(0, 2, 200.0),
+        ("GPU-b", 48): XidEntry(1, 1, 150.0),
+    }
     assert restarted.counts() == {(0, "GPU-a", 79): 2, (1, "GPU-b", 48): 1}
 
 
@@ -64,8 +66,14 @@ def test_a_directory_of_another_owner_is_refused_and_counts_stay_in_memory(
 ) -> None:
     path = state_path(tmp_path)
     path.parent.mkdir(mode=0o700)
-    path.write_text(json.dumps({"version": 1, "xids": [
-        {"uuid": "GPU-a", "xid": 79, "index": 0, "count": 50, "last_unix": 1.0}]}))  # fmt: skip
+    path.write_text(
+        json.dumps(
+            {
+                "version": 1,
+                "xids": [{"uuid": "GPU-a", "xid": 79, "index": 0, "count": 50, "last_unix": 1.0}],
+            }
+        )
+    )
     other = os.geteuid() + 1  # the injected owner check: as if the daemon ran as another uid
     with caplog.at_level(logging.WARNING, logger="stabmon"):
         state = _state(path, uid=lambda: other)
@@ -105,8 +113,11 @@ def test_a_state_file_that_is_not_a_good_document_is_ignored_with_a_warning(
     elif plant == "corrupt":
         path.write_text("{not json")
     elif plant == "bad-entry":
-        path.write_text(json.dumps({"xids": [{"uuid": "GPU-a", "xid": -1, "index": 0,
-                                              "count": 1, "last_unix": 1.0}]}))  # fmt: skip
+        path.write_text(
+            json.dumps(
+                {"xids": [{"uuid": "GPU-a", "xid": -1, "index": 0, "count": 1, "last_unix": 1.0}]}
+            )
+        )
     else:
         path.write_text(" " * (256 * 1024 + 1))
     with caplog.at_level(logging.WARNING, logger="stabmon"):

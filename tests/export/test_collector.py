@@ -116,7 +116,9 @@ def test_a_long_module_name_is_cut_to_a_bounded_label_that_stays_unique(
     readings = Readings(labels=LABELS)
     readings.dead_grad_params = {head + "a": 1, head + "b": 2}
     samples = scrape(serve(ReadingsCollector(readings, {})))
-    modules = {dict(labels)["module"] for name, labels in samples if name == c.DEAD_GRAD_PARAMS.name}
+    modules = {
+        dict(labels)["module"] for name, labels in samples if name == c.DEAD_GRAD_PARAMS.name
+    }
     assert len(modules) == 2
     assert all(len(module) <= MAX_LABEL_CHARS for module in modules)
     assert all(module.startswith(head[:100]) for module in modules)

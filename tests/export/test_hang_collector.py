@@ -36,10 +36,15 @@ def registry() -> CollectorRegistry:
 @pytest.fixture
 def served(registry: CollectorRegistry) -> Iterator[tuple[Evidence, str]]:
     evidence = Evidence()
-    registry.register(HangCollector(
-        LABELS, phase=lambda: evidence.phase, collectives=lambda: evidence.collectives,
-        in_collective=lambda: evidence.inside, hang_state=lambda: evidence.state,
-    ))  # fmt: skip
+    registry.register(
+        HangCollector(
+            LABELS,
+            phase=lambda: evidence.phase,
+            collectives=lambda: evidence.collectives,
+            in_collective=lambda: evidence.inside,
+            hang_state=lambda: evidence.state,
+        )
+    )
     exporter = Exporter(registry, address="127.0.0.1", ports=[0], limiter=LogLimiter())
     assert exporter.start()
     url = exporter.url
@@ -54,8 +59,12 @@ def test_exactly_the_current_loop_phase_is_one_and_every_known_phase_is_exported
     evidence, url = served
     evidence.phase = "backward"
     samples = scrape(url)
-    phases = {dict(labels)["phase"]: v for name, labels in samples if name == c.LOOP_PHASE.name
-              for v in [samples[(name, labels)]]}  # fmt: skip
+    phases = {
+        dict(labels)["phase"]: v
+        for name, labels in samples
+        if name == c.LOOP_PHASE.name
+        for v in [samples[(name, labels)]]
+    }
     assert set(phases) == set(c.LOOP_PHASES)
     assert [phase for phase, v in phases.items() if v == 1.0] == ["backward"]
 

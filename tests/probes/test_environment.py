@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import os
 import socket
+from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from stabmon.guard import Guard
 from stabmon.log import LogLimiter
@@ -26,6 +26,14 @@ from stabmon.probes.environment import (
     format_environment,
     process_identity,
 )
+
+
+def _hash_store() -> Any:
+    """torch's in-process c10d store (the one torch.distributed exports untyped)."""
+    from torch._C._distributed_c10d import HashStore
+
+    return HashStore()
+
 
 JOB = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "WORLD_SIZE": "8"}
 
@@ -45,8 +53,9 @@ def test_default_run_id_is_torchelastics_rendezvous_id_when_there_is_one() -> No
 
 
 def test_default_run_id_is_the_same_for_every_rank_of_a_static_rendezvous() -> None:
-    ranks = [default_run_id({"TORCHELASTIC_RUN_ID": "none", "RANK": str(r), **JOB})
-             for r in range(3)]  # fmt: skip
+    ranks = [
+        default_run_id({"TORCHELASTIC_RUN_ID": "none", "RANK": str(r), **JOB}) for r in range(3)
+    ]
     assert len(set(ranks)) == 1
     assert ranks[0].startswith("job-")
     other_job = default_run_id({**JOB, "MASTER_PORT": "29501"})
@@ -61,7 +70,7 @@ def test_default_run_id_of_a_single_process_names_host_and_pid_and_stays_put() -
 
 
 def test_agree_run_id_gives_every_rank_rank_zeros_proposal() -> None:
-    store = dist.HashStore()
+    store = _hash_store()
     first = agree_run_id(store, rank=0, job="10.0.0.1:29500:2")
     second = agree_run_id(store, rank=1, job="10.0.0.1:29500:2", wait_seconds=0)
     assert first == second
@@ -69,7 +78,7 @@ def test_agree_run_id_gives_every_rank_rank_zeros_proposal() -> None:
 
 
 def test_agree_run_id_keeps_the_first_proposal_when_rank_zero_attaches_late() -> None:
-    store = dist.HashStore()
+    store = _hash_store()
     early = agree_run_id(store, rank=1, job="10.0.0.1:29500:2", wait_seconds=0)
     late = agree_run_id(store, rank=0, job="10.0.0.1:29500:2")
     assert late == early  # rank 0 joins the others' run rather than splitting the label
@@ -80,17 +89,34 @@ def test_build_info_names_the_versions_in_use() -> None:
     assert info["stabmon_version"] == "9.9.9"
     assert info["torch_version"] == torch.__version__
     assert info["cuda_version"] == (torch.version.cuda or "")
-    assert set(info) == {"stabmon_version", "torch_version", "cuda_version", "cudnn_version",
-                         "nccl_version", "python_version"}  # fmt: skip
+    assert set(info) == {
+        "stabmon_version",
+        "torch_version",
+        "cuda_version",
+        "cudnn_version",
+        "nccl_version",
+        "python_version",
+    }
 
 
 def test_environment_record_keeps_only_relevant_variables_redacted() -> None:
-    record = environment_record({"torch_version": "2"}, [], "",
-                                {"NCCL_DEBUG": "INFO", "HOME": "/root", "WANDB_API_KEY": "x",
-                                 "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
-                                 "NCCL_SOCKET_PASSWORD": "p"})  # fmt: skip
-    assert record["variables"] == {"NCCL_DEBUG": "INFO", "NCCL_SOCKET_PASSWORD": "<redacted>",
-                                   "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}  # fmt: skip
+    record = environment_record(
+        {"torch_version": "2"},
+        [],
+        "",
+        {
+            "NCCL_DEBUG": "INFO",
+            "HOME": "/root",
+            "WANDB_API_KEY": "x",
+            "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+            "NCCL_SOCKET_PASSWORD": "p",
+        },
+    )
+    assert record["variables"] == {
+        "NCCL_DEBUG": "INFO",
+        "NCCL_SOCKET_PASSWORD": "<redacted>",
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+    }
     assert record["cuda_visible_devices"] is None
     assert record["torch_threads"] == torch.get_num_threads()
 

@@ -61,8 +61,9 @@ def allocator(monkeypatch: pytest.MonkeyPatch) -> Allocator:
     monkeypatch.setattr(cuda, "max_memory_allocated", lambda device: fake.peak)
     monkeypatch.setattr(cuda, "reset_peak_memory_stats", fake.reset)
     monkeypatch.setattr(cuda, "utilization", fake.utilization)
-    monkeypatch.setattr(cuda, "get_device_properties",
-                        lambda device: SimpleNamespace(total_memory=fake.total))  # fmt: skip
+    monkeypatch.setattr(
+        cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=fake.total)
+    )
     return fake
 
 
@@ -74,8 +75,9 @@ def test_host_memory_reads_the_rss_of_this_process() -> None:
 
 
 def test_host_memory_reads_another_processes_rss_by_pid() -> None:
-    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
-                             stdin=subprocess.PIPE)  # fmt: skip
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+    )
     try:
         rss = HostMemory(child.pid).rss_bytes()
         assert 0 < rss < psutil.Process().memory_info().rss  # a bare Python, not torch
@@ -110,8 +112,11 @@ def test_cgroup_memory_limit_reads_v2_then_v1(
 
 def test_cuda_devices_lists_each_cuda_device_once_in_first_seen_order() -> None:
     tensors = [torch.empty(0, device="meta"), torch.empty(0)]
-    fakes = [SimpleNamespace(device=torch.device("cuda", 1)),
-             SimpleNamespace(device=CUDA0), SimpleNamespace(device=torch.device("cuda", 1))]  # fmt: skip
+    fakes = [
+        SimpleNamespace(device=torch.device("cuda", 1)),
+        SimpleNamespace(device=CUDA0),
+        SimpleNamespace(device=torch.device("cuda", 1)),
+    ]
     assert cuda_devices([*tensors, *fakes]) == (torch.device("cuda", 1), CUDA0)  # type: ignore[list-item]
     assert cuda_devices(tensors) == ()
 

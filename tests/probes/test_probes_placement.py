@@ -54,8 +54,11 @@ def test_input_check_names_tensors_inside_dicts_lists_and_dataclasses() -> None:
     check = InputCheck(CPU_PARAMS).check
     args = ({"image": _meta(2), "ok": torch.zeros(2)}, [torch.zeros(1), _meta(1)])
     found = check(args, {"batch": Batch(image=torch.zeros(1), label=_meta(1))})
-    assert [f.what for f in found] == ["input args[0]['image']", "input args[1][1]",
-                                       "input batch.label"]  # fmt: skip
+    assert [f.what for f in found] == [
+        "input args[0]['image']",
+        "input args[1][1]",
+        "input batch.label",
+    ]
     assert {(f.device, f.expected) for f in found} == {("meta", "cpu")}
 
 
@@ -91,8 +94,11 @@ def test_placement_watch_reports_each_distinct_finding_once() -> None:
 
 def test_placement_watch_in_raise_mode_raises_with_a_hint_to_move_the_input() -> None:
     watch = PlacementWatch("raise", CPU_PARAMS, lambda finding: None)
-    with pytest.raises(DeviceMismatchError, match=r"input args\[0\] on meta, expected cpu; "
-                                                  r"move it with .to\('cpu'\)"):  # fmt: skip
+    with pytest.raises(
+        DeviceMismatchError,
+        match=r"input args\[0\] on meta, expected cpu; "
+        r"move it with .to\('cpu'\)",
+    ):
         watch.report_inputs(watch.misplaced_inputs((_meta(2),), {}))
 
 

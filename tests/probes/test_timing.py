@@ -22,11 +22,16 @@ class Loop:
         self.readings = Readings(labels={})
         self.heartbeat = Heartbeat(self.clock)
         self.marks: list[tuple[str, bool]] = []
-        self.timer = LoopTimer(self.readings, self.heartbeat, clock=self.clock,
-                               device_mark=lambda phase, ended: self.marks.append((phase, ended)))  # fmt: skip
+        self.timer = LoopTimer(
+            self.readings,
+            self.heartbeat,
+            clock=self.clock,
+            device_mark=lambda phase, ended: self.marks.append((phase, ended)),
+        )
 
-    def step(self, wait: float = 1.0, forward: float = 2.0, backward: float = 3.0,
-             optimizer: float = 0.5) -> None:  # fmt: skip
+    def step(
+        self, wait: float = 1.0, forward: float = 2.0, backward: float = 3.0, optimizer: float = 0.5
+    ) -> None:
         self.clock.advance(wait)
         self.timer.forward_start()
         self.clock.advance(forward)
@@ -68,7 +73,9 @@ def test_loop_timer_observes_input_wait_between_steps_but_not_before_the_first(
     loop.step(wait=7.0)
     assert loop.readings.data_wait.count == 0
     loop.step(wait=0.2)
-    assert loop.readings.data_wait.totals() == (1.0, pytest.approx(0.2))
+    count, total = loop.readings.data_wait.totals()
+    assert count == 1.0
+    assert total == pytest.approx(0.2)
 
 
 def test_a_fetch_between_micro_batches_is_input_wait_not_backward(loop: Loop) -> None:
@@ -158,8 +165,12 @@ def test_a_skipped_step_ends_the_iteration_without_counting_a_step(loop: Loop) -
 
 def test_device_marks_name_each_phase_and_flag_the_step_end(loop: Loop) -> None:
     loop.step()
-    assert loop.marks == [("forward", False), ("backward", False), ("optimizer", False),
-                          ("data_wait", True)]  # fmt: skip
+    assert loop.marks == [
+        ("forward", False),
+        ("backward", False),
+        ("optimizer", False),
+        ("data_wait", True),
+    ]
 
 
 def test_timed_iteration_times_each_fetch_on_the_injected_clock() -> None:

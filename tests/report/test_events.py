@@ -28,8 +28,14 @@ def _write_log(directory: Path, rank: int, *lines: str) -> Path:
 
 
 def _register(directory: Path, rank: int, **fields: Any) -> None:
-    record = ProcessRecord(pid=fields.pop("pid", os.getpid()), create_time=0.0, run=directory.name,
-                           rank=rank, boot_id=boot_id(), **fields)  # fmt: skip
+    record = ProcessRecord(
+        pid=fields.pop("pid", os.getpid()),
+        create_time=0.0,
+        run=directory.name,
+        rank=rank,
+        boot_id=boot_id(),
+        **fields,
+    )
     (directory / f"rank-{rank}.json").write_bytes(record.to_json())
 
 
@@ -67,11 +73,20 @@ def test_read_log_keeps_a_whole_last_record_without_newline_and_says_so(tmp_path
         json.dumps({"event": "epoch", "step": True}) + "\n",
         json.dumps({"event": "epoch", "step": 2**64}) + "\n",
         json.dumps({"event": "epoch", "time": -1}) + "\n",
-        json.dumps({"event": "deep", "x": json.loads("[" * (MAX_DEPTH + 1) + "]" * (MAX_DEPTH + 1))})
+        json.dumps(
+            {"event": "deep", "x": json.loads("[" * (MAX_DEPTH + 1) + "]" * (MAX_DEPTH + 1))}
+        )
         + "\n",
     ],
-    ids=["not-json", "not-an-object", "event-not-text", "bool-step", "huge-step", "negative-time",
-         "too-deep"],  # fmt: skip
+    ids=[
+        "not-json",
+        "not-an-object",
+        "event-not-text",
+        "bool-step",
+        "huge-step",
+        "negative-time",
+        "too-deep",
+    ],
 )
 def test_read_log_counts_a_malformed_middle_line_and_keeps_the_rest(
     tmp_path: Path, bad: str
@@ -93,8 +108,13 @@ def test_read_log_notes_a_fifo_under_a_logs_name_instead_of_blocking(tmp_path: P
 def test_last_step_ignores_anomalies_and_a_stall_end_whose_step_never_completed(
     tmp_path: Path,
 ) -> None:
-    path = _write_log(tmp_path, 0, _line("epoch", step=9), _line("anomaly", kind="stall", step=10),
-                      _line("stall_end", step=10, completed=False))  # fmt: skip
+    path = _write_log(
+        tmp_path,
+        0,
+        _line("epoch", step=9),
+        _line("anomaly", kind="stall", step=10),
+        _line("stall_end", step=10, completed=False),
+    )
     log = read_log(path)
     assert (log.last_step, log.steps) == (9, 10)
 
@@ -146,10 +166,18 @@ def test_a_registration_from_another_boot_is_not_alive(tmp_path: Path) -> None:
 
 def test_read_run_orders_ranks_numerically_and_sorts_anomalies_by_time(tmp_path: Path) -> None:
     run = tmp_path / "r"
-    _write_log(run, 10, _line("attach"), json.dumps({"event": "anomaly", "kind": "stall",
-                                                     "time": 20.0}) + "\n")  # fmt: skip
-    _write_log(run, 2, _line("attach"), json.dumps({"event": "anomaly", "kind": "loss_spike",
-                                                    "time": 10.0}) + "\n")  # fmt: skip
+    _write_log(
+        run,
+        10,
+        _line("attach"),
+        json.dumps({"event": "anomaly", "kind": "stall", "time": 20.0}) + "\n",
+    )
+    _write_log(
+        run,
+        2,
+        _line("attach"),
+        json.dumps({"event": "anomaly", "kind": "loss_spike", "time": 10.0}) + "\n",
+    )
     loaded = read_run(run)
     assert [log.rank for log in loaded.ranks] == [2, 10]
     assert [a["kind"] for a in loaded.anomalies()] == ["loss_spike", "stall"]
@@ -187,8 +215,15 @@ def test_find_run_names_what_to_pass_when_there_is_no_log(tmp_path: Path) -> Non
 
 @pytest.mark.parametrize(
     ("raw", "expected"),
-    [(3, 3.0), (2.5, 2.5), ("inf", float("inf")), (True, None), ("3", None), (None, None),
-     (10**400, None)],  # fmt: skip
+    [
+        (3, 3.0),
+        (2.5, 2.5),
+        ("inf", float("inf")),
+        (True, None),
+        ("3", None),
+        (None, None),
+        (10**400, None),
+    ],
 )
 def test_number_reads_record_numbers_and_nothing_else(raw: object, expected: float | None) -> None:
     assert number(raw) == expected

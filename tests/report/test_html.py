@@ -23,20 +23,27 @@ def _write(tmp_path: Path, logs: dict[int, list[dict[str, Any]]], run_id: str = 
     run = tmp_path / run_directory_name(run_id)
     run.mkdir(parents=True)
     for rank, records in logs.items():
-        lines = [json.dumps({"time": 1_700_000_000.0, "rank": rank, "run": run_id, **r}) + "\n"
-                 for r in records]  # fmt: skip
+        lines = [
+            json.dumps({"time": 1_700_000_000.0, "rank": rank, "run": run_id, **r}) + "\n"
+            for r in records
+        ]
         (run / f"rank-{rank}.events.jsonl").write_text("".join(lines))
     return run
 
 
 def _attach(**environment: Any) -> dict[str, Any]:
-    return {"event": "attach", "pid": 11, "environment": {"hostname": "node-1", **environment},
-            "config": {"spike_threshold": 6.0}}  # fmt: skip
+    return {
+        "event": "attach",
+        "pid": 11,
+        "environment": {"hostname": "node-1", **environment},
+        "config": {"spike_threshold": 6.0},
+    }
 
 
 def test_render_has_every_section_id_and_no_script(tmp_path: Path) -> None:
-    page = render(read_run(_write(tmp_path, {0: [_attach(), {"event": "detach", "step": 0}]})),
-                  now=NOW)  # fmt: skip
+    page = render(
+        read_run(_write(tmp_path, {0: [_attach(), {"event": "detach", "step": 0}]})), now=NOW
+    )
     for section in SECTION_IDS:
         assert f'<section id="{section}">' in page
     assert "<script" not in page
@@ -46,23 +53,43 @@ def test_render_has_every_section_id_and_no_script(tmp_path: Path) -> None:
 
 def test_render_escapes_everything_taken_from_a_log(tmp_path: Path) -> None:
     hostile = "<script>alert(1)</script>"
-    records = [_attach(hostname=hostile),
-               {"event": "anomaly", "kind": "stall", "step": 1, "detail": hostile,
-                "stacks": {"MainThread": [hostile]}}]  # fmt: skip
+    records = [
+        _attach(hostname=hostile),
+        {
+            "event": "anomaly",
+            "kind": "stall",
+            "step": 1,
+            "detail": hostile,
+            "stacks": {"MainThread": [hostile]},
+        },
+    ]
     page = render(read_run(_write(tmp_path, {0: records})), now=NOW)
     assert "<script" not in page
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
 
 
 def test_render_says_healthy_or_not_in_the_verdict_section(tmp_path: Path) -> None:
-    clean = render(read_run(_write(tmp_path / "a", {0: [_attach(), {"event": "detach",
-                                                                   "step": 4}]})), now=NOW)  # fmt: skip
+    clean = render(
+        read_run(_write(tmp_path / "a", {0: [_attach(), {"event": "detach", "step": 4}]})), now=NOW
+    )
     assert '<div class="verdict ok">Healthy: 5 steps on 1 rank' in clean
-    bad = render(read_run(_write(tmp_path / "b", {0: [
-        _attach(), {"event": "anomaly", "kind": "loss_spike", "step": 2, "detail": "spike"},
-        {"event": "detach", "step": 4}]})), now=NOW)  # fmt: skip
+    bad = render(
+        read_run(
+            _write(
+                tmp_path / "b",
+                {
+                    0: [
+                        _attach(),
+                        {"event": "anomaly", "kind": "loss_spike", "step": 2, "detail": "spike"},
+                        {"event": "detach", "step": 4},
+                    ]
+                },
+            )
+        ),
+        now=NOW,
+    )
     assert '<div class="verdict bad">Not healthy: 1 anomaly' in bad
-    assert '<h2>Anomalies (1)</h2>' in bad
+    assert "<h2>Anomalies (1)</h2>" in bad
 
 
 def test_render_spells_out_an_anomaly_without_a_detail_from_its_fields(tmp_path: Path) -> None:

@@ -27,14 +27,21 @@ def _run(tmp_path: Path, logs: dict[int, list[dict[str, Any]]]) -> Run:
 
 def _samples(**fields_by_step: Any) -> list[dict[str, Any]]:
     steps = len(next(iter(fields_by_step.values())))
-    return [{"event": "step_sample", "step": step, **{k: v[step] for k, v in fields_by_step.items()}}
-            for step in range(steps)]  # fmt: skip
+    return [
+        {"event": "step_sample", "step": step, **{k: v[step] for k, v in fields_by_step.items()}}
+        for step in range(steps)
+    ]
 
 
 def test_plots_of_a_run_without_samples_are_all_none(tmp_path: Path) -> None:
     plots = Plots(_run(tmp_path, {0: [{"event": "attach"}]}))
-    assert (plots.loss(), plots.grad_norm(), plots.step_time(), plots.memory(),
-            plots.gpu_utilization()) == (None, None, None, None, None)  # fmt: skip
+    assert (
+        plots.loss(),
+        plots.grad_norm(),
+        plots.step_time(),
+        plots.memory(),
+        plots.gpu_utilization(),
+    ) == (None, None, None, None, None)
 
 
 def test_loss_plot_is_an_inline_svg_with_a_line_per_rank(tmp_path: Path) -> None:
@@ -81,10 +88,14 @@ def test_step_time_plot_shows_step_time_and_input_wait(tmp_path: Path) -> None:
 
 
 def test_memory_plot_draws_each_device_and_its_leak_threshold(tmp_path: Path) -> None:
-    attach = {"event": "attach", "config": {"leak_window_epochs": 2, "leak_warmup_epochs": 0,
-                                            "leak_threshold": 0.05}}  # fmt: skip
-    epochs = [{"event": "epoch", "epoch": e, "step": e, "memory": {"cuda:0": 2**20 * (100 + e)}}
-              for e in range(5)]  # fmt: skip
+    attach = {
+        "event": "attach",
+        "config": {"leak_window_epochs": 2, "leak_warmup_epochs": 0, "leak_threshold": 0.05},
+    }
+    epochs = [
+        {"event": "epoch", "epoch": e, "step": e, "memory": {"cuda:0": 2**20 * (100 + e)}}
+        for e in range(5)
+    ]
     leak = {"event": "anomaly", "kind": "memory_leak", "epoch": 4, "step": 4, "bytes": 2**20 * 104}
     svg = Plots(_run(tmp_path, {0: [attach, *epochs, leak]})).memory()
     assert svg is not None

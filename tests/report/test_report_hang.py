@@ -12,10 +12,25 @@ from stabmon.report.status import RankStatus
 from stabmon.stall_action import STALL_EXIT_CODE as MONITOR_STALL_EXIT_CODE
 
 
-def _status(rank: str, state: str | None, *, run: str = "job", stalled: bool = True,
-            collectives: float = 5.0, error: str | None = None) -> RankStatus:  # fmt: skip
-    return RankStatus(url=f"http://n/{rank}", run=run, rank=rank, stalled=stalled,
-                      phase="forward", hang_state=state, collectives=collectives, error=error)  # fmt: skip
+def _status(
+    rank: str,
+    state: str | None,
+    *,
+    run: str = "job",
+    stalled: bool = True,
+    collectives: float = 5.0,
+    error: str | None = None,
+) -> RankStatus:
+    return RankStatus(
+        url=f"http://n/{rank}",
+        run=run,
+        rank=rank,
+        stalled=stalled,
+        phase="forward",
+        hang_state=state,
+        collectives=collectives,
+        error=error,
+    )
 
 
 def test_format_verdicts_names_the_odd_rank_out_of_a_stalled_run() -> None:
@@ -27,8 +42,11 @@ def test_format_verdicts_names_the_odd_rank_out_of_a_stalled_run() -> None:
 
 
 def test_format_verdicts_gives_no_verdict_while_a_rank_is_not_stalled() -> None:
-    statuses = [_status("0", "collective"), _status("1", "collective"),
-                _status("2", "data_wait", stalled=False)]  # fmt: skip
+    statuses = [
+        _status("0", "collective"),
+        _status("1", "collective"),
+        _status("2", "data_wait", stalled=False),
+    ]
     assert format_verdicts(statuses) == []
 
 
@@ -44,8 +62,11 @@ def test_format_verdicts_judges_each_run_apart_and_sorts_them() -> None:
 
 
 def test_format_verdicts_leaves_out_unreachable_ranks_and_non_numeric_ranks() -> None:
-    statuses = [_status("0", "collective"), _status("1", "data_wait", error="refused"),
-                _status("?", "data_wait")]  # fmt: skip
+    statuses = [
+        _status("0", "collective"),
+        _status("1", "data_wait", error="refused"),
+        _status("?", "data_wait"),
+    ]
     # Only rank 0 is left: one rank is no run to judge.
     assert format_verdicts(statuses) == []
 

@@ -55,7 +55,10 @@ def test_judge_names_the_first_anomaly_and_counts_each_kind(tmp_path: Path) -> N
 def test_judge_calls_a_run_with_a_vanished_rank_not_healthy_even_without_anomalies(
     tmp_path: Path,
 ) -> None:
-    vanished = [{"event": "attach", "run": "job"}, {"event": "epoch", "step": 49}]
+    vanished: list[dict[str, Any]] = [
+        {"event": "attach", "run": "job"},
+        {"event": "epoch", "step": 49},
+    ]
     run = read_run(_run(tmp_path, {0: _finished(60), 1: vanished}))
     verdict = judge(run)
     assert not verdict.healthy
