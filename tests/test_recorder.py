@@ -246,12 +246,13 @@ def test_recorder_state_round_trip_continues_step_numbering_in_a_new_process(
     first.readings.epoch = 3
     state = first.recorder.state_dict()
     second = Harness(tmp_path / "b")
+    second.readings.steps = 3  # steps this process took before the checkpoint was loaded
     second.recorder.load_state_dict(state)
     assert (second.recorder.global_step, second.recorder.last_step) == (40, 39)
     assert second.readings.epoch == 3
     (resume,) = second.records("resume")
     assert (resume["step"], resume["epoch"]) == (39, 3)
-    second.readings.steps = 2
+    second.readings.steps = 5  # two more steps
     assert second.recorder.last_step == 41
 
 
