@@ -43,8 +43,6 @@ ALLOWED: dict[str, str] = {
     "integrations/pytorch_lightning.py": "tests/integrations/test_lightning_callback.py",
     "integrations/huggingface.py": "tests/integrations/test_huggingface_callback.py",
     "integrations/ultralytics.py": "tests/integrations/test_ultralytics_callbacks.py",
-    "daemon/hang.py": "tests/daemon/test_node_hang.py (the daemon's node view, over real "
-    "ranks); no focused file yet",
     "extension.py": "the plug-in protocols: tests/test_plugins.py plugs one in end to end",
     "registration.py": "tested through Monitors (tests/test_registration_stall_limit.py, "
     "tests/security/test_run_directory.py); no focused file yet",
