@@ -88,8 +88,7 @@ def test_a_dead_rank_is_not_stalled_evidence(judge: NodeHangJudge) -> None:
 
 
 def test_samples_whose_user_is_unknown_are_not_believed(judge: NodeHangJudge) -> None:
-    samples = [_sample(r, "collective") for r in range(3)] + [_sample(3, "io", uid=None)]
-    # Without rank 3's word, three ranks in one state are no hang verdict.
+    samples = [_sample(r, "data_wait" if r == 2 else "collective", uid=None) for r in range(4)]
     assert judge.update(samples) == {}
 
 
