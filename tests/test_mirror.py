@@ -44,9 +44,6 @@ ALLOWED: dict[str, str] = {
     "integrations/huggingface.py": "tests/integrations/test_huggingface_callback.py",
     "integrations/ultralytics.py": "tests/integrations/test_ultralytics_callbacks.py",
     "extension.py": "the plug-in protocols: tests/test_plugins.py plugs one in end to end",
-    "registration.py": "tested through Monitors (tests/test_registration_stall_limit.py, "
-    "tests/security/test_run_directory.py); no focused file yet",
-    "resources.py": "tested through Monitors (tests/test_shutdown.py); no focused file yet",
 }
 
 
