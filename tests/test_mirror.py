@@ -43,7 +43,6 @@ ALLOWED: dict[str, str] = {
     "integrations/pytorch_lightning.py": "tests/integrations/test_lightning_callback.py",
     "integrations/huggingface.py": "tests/integrations/test_huggingface_callback.py",
     "integrations/ultralytics.py": "tests/integrations/test_ultralytics_callbacks.py",
-    "extension.py": "the plug-in protocols: tests/test_plugins.py plugs one in end to end",
 }
 
 
