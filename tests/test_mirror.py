@@ -4,8 +4,9 @@
 share one namespace (no ``__init__.py`` under ``tests/``, so pytest needs unique
 basenames), so when that basename is taken elsewhere the file is named after its
 package as well: ``tests/<path>/test_<package>_<name>.py`` (``stabmon/daemon/gpu.py``
-→ ``tests/daemon/test_daemon_gpu.py``, as ``tests/test_gpu.py`` holds ``test_gpu``). The
-file must define at least one test.
+→ ``tests/daemon/test_daemon_gpu.py``, as ``tests/test_gpu.py`` holds ``test_gpu``). A private
+module's leading underscore is dropped (``integrations/_common.py`` →
+``tests/integrations/test_common.py``). The file must define at least one test.
 
 A module that has no such file is in :data:`ALLOWED` with a one-line reason; an entry
 whose module now has its file, or no longer exists, fails too, so the list only shrinks.
@@ -36,9 +37,8 @@ ALLOWED: dict[str, str] = {
     "probes/clipping.py": "tests/test_clipping.py, from before the module moved under probes/ "
     "(branch monitor owns it)",
     "demo.py": "the CPU demo: run end to end by tests/test_cli.py and tests/test_readme.py",
-    "integrations/_common.py": "shared adapter code: tested through each adapter's tests in "
-    "tests/integrations/",
-    "integrations/_lightning.py": "tests/integrations/test_lightning_callback.py",
+    "integrations/_lightning.py": "tests/integrations/test_lightning_callback.py (the adapter "
+    "behind lightning.py and pytorch_lightning.py)",
     "integrations/lightning.py": "tests/integrations/test_lightning_callback.py",
     "integrations/pytorch_lightning.py": "tests/integrations/test_lightning_callback.py",
     "integrations/huggingface.py": "tests/integrations/test_huggingface_callback.py",
@@ -50,9 +50,12 @@ def _test_names(module: Path, package_root: Path) -> list[Path]:
     """The test files that would mirror ``module`` (relative to the tests root)."""
     relative = module.relative_to(package_root)
     directory = relative.parent
-    names = [directory / f"test_{relative.stem}.py"]
+    stem = relative.stem
+    if stem.startswith("_") and not stem.startswith("__"):
+        stem = stem[1:]  # a private module: integrations/_common.py -> test_common.py
+    names = [directory / f"test_{stem}.py"]
     if directory.parts:
-        names.append(directory / f"test_{directory.parts[-1]}_{relative.stem}.py")
+        names.append(directory / f"test_{directory.parts[-1]}_{stem}.py")
     return names
 
 
@@ -184,3 +187,12 @@ def test_an_entry_for_a_module_that_is_gone_fails(tmp_path: Path) -> None:
     package, tests = _tree(tmp_path, CLEAN)
     problems = unmirrored(package, tests, {"__init__.py": "docstring only", "old.py": "gone"})
     assert problems == ["ALLOWED in tests/test_mirror.py names stabmon/old.py, which is gone"]
+
+
+def test_a_private_modules_test_file_drops_the_underscore(tmp_path: Path) -> None:
+    files = {**CLEAN, "stabmon/integrations/_common.py": "X = 1\n"}
+    package, tests = _tree(tmp_path, files)
+    (problem,) = unmirrored(package, tests, {"__init__.py": "docstring only"})
+    assert "add tests/integrations/test_common.py or" in problem
+    (tests / "integrations" / "test_common.py").write_text("def test_x():\n    pass\n")
+    assert unmirrored(package, tests, {"__init__.py": "docstring only"}) == []
