@@ -194,5 +194,6 @@ def test_a_private_modules_test_file_drops_the_underscore(tmp_path: Path) -> Non
     package, tests = _tree(tmp_path, files)
     (problem,) = unmirrored(package, tests, {"__init__.py": "docstring only"})
     assert "add tests/integrations/test_common.py or" in problem
+    (tests / "integrations").mkdir()
     (tests / "integrations" / "test_common.py").write_text("def test_x():\n    pass\n")
     assert unmirrored(package, tests, {"__init__.py": "docstring only"}) == []
