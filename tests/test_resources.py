@@ -3,13 +3,14 @@
 Real parts where cheap: a real registration record, a real event log and a real
 Exporter on port 0, real PeriodicThreads. The one-deadline rule is checked with
 threads that never stop (a small stand-in with PeriodicThread's request_stop/join) on
-an injected ``time.monotonic``: a join that times out moves the clock by its timeout.
+an injected ``time.monotonic`` (of stabmon.resources only): a join that times out moves the clock by its timeout.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -51,7 +52,8 @@ class HungThread:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
     fake = FakeClock()
-    monkeypatch.setattr(resources_module.time, "monotonic", fake)
+    # Only stabmon.resources reads this clock: the time module itself is left alone.
+    monkeypatch.setattr(resources_module, "time", SimpleNamespace(monotonic=fake))
     return fake
 
 
