@@ -3,7 +3,8 @@
 Real parts where cheap: a real registration record, a real event log and a real
 Exporter on port 0, real PeriodicThreads. The one-deadline rule is checked with
 threads that never stop (a small stand-in with PeriodicThread's request_stop/join) on
-an injected ``time.monotonic`` (of stabmon.resources only): a join that times out moves the clock by its timeout.
+an injected ``time.monotonic`` (stabmon.resources' only): a join that times out moves
+the clock by its timeout.
 """
 
 from __future__ import annotations
