@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -144,7 +145,9 @@ def load_state(monitor: Monitor, path: Path) -> bool:
         return False
     try:
         monitor.load_state_dict(torch.load(path, weights_only=True))
-    except (OSError, RuntimeError, StabmonError) as error:  # torch.load raises RuntimeError
+    # torch.load raises RuntimeError for a damaged zip archive, EOFError for an empty file and
+    # UnpicklingError for one that is not a torch file at all.
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError, StabmonError) as error:
         LOGGER.warning("stabmon: could not resume the monitor state from %s: %s", path, error)
         return False
     return True
