@@ -262,6 +262,7 @@ def _stall_watch(
         run=run_id, recorder=parts.recorder, heartbeat=heartbeat, collectives=collectives,
         registration=resources.registration, run_directory=parts.paths.run_directory,
         root=parts.paths.root, worker_stacks=worker_stacks, workers=parts.workers,
+        clock=clock,  # its grace period, node-records cache and flight-read interval
     )  # fmt: skip
     parts.registry.register(
         ContainedCollector(
