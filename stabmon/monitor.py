@@ -261,7 +261,12 @@ class Monitor:
                 self._limiter.once("loader:timeout", logging.WARNING, "stabmon: %s", problem)
             if self._resources.worker_stacks is not None:
                 self._resources.worker_stacks.install(loader)
-        return TrackedLoader(loader, functools.partial(self._steps.timed_pass, loader))
+        return TrackedLoader(loader, functools.partial(self._timed_pass, loader))
+
+    def _timed_pass(self, loader: Iterable[T]) -> Iterator[T]:
+        # A pass holds the Monitor: ``for x in stabmon.attach(model, opt).track(loader)``
+        # keeps no other reference to it.
+        return self._steps.timed_pass(loader, keep=self)
 
     @contextlib.contextmanager
     def data_wait(self) -> Iterator[None]:

@@ -203,11 +203,13 @@ class StepHooks:
         except Exception as error:
             self._guard.record("hooks", error)
 
-    def timed_pass(self, loader: Iterable[T]) -> Iterator[T]:
-        """One timed pass over ``loader`` (each ``iter()`` of what ``track()`` returned)."""
+    def timed_pass(self, loader: Iterable[T], *, keep: object = None) -> Iterator[T]:
+        """One timed pass over ``loader`` (each ``iter()`` of what ``track()`` returned);
+        the pass holds ``keep`` (the Monitor) until it is done."""
         steps_at_start = self._readings.steps
 
         def exhausted() -> None:
+            _ = keep  # held by the pass's closure
             if self.epochs.pass_ended(steps_at_start, self._readings.steps):
                 self.close_epoch()
 
