@@ -5,7 +5,8 @@ attributes of its own, bound once at attach, so a hook body costs what it cost a
 method of the Monitor: one attribute lookup per part, no hop through the Monitor
 (``bench/instructions.py`` counts it). :mod:`stabmon.hooks` registers its bound methods
 with torch and holds this object weakly; so do the judge thread, the at-exit judgement
-and the clip watch. The Monitor holds it, and nothing here refers back to the Monitor.
+and the clip watch. The Monitor holds it, and nothing here refers back to the Monitor
+(except a tracked loader's pass, which holds the Monitor it was begun by).
 
 Every body runs under the guard: nothing raised inside stabmon reaches the training
 loop, except :class:`~stabmon.errors.DeviceMismatchError`, which ``device_check: raise``
