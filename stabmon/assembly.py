@@ -3,9 +3,10 @@
 :func:`build` makes the parts the hooks use (readings, recorder, gradient probe and
 readback, loop timer, throughput, the plug-ins); :func:`serve` starts the exporter;
 :func:`start_threads` starts the watchdog, the stall responder and the periodic
-threads. Everything that must be closed goes into the Monitor's
+threads; :func:`announce` writes the attach record and logs where things are.
+Everything that must be closed goes into the Monitor's
 :class:`~stabmon.resources.Resources`; nothing built here holds the Monitor (the
-judge thread gets a callable that holds it weakly).
+judge thread gets a callable that holds the step hooks weakly).
 
 One clock (``clock``, ``time.perf_counter`` unless a test injects one) drives the loop
 timer, the heartbeat and the stall watchdog: the timer's reading at a step's end is
@@ -15,6 +16,7 @@ the beat, and the watchdog ages it on the same clock.
 from __future__ import annotations
 
 import functools
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,12 +38,12 @@ from stabmon.extension import Attachment
 from stabmon.guard import Guard
 from stabmon.hooks import unwrap_model
 from stabmon.judging import QUIET_POLL_SECONDS
-from stabmon.log import LogLimiter
+from stabmon.log import LOGGER, LogLimiter
 from stabmon.measurements import Measurements
 from stabmon.plugins import Plugged
 from stabmon.probes.collectives import CollectiveCounter
 from stabmon.probes.device_timing import DeviceTimer, recorder_for
-from stabmon.probes.environment import build_info
+from stabmon.probes.environment import build_info, describe_environment
 from stabmon.probes.loader import WorkerWatch
 from stabmon.probes.memory import HostMemory, MemorySampler, cuda_devices
 from stabmon.probes.placement import PlacementWatch
@@ -49,13 +51,13 @@ from stabmon.probes.timing import LoopTimer
 from stabmon.probes.worker_stacks import WorkerStacks
 from stabmon.readings import Readings
 from stabmon.recorder import Recorder
-from stabmon.registration import report_misplaced
+from stabmon.registration import check_local_rank, report_misplaced
 from stabmon.resources import Resources
 from stabmon.rundir import DEFAULT_RUN_DIR, RunPaths
 from stabmon.stall_action import StallResponder
 from stabmon.throughput import ThroughputWatch, build_throughput
 
-__all__ = ["Parts", "build", "serve", "start_threads"]
+__all__ = ["Parts", "announce", "build", "serve", "start_threads"]
 
 
 @dataclass(eq=False)
@@ -262,6 +264,7 @@ def _stall_watch(
         run=run_id, recorder=parts.recorder, heartbeat=heartbeat, collectives=collectives,
         registration=resources.registration, run_directory=parts.paths.run_directory,
         root=parts.paths.root, worker_stacks=worker_stacks, workers=parts.workers,
+        clock=clock,  # its grace period, node-records cache and flight-read interval
     )  # fmt: skip
     parts.registry.register(
         ContainedCollector(
@@ -286,3 +289,37 @@ def _stall_watch(
         peer_phase=responder.peer_phase,
     )
     return watchdog, responder
+
+
+def announce(
+    parts: Parts,
+    config: Config,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    guard: Guard,
+    run_id: str,
+    rank: int,
+    metrics_url: str | None,
+    event_log_path: Path | None,
+) -> None:
+    """The attach record (environment, config), the identity checks, the log line."""
+    probe = parts.measurements.probe
+    environment, gpus = describe_environment(parts.readings.build_info, parts.devices, guard)
+    if gpus:
+        parts.readings.device_info = gpus
+    parts.recorder.write(
+        "attach", environment=environment, config=config.to_dict(), pid=os.getpid(),
+        metrics_url=metrics_url, parameters=len(probe.names) if probe else 0,
+        module_groups=list(probe.groups) if probe else [],
+    )  # fmt: skip
+    check_local_rank(parts.recorder, guard)
+    if parts.placement is not None:  # after the attach record, which opens the event log
+        parts.placement.audit(unwrap_model(model), optimizer)  # raises only in raise mode
+    LOGGER.info(
+        "stabmon: attached (run %s, rank %d); metrics at %s; events in %s",
+        run_id,
+        rank,
+        metrics_url or "(no exporter)",
+        event_log_path or "(no event log)",
+    )

@@ -12,7 +12,8 @@ break, so ``fullgraph=True`` works), while the optimizer's step hooks run
 outside the graph (one graph break at each end of a compiled ``optimizer.step()``):
 a step that stabmon did not see would be a lost measurement and a false stall.
 
-Hooks hold the Monitor weakly and are inert when copied or pickled: EMA and SWA
+Hooks hold their owner (the Monitor's :class:`~stabmon.step_hooks.StepHooks`, which
+holds the hook bodies) weakly and are inert when copied or pickled: EMA and SWA
 code deep-copies the model mid-run (``AveragedModel``), and ``torch.save(model)``
 pickles its hooks; neither may drag the Monitor, its threads and locks along.
 Better still, they are not pickled at all: when the model's hook dicts are empty at
@@ -45,19 +46,19 @@ __all__ = ["HookSet", "unwrap_model"]
 _ATTACHED: weakref.WeakKeyDictionary[object, object] = weakref.WeakKeyDictionary()
 
 
-#: A hook method of the Monitor, bound: (module or optimizer, args, kwargs or output).
+#: A hook method of the owner, bound: (module or optimizer, args, kwargs or output).
 _Method = Callable[[Any, Any, Any], None]
 
 
 class _Hooks:
     """What torch holds as stabmon's hooks: bound methods of this object.
 
-    It holds the Monitor weakly and calls its hook methods. Torch calls a bound
+    It holds the owner weakly and calls its hook methods. Torch calls a bound
     method through vectorcall with the three arguments as they are; an object with
     ``__call__(*args, **kwargs)`` built a tuple and a dict per call, four calls a step
     (``bench/instructions.py stabmon_hooks_only`` counts what the hooks cost).
 
-    A copy or an unpickled model gets an inert instance (its Monitor is gone), so
+    A copy or an unpickled model gets an inert instance (its owner is gone), so
     ``AveragedModel``'s deep copy and ``torch.save(model)`` drag nothing along.
     """
 
@@ -85,7 +86,7 @@ class _Hooks:
 
     @classmethod
     def inert(cls) -> _Hooks:
-        """Hooks whose Monitor is gone: every call does nothing."""
+        """Hooks whose owner is gone: every call does nothing."""
         hooks = cls.__new__(cls)
         hooks._owner = _gone
         return hooks
@@ -179,7 +180,7 @@ class _WrappedUpdate:
 
     def __init__(self, original: Callable[..., None], after: Callable[[], None]) -> None:
         self._original = original  # the class's update, bound to the scaler
-        self._after = after  # _Hooks.scaler_update: holds the Monitor weakly
+        self._after = after  # _Hooks.scaler_update: holds the owner weakly
 
     def __call__(self, *args: Any, **kwargs: Any) -> None:
         self._original(*args, **kwargs)
@@ -279,7 +280,7 @@ class HookSet:
         step_post: Callable[[torch.optim.Optimizer, Any, Any], None],
         scaler_update: Callable[[], None] | None = None,
     ) -> None:
-        """Register every hook: bound methods of one object (the Monitor), held weakly."""
+        """Register every hook: bound methods of one object (the owner), held weakly."""
         hooks = _Hooks(
             forward_pre=forward_pre,
             forward_post=forward_post,

@@ -1,17 +1,10 @@
-"""The Monitor: the public API, and the hooks that wire probes to the judging engine.
+"""The Monitor: the public API, wired at attach to the parts that do the work.
 
-``Monitor`` holds no math and no judgement. :mod:`stabmon.assembly` builds its parts
-at attach; its hooks time the loop (:class:`~stabmon.probes.timing.LoopTimer`),
-start device-side measurements (:class:`~stabmon.measurements.Measurements`) whose
-results come back through the readback queue of the judging engine
-(:mod:`stabmon.judging`: which thread judges what, and when), and call the plug-ins
-(:mod:`stabmon.plugins`) at the step and epoch ends. Every hook body runs under the
-guard: nothing raised inside stabmon reaches the training loop.
-
-Resources (hooks, threads, the HTTP server, the event log) live in one bundle
-(:class:`~stabmon.resources.Resources`) closed by ``detach()``, or by a finalizer if
-the Monitor is dropped without it; nothing a thread or a hook holds refers back to
-the Monitor.
+``Monitor`` holds no math and no judgement. :mod:`stabmon.assembly` builds its parts;
+:class:`~stabmon.step_hooks.StepHooks` holds what the hooks do; :mod:`stabmon.judging`
+decides when read-back results are judged; :class:`~stabmon.resources.Resources` holds
+what ``detach()`` closes. Nothing a thread or a hook holds refers back to the Monitor
+(docs/architecture.md, "Where things live").
 """
 
 from __future__ import annotations
@@ -34,19 +27,17 @@ from prometheus_client import CollectorRegistry
 from stabmon import assembly
 from stabmon.config import Config, load_config
 from stabmon.contract import INTERNAL_COMPONENTS
-from stabmon.epochs import EpochMarks
-from stabmon.errors import DeviceMismatchError, StabmonError
+from stabmon.errors import StabmonError
 from stabmon.guard import Guard
-from stabmon.hooks import HookSet, unwrap_model
+from stabmon.hooks import HookSet
 from stabmon.log import LOGGER, LogLimiter
-from stabmon.probes.amp import scale_tensor
-from stabmon.probes.clipping import watch_clipping
-from stabmon.probes.environment import default_run_id, describe_environment, process_identity
+from stabmon.probes.environment import default_run_id, process_identity
 from stabmon.probes.loader import loader_problem
 from stabmon.probes.phases import PhaseNames
-from stabmon.probes.timing import TrackedLoader, timed_iteration
-from stabmon.registration import check_local_rank, register
+from stabmon.probes.timing import TrackedLoader
+from stabmon.registration import register
 from stabmon.resources import SHUTDOWN_SECONDS, Resources
+from stabmon.step_hooks import StepHooks, judge_at_exit, judge_if_quiet
 
 __all__ = ["Monitor", "attach"]
 
@@ -144,7 +135,11 @@ class Monitor:
             cfg, model, optimizer, run_id=self.run_id, rank=self.rank, guard=guard,
             limiter=self._limiter, resources=resources, clock=clock,
         )  # fmt: skip
-        self._adopt(parts, model, optimizer, scaler)
+        self._adopt(parts)
+        self._steps = steps = StepHooks(
+            parts, model=model, scaler=scaler, guard=guard, measure_every=cfg.measure_every,
+            window_steps=cfg.window_steps,
+        )  # fmt: skip
         assembly.serve(parts, cfg, resources, guard=guard, limiter=self._limiter,
                        local_rank=local_rank, local_world_size=local_world_size)  # fmt: skip
         register(
@@ -154,98 +149,29 @@ class Monitor:
         )  # fmt: skip
         # After register's exit hook: atexit runs them last in, first out, so the waiting
         # results are judged before the record says how the process ended.
-        resources.judge_at_exit = functools.partial(_judge_at_exit, weakref.ref(self))
+        resources.judge_at_exit = functools.partial(judge_at_exit, weakref.ref(steps))
         atexit.register(resources.judge_at_exit)
         assembly.start_threads(
             parts, cfg, resources, guard=guard, run_id=self.run_id, rank=self.rank,
-            judge_quiet=functools.partial(_judge_if_quiet, weakref.ref(self)), clock=clock,
+            judge_quiet=functools.partial(judge_if_quiet, weakref.ref(steps)), clock=clock,
         )  # fmt: skip
-        self._install_hooks(model, scaler)
-        self._announce(parts.devices, model, optimizer)
+        assert resources.hooks is not None  # set in __init__ before _start
+        steps.install(resources.hooks)
+        assembly.announce(
+            parts, cfg, model, optimizer, guard=guard, run_id=self.run_id, rank=self.rank,
+            metrics_url=self.metrics_url, event_log_path=self.event_log_path,
+        )  # fmt: skip
 
-    def _adopt(
-        self,
-        parts: assembly.Parts,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scaler: object | None,
-    ) -> None:
-        """The parts the hooks use, as attributes (one lookup each on the hot path)."""
-        cfg = self.config
-        self._model, self._optimizer, self._scaler = model, optimizer, scaler
+    def _adopt(self, parts: assembly.Parts) -> None:
+        """The parts the public methods use, as attributes (one lookup each per call)."""
         self._readings, self._recorder = parts.readings, parts.recorder
-        self._sampler = parts.recorder.sampler
         self._measurements = parts.measurements
         self._engine = parts.measurements.engine
-        self._plugged, self._placement = parts.plugged, parts.placement
-        self._memory, self._workers = parts.memory, parts.workers
-        self._heartbeat, self._timer = parts.heartbeat, parts.timer
-        self._device_timer, self._throughput = parts.device_timer, parts.throughput
-        self._device_type = "cuda" if parts.devices else "cpu"
-        self._registry = parts.registry
-        self._pid = os.getpid()  # a forked child inherits the Monitor, not the run
-        self._measure_every = cfg.measure_every
-        self._window_steps = cfg.window_steps
-        self._epochs = EpochMarks()
-        self._state_audited = False
-        self._steps_at_update = 0
-        if scaler is not None:
-            self._readings.amp_skipped_steps = 0
+        self._plugged, self._timer = parts.plugged, parts.timer
+        self._throughput, self._registry = parts.throughput, parts.registry
         self._phases = PhaseNames(self._limiter)
         # Decided at the first observe() when no forward hook fires (a compiled forward).
         self._observes_before_step: bool | None = None
-
-    def _install_hooks(self, model: torch.nn.Module, scaler: object | None) -> None:
-        resources = self._resources
-        assert resources.hooks is not None  # set in __init__ before _start
-        try:
-            resources.hooks.install(
-                forward_pre=self._on_forward_pre,
-                forward_post=self._on_forward_post,
-                step_pre=self._on_step_pre,
-                step_post=self._on_step_post,
-                scaler_update=self._on_scaler_update if scaler is not None else None,
-            )
-        except RuntimeError as error:  # e.g. a TorchScript module, which takes no Python hooks
-            raise StabmonError(
-                f"cannot install hooks on {type(model).__name__}: {error}; attach to the "
-                "Python nn.Module before scripting it"
-            ) from error
-        with self._guard.contain("hooks"):
-            this = weakref.ref(self)  # held weakly by the clip wrappers; removed with the hooks
-            resources.hooks.keep(
-                watch_clipping(
-                    functools.partial(_owns_param, this), functools.partial(_clip_seen, this)
-                )
-            )
-
-    def _announce(
-        self,
-        devices: tuple[torch.device, ...],
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-    ) -> None:
-        """The attach record (environment, config), the identity checks, the log line."""
-        cfg, guard = self.config, self._guard
-        probe = self._measurements.probe
-        environment, gpus = describe_environment(self._readings.build_info, devices, guard)
-        if gpus:
-            self._readings.device_info = gpus
-        self._recorder.write(
-            "attach", environment=environment, config=cfg.to_dict(), pid=os.getpid(),
-            metrics_url=self.metrics_url, parameters=len(probe.names) if probe else 0,
-            module_groups=list(probe.groups) if probe else [],
-        )  # fmt: skip
-        check_local_rank(self._recorder, guard)
-        if self._placement is not None:  # after the attach record, which opens the event log
-            self._placement.audit(unwrap_model(model), optimizer)  # raises only in raise mode
-        LOGGER.info(
-            "stabmon: attached (run %s, rank %d); metrics at %s; events in %s",
-            self.run_id,
-            self.rank,
-            self.metrics_url or "(no exporter)",
-            self.event_log_path or "(no event log)",
-        )
 
     # --- public API ---------------------------------------------------------------------------
 
@@ -317,8 +243,8 @@ class Monitor:
         """
         if self._detached:
             return
-        if self._epochs.user_marks(self._readings.steps):
-            self._close_epoch()
+        if self._steps.epochs.user_marks(self._readings.steps):
+            self._steps.close_epoch()
 
     def track(self, loader: Iterable[T]) -> TrackedLoader[T]:
         """Iterate ``loader``, timing the input wait; its exhaustion marks an epoch end.
@@ -328,7 +254,7 @@ class Monitor:
         result keeps the loader's ``len()`` and attributes (``.dataset``, ``.sampler``).
         """
         self._timer.track_loader()
-        self._epochs.by_loader = True
+        self._steps.epochs.by_loader = True
         with self._guard.contain("hooks"):
             problem = loader_problem(loader)
             if problem is not None:
@@ -336,6 +262,11 @@ class Monitor:
             if self._resources.worker_stacks is not None:
                 self._resources.worker_stacks.install(loader)
         return TrackedLoader(loader, functools.partial(self._timed_pass, loader))
+
+    def _timed_pass(self, loader: Iterable[T]) -> Iterator[T]:
+        # A pass holds the Monitor: ``for x in stabmon.attach(model, opt).track(loader)``
+        # keeps no other reference to it.
+        return self._steps.timed_pass(loader, keep=self)
 
     @contextlib.contextmanager
     def data_wait(self) -> Iterator[None]:
@@ -355,28 +286,7 @@ class Monitor:
         try:
             yield
         finally:
-            self._loader_wait(timer.clock() - start)
-
-    def _timed_pass(self, loader: Iterable[T]) -> Iterator[T]:
-        """One timed pass over ``loader`` (each ``iter()`` of what ``track()`` returned)."""
-        steps_at_start = self._readings.steps
-
-        def exhausted() -> None:
-            if self._epochs.pass_ended(steps_at_start, self._readings.steps):
-                self._close_epoch()
-
-        workers = self._workers
-        guard = self._guard
-
-        def failed(error: BaseException) -> None:
-            with guard.contain("hooks"):
-                workers.failed(error)
-
-        return self._throughput.counted(
-            timed_iteration(
-                loader, self._loader_wait, exhausted, on_iterator=workers.follow, on_error=failed
-            )
-        )
+            self._steps.loader_wait(timer.clock() - start)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -433,7 +343,7 @@ class Monitor:
         self._engine.judge_waiting(wait_seconds=1.0)
         state = self._recorder.state_dict()
         state["run_id"] = self.run_id
-        state["epochs_marked_by"] = self._epochs.state()
+        state["epochs_marked_by"] = self._steps.epochs.state()
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -448,7 +358,7 @@ class Monitor:
         self._recorder.load_state_dict(state)
         with self._guard.contain("detectors"):
             self._throughput.restart(self._timer.clock())  # the first steps after a resume
-        self._epochs.load(state.get("epochs_marked_by"))
+        self._steps.epochs.load(state.get("epochs_marked_by"))
 
     def detach(self) -> None:
         """Remove every hook, stop every thread and free the port; idempotent."""
@@ -479,167 +389,6 @@ class Monitor:
     ) -> None:
         self.detach()
 
-    # --- hooks (training thread; each body contained) -----------------------------------------
-
-    def _on_forward_pre(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
-        placement = self._placement
-        if placement is not None:
-            try:
-                misplaced = placement.misplaced_inputs(args, kwargs)
-                if misplaced:
-                    placement.report_inputs(misplaced)
-            except DeviceMismatchError:
-                raise  # device_check: raise asked for it, before PyTorch's vaguer error
-            except Exception as error:
-                self._guard.record("hooks", error)
-        if not torch.is_grad_enabled() or not module.training:
-            # Evaluation or inference: not part of a training step, but progress.
-            try:
-                self._timer.eval_forward()
-            except Exception as error:
-                self._guard.record("hooks", error)
-            return
-        # New gradients are coming: a clip measured before is stale.
-        self._measurements.preclip = None
-        try:
-            self._timer.forward_start()
-            watch = self._throughput
-            if self._readings.steps == watch.flops_step and not self._timer.in_named_phase:
-                watch.forward_start(self._device_type)  # once: the step whose FLOPs are counted
-            elif watch.counting:
-                watch.forward_counted(self._readings.steps)
-        except Exception as error:
-            self._guard.record("hooks", error)
-
-    def _on_forward_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if not torch.is_grad_enabled() or not module.training:
-            return
-        try:
-            self._timer.forward_end()
-        except Exception as error:
-            self._guard.record("hooks", error)
-
-    def _on_step_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        try:
-            if self._throughput.counting:
-                self._throughput.optimizer_start()
-            self._timer.optimizer_start()
-        except Exception as error:
-            self._guard.record("hooks", error)
-        if not self._state_audited and self._placement is not None:
-            # Once more at the first step: optimizer state loaded from a checkpoint after
-            # attach exists only now.
-            self._state_audited = True
-            try:
-                self._placement.audit(unwrap_model(self._model), optimizer)
-            except DeviceMismatchError:
-                raise
-            except Exception as error:
-                self._guard.record("hooks", error)
-        if self._readings.steps % self._measure_every == 0:
-            self._measurements.step(optimizer)
-
     def _clips_after_measuring(self) -> None:
         """For adapters that step the Monitor before the framework clips (Lightning)."""
         self._measurements.clip_after_measure = True
-
-    def _on_step_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        engine = self._engine
-        now = engine.judged_at  # if the timer fails: collect, and judge at the next due step
-        with engine.lock:
-            try:
-                now = self._timer.optimizer_end()
-                sampler = self._sampler
-                ended = self._readings.steps + self._recorder.step_offset - 1  # global step
-                if ended >= sampler.window_due:
-                    if sampler.close_window(ended):  # many sample windows wait: judge them now
-                        engine.judged_at = -float("inf")
-            except Exception as error:
-                self._guard.record("hooks", error)
-            self._measurements.poll(now)
-        if now >= self._throughput.due:  # one comparison a step; a block every few seconds
-            with self._guard.contain("detectors"):
-                self._throughput.step_end(now)
-        steps = self._readings.steps
-        if steps % self._window_steps == 0 and self._epochs.by_steps():
-            self._close_epoch()
-        plugged = self._plugged
-        if steps >= plugged.next_step:  # one comparison a step; the plug-ins when one is due
-            plugged.step_end(steps)
-
-    def _on_scaler_update(self) -> None:
-        """After ``GradScaler.update()``: read the new scale; close a skipped iteration."""
-        try:
-            stepped = self._readings.steps != self._steps_at_update
-            self._steps_at_update = self._readings.steps
-            if not stepped:
-                self._timer.iteration_skipped()  # the step hooks never ran
-                self._measurements.preclip = None  # measured by a clip whose step was skipped
-                self._throughput.abandon(self._readings.steps)
-            step = self._recorder.global_step - (1 if stepped else 0)
-            scale = scale_tensor(self._scaler)
-            with self._engine.lock:
-                if scale is not None:
-                    self._measurements.scale(scale, step)
-                self._measurements.poll(self._timer.clock())  # a skipped step: no step end
-        except Exception as error:
-            self._guard.record("hooks", error)
-
-    def _loader_wait(self, seconds: float) -> None:
-        try:
-            self._timer.loader_wait(seconds)
-        except Exception as error:
-            self._guard.record("hooks", error)
-
-    # --- host side ----------------------------------------------------------------------------
-
-    def _judge_quiet(self) -> None:
-        """Judge thread: judge what waits in a quiet loop (see stabmon.judging). The device
-        timer is left to the training thread, whose hooks record its events."""
-        median = self._heartbeat.median_step_seconds()
-        self._engine.judge_quiet(self._timer.clock(), self._heartbeat.last_beat, median)
-
-    def _close_epoch(self) -> None:
-        self._engine.judge_waiting()
-        with self._guard.contain("memory"):
-            samples, peaks = self._memory.epoch_samples()
-            self._recorder.epoch(samples, peaks)
-        # The epoch's last step, as its ``epoch`` record names it (docs/steps.md).
-        self._plugged.epoch_end(self._recorder.last_step)
-        with self._guard.contain("grads"):
-            self._measurements.rebuild_if_trainable_changed()
-
-
-def _judge_if_quiet(monitor: weakref.ref[Monitor]) -> None:
-    """The judge thread's task; holds the Monitor weakly, like every thread."""
-    target = monitor()
-    if target is not None:
-        target._judge_quiet()
-
-
-def _judge_at_exit(monitor: weakref.ref[Monitor]) -> None:
-    """atexit: judge the results still waiting, so an anomaly just before a crash is recorded.
-
-    Copies still in flight on a device get half a second, as at detach (bounded: the
-    device may be what failed), and the last step sample is written; the judge thread
-    judges nothing after this. A forked child inherits the Monitor but not the run: it
-    leaves the parent's results alone.
-    """
-    target = monitor()
-    if target is None or target._detached or target._pid != os.getpid():
-        return
-    target._engine.exiting = True
-    target._engine.judge_last(0.5, target._measurements.finish)
-
-
-def _owns_param(monitor: weakref.ref[Monitor], param: torch.Tensor) -> bool:
-    """Whether ``param`` is measured by the Monitor (held weakly by the clip wrappers)."""
-    target = monitor()
-    probe = None if target is None or target._detached else target._measurements.probe
-    return probe is not None and probe.owns(param)
-
-
-def _clip_seen(monitor: weakref.ref[Monitor], params: Any, max_norm: float) -> None:
-    target = monitor()
-    if target is not None:
-        target._measurements.clip(max_norm)

@@ -1030,3 +1030,24 @@ def test_long_gradient_accumulation_with_amp_loses_no_measurement(attach: Monito
     assert value(samples, "stabmon_amp_skipped_steps_total") == 1
     assert value(samples, "stabmon_steps_total") == 2
     assert value(samples, "stabmon_amp_loss_scale") == 2.0**9
+
+
+def test_a_monitor_held_only_by_the_pass_it_tracks_keeps_monitoring(tmp_path: Path) -> None:
+    import gc
+    import threading
+
+    model = tiny_model()
+    optimizer = _sgd(model)
+    names: list[set[str]] = []
+    monitor = stabmon.attach(model, optimizer, port=0, run_dir=str(tmp_path))
+    batches = iter(monitor.track([torch.randn(4, 8)] * 3))
+    del monitor  # the loop holds the pass only, as `for x in attach(...).track(...)` does
+    for batch in batches:
+        gc.collect()
+        model(batch).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        names.append({thread.name for thread in threading.enumerate()})
+    assert all("stabmon-watchdog" in each for each in names)
+    del batches
+    gc.collect()

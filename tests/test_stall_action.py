@@ -275,3 +275,58 @@ def test_stall_action_exit_fires_while_the_flight_recorder_read_blocks_forever(
         assert exits == [STALL_EXIT_CODE]
     finally:
         release.set()
+
+
+# Attaches on a clock it moves itself, stalls past the limit, then moves the clock through the
+# whole grace period and blocks: only the injected clock can end it within the minute.
+_ON_THE_LOOP_CLOCK = """
+import sys, time
+import torch, stabmon
+from stabmon.export.families import registry_sum
+
+class Clock:
+    now = 1000.0
+    def __call__(self):
+        return self.now
+
+clock = Clock()
+model = torch.nn.Linear(2, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+monitor = stabmon.attach(model, optimizer, port=0, address="127.0.0.1", run_dir=sys.argv[1],
+                         run_id="job", stall_seconds=2, stall_action="exit",
+                         stall_grace_seconds=3600, clock=clock)
+for _ in range(3):
+    loss = model(torch.randn(4, 2)).pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    monitor.observe(loss=loss)
+clock.now += 10.0  # past the stall limit
+deadline = time.monotonic() + 60
+while registry_sum(monitor.registry, "stabmon_stalled") < 1 and time.monotonic() < deadline:
+    time.sleep(0.02)
+print("stalled", flush=True)
+for _ in range(600):  # the grace period passes on the loop clock only, again and again
+    clock.now += 3601.0
+    time.sleep(0.1)
+print("still alive", flush=True)
+"""
+
+
+def test_stall_action_exit_counts_its_grace_period_on_the_injected_loop_clock(
+    tmp_path: Path,
+) -> None:
+    # A real process: the exit ends it. The responder's timers (grace period, node-records
+    # cache, flight-read interval) read the clock attach() was given, not time.monotonic.
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    process = subprocess.run([sys.executable, "-c", _ON_THE_LOOP_CLOCK, str(tmp_path)], env=env,
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert process.stdout.splitlines() == ["stalled"], process.stderr[-2000:]
+    assert process.returncode == STALL_EXIT_CODE, process.stderr[-2000:]
+    lines = (tmp_path / "job" / "rank-0.events.jsonl").read_text().splitlines()
+    (record,) = [r for r in map(json.loads, lines) if r["event"] == "stall_exit"]
+    assert record["grace_seconds"] == 3600

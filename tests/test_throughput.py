@@ -1,26 +1,24 @@
 """Throughput, MFU and slowdowns through a real Monitor and a real scrape, on a fake loop clock.
 
-The loop clock (``time.perf_counter`` as the Monitor reads it) is a counter the loop below
-advances by hand: a slow input pipeline or forward is a bigger advance, never a sleep.
+The loop clock (``attach(..., clock=clock)``) is a counter the loop below advances by hand:
+a slow input pipeline or forward is a bigger advance, never a sleep.
 """
 
 from __future__ import annotations
 
 import json
-import types
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import torch
 from conftest import MonitorFactory
-from helpers import scrape, tiny_model, value
+from helpers import LoopClock, scrape, tiny_model, value
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import stabmon
-import stabmon.monitor
 from stabmon.config import ThroughputConfig
 from stabmon.export.collector import ReadingsCollector
 from stabmon.log import LogLimiter
@@ -30,32 +28,15 @@ from stabmon.throughput import ThroughputWatch
 LABELS = frozenset({("rank", "0"), ("run", "r")})
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
 @pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
-    fake = FakeClock()
-    real = stabmon.monitor.time
-    namespace = types.SimpleNamespace(
-        perf_counter=fake, monotonic=real.monotonic, time=real.time, sleep=real.sleep
-    )
-    monkeypatch.setattr(stabmon.monitor, "time", namespace)
-    return fake
+def clock() -> LoopClock:
+    return LoopClock()
 
 
 class Paced(torch.nn.Module):
     """A model whose forward takes ``forward_seconds`` of loop-clock time."""
 
-    def __init__(self, clock: FakeClock) -> None:
+    def __init__(self, clock: LoopClock) -> None:
         super().__init__()
         self.inner = tiny_model()
         self.clock = clock
@@ -74,12 +55,22 @@ SETTINGS = {
     "throughput.flops_measure_step": 0,
 }
 
+M = TypeVar("M", bound=torch.nn.Module)
+
+
+def attached(
+    attach: MonitorFactory, model: M, **settings: Any
+) -> tuple[stabmon.Monitor, M, torch.optim.Optimizer]:
+    """``model``, an SGD optimizer over it, and a Monitor attached to both."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    return attach(model, optimizer, **settings), model, optimizer
+
 
 def train(
     monitor: stabmon.Monitor,
     model: Paced,
     optimizer: torch.optim.Optimizer,
-    clock: FakeClock,
+    clock: LoopClock,
     steps: int,
     *,
     slow_from: int,
@@ -108,11 +99,9 @@ def anomalies(path: Path | None) -> list[dict[str, object]]:
 
 
 def test_monitor_raises_one_slowdown_naming_data_wait_when_get_batch_slows_from_step_k(
-    attach: MonitorFactory, clock: FakeClock
+    attach: MonitorFactory, clock: LoopClock
 ) -> None:
-    model = Paced(clock)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    monitor = attach(model, optimizer, **SETTINGS)
+    monitor, model, optimizer = attached(attach, Paced(clock), clock=clock, **SETTINGS)
     onset = 500
     found_at = None
     for step in train(monitor, model, optimizer, clock, 1200, slow_from=onset, slower_input=True):
@@ -132,11 +121,9 @@ def test_monitor_raises_one_slowdown_naming_data_wait_when_get_batch_slows_from_
 
 
 def test_monitor_names_forward_when_the_forward_slows(
-    attach: MonitorFactory, clock: FakeClock
+    attach: MonitorFactory, clock: LoopClock
 ) -> None:
-    model = Paced(clock)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    monitor = attach(model, optimizer, **SETTINGS)
+    monitor, model, optimizer = attached(attach, Paced(clock), clock=clock, **SETTINGS)
 
     for _ in train(monitor, model, optimizer, clock, 1000, slow_from=500, slower_forward=True):
         pass
@@ -145,11 +132,9 @@ def test_monitor_names_forward_when_the_forward_slows(
 
 
 def test_monitor_leaves_eval_phases_and_a_clean_loop_alone(
-    attach: MonitorFactory, clock: FakeClock
+    attach: MonitorFactory, clock: LoopClock
 ) -> None:
-    model = Paced(clock)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    monitor = attach(model, optimizer, **SETTINGS)
+    monitor, model, optimizer = attached(attach, Paced(clock), clock=clock, **SETTINGS)
 
     for step in train(monitor, model, optimizer, clock, 1500, slow_from=10**9):
         if step % 300 == 299:
@@ -161,11 +146,9 @@ def test_monitor_leaves_eval_phases_and_a_clean_loop_alone(
 
 
 def test_monitor_does_not_judge_the_first_steps_after_a_resume(
-    attach: MonitorFactory, clock: FakeClock
+    attach: MonitorFactory, clock: LoopClock
 ) -> None:
-    model = Paced(clock)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    monitor = attach(model, optimizer, **SETTINGS)
+    monitor, model, optimizer = attached(attach, Paced(clock), clock=clock, **SETTINGS)
     for _ in train(monitor, model, optimizer, clock, 400, slow_from=10**9):
         pass
 
@@ -177,9 +160,7 @@ def test_monitor_does_not_judge_the_first_steps_after_a_resume(
 
 
 def test_track_counts_samples_and_tokens_from_each_batch(attach: MonitorFactory) -> None:
-    model = tiny_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    monitor = attach(model, optimizer)
+    monitor, model, optimizer = attached(attach, tiny_model())
     batches = [{"input_ids": torch.zeros(6, 10, dtype=torch.long), "x": torch.randn(6, 8)}] * 3
 
     for batch in monitor.track(batches):
@@ -193,9 +174,7 @@ def test_track_counts_samples_and_tokens_from_each_batch(attach: MonitorFactory)
 
 
 def test_observe_samples_replaces_what_track_counts(attach: MonitorFactory) -> None:
-    model = tiny_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    monitor = attach(model, optimizer)
+    monitor, model, optimizer = attached(attach, tiny_model())
 
     for x in monitor.track([torch.randn(5, 8)] * 4):
         loss = model(x).pow(2).mean()
@@ -212,13 +191,8 @@ def test_observe_samples_replaces_what_track_counts(attach: MonitorFactory) -> N
 def test_model_flops_are_counted_once_and_mfu_is_not_exported_on_cpu(
     attach: MonitorFactory,
 ) -> None:
-    model = tiny_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    monitor = attach(
-        model,
-        optimizer,
-        **{"throughput.flops_measure_step": 2, "throughput.slowdown_block_seconds": 1e-6},
-    )
+    settings = {"throughput.flops_measure_step": 2, "throughput.slowdown_block_seconds": 1e-6}
+    monitor, model, optimizer = attached(attach, tiny_model(), **settings)
     for _ in range(6):
         model(torch.randn(4, 8)).pow(2).mean().backward()
         optimizer.step()
@@ -263,9 +237,8 @@ class Residual(torch.nn.Module):
 
 
 def test_flops_are_not_counted_once_torch_compile_is_in_use(attach: MonitorFactory) -> None:
-    model = tiny_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    monitor = attach(model, optimizer, **{"throughput.slowdown_block_seconds": 1e-6})
+    settings = {"throughput.slowdown_block_seconds": 1e-6}
+    monitor, model, optimizer = attached(attach, tiny_model(), **settings)
     block = Residual()
     block.compile(backend="eager", fullgraph=True)  # a compiled part inside an eager loop
     for _ in range(6):
@@ -343,7 +316,7 @@ def test_mfu_is_not_exported_for_a_gpu_missing_from_the_table() -> None:
 class SlowingDataset(torch.utils.data.Dataset[torch.Tensor]):
     """Each sample takes 5 ms of loop-clock time to load, 10 ms from ``slow_from`` samples on."""
 
-    def __init__(self, clock: FakeClock, size: int, slow_from: int) -> None:
+    def __init__(self, clock: LoopClock, size: int, slow_from: int) -> None:
         self.clock, self.size, self.slow_from = clock, size, slow_from
 
     def __len__(self) -> int:
@@ -355,11 +328,9 @@ class SlowingDataset(torch.utils.data.Dataset[torch.Tensor]):
 
 
 def test_monitor_names_data_wait_when_a_dataloader_behind_track_slows(
-    attach: MonitorFactory, clock: FakeClock
+    attach: MonitorFactory, clock: LoopClock
 ) -> None:
-    model = Paced(clock)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    monitor = attach(model, optimizer, **SETTINGS)
+    monitor, model, optimizer = attached(attach, Paced(clock), clock=clock, **SETTINGS)
     loader = torch.utils.data.DataLoader(SlowingDataset(clock, 4 * 1000, 4 * 500), batch_size=4)
 
     for batch in monitor.track(loader):  # steps of 0.09 s, 0.11 s once input takes 0.04 s
@@ -376,9 +347,7 @@ def test_monitor_names_data_wait_when_a_dataloader_behind_track_slows(
 def test_observe_ignores_samples_that_are_not_plain_ints_without_reading_them(
     attach: MonitorFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
-    model = tiny_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    monitor = attach(model, optimizer)
+    monitor, model, optimizer = attached(attach, tiny_model())
 
     monitor.observe(samples=torch.tensor(4), tokens=-1)  # a tensor would need a read
 

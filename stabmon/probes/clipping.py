@@ -32,10 +32,9 @@ Nothing of this reaches a model, so ``torch.save(model)`` is unaffected.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -96,10 +95,15 @@ def _wrap_clip_with_norm(
     ) -> None:
         if not isinstance(parameters, torch.Tensor):
             parameters = list(parameters)  # a generator is read once: by us, then passed on
-        with _once() as outermost:
-            if outermost:
-                _notify(wrap, parameters, max_norm)
+        inside = _INSIDE
+        if inside.now:  # an outer stabmon wrapper on this thread has notified
             return original(parameters, max_norm, total_norm, foreach)  # type: ignore[no-any-return]  # returns None
+        inside.now = True
+        try:
+            _notify(wrap, parameters, max_norm)
+            return original(parameters, max_norm, total_norm, foreach)  # type: ignore[no-any-return]  # returns None
+        finally:
+            inside.now = False
 
     return clip_grads_with_norm_
 
@@ -107,10 +111,15 @@ def _wrap_clip_with_norm(
 def _wrap_fsdp(original: Callable[..., Any], wrap: SharedWrap[ClipWatch]) -> Callable[..., Any]:
     @functools.wraps(original)
     def clip_grad_norm_(self: torch.nn.Module, max_norm: float, *args: Any, **kwargs: Any) -> Any:
-        with _once() as outermost:
-            if outermost:
-                _notify(wrap, list(self.parameters()), max_norm)
+        inside = _INSIDE
+        if inside.now:
             return original(self, max_norm, *args, **kwargs)
+        inside.now = True
+        try:
+            _notify(wrap, list(self.parameters()), max_norm)
+            return original(self, max_norm, *args, **kwargs)
+        finally:
+            inside.now = False
 
     return clip_grad_norm_
 
@@ -120,7 +129,8 @@ class _Inside(threading.local):
 
     One for every generation of wrappers: one left inside somebody else's chain at the
     last detach is still called after the next attach puts a new one over theirs, and
-    one clip must be measured once.
+    one clip must be measured once. The wrappers test and set it inline (no context
+    manager): a clip is once a step in most loops, and the check allocates nothing.
     """
 
     now = False
@@ -129,26 +139,16 @@ class _Inside(threading.local):
 _INSIDE = _Inside()
 
 
-@contextlib.contextmanager
-def _once() -> Iterator[bool]:
-    """Yields whether this is the outermost stabmon clip wrapper on this thread."""
-    if _INSIDE.now:
-        yield False
-        return
-    _INSIDE.now = True
-    try:
-        yield True
-    finally:
-        _INSIDE.now = False
-
-
 def _notify(wrap: SharedWrap[ClipWatch], parameters: Any, max_norm: Any) -> None:
     watchers = wrap.users
     if not watchers:
         return
     # The watcher's callback contains its own failures; this guards the dispatch itself.
     try:
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        if isinstance(parameters, torch.Tensor):
+            params = [parameters]
+        else:  # a list already, made by the wrapper: no second copy
+            params = parameters if type(parameters) is list else list(parameters)
         limit = float(max_norm)
         for watch in watchers:
             watch._notify(params, limit)
