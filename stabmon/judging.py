@@ -25,8 +25,9 @@ thread judges nothing after that, nor after ``closed`` (detach). A forked child 
 fresh lock: the parent's judge thread may have held it at the fork, and no thread of
 the child would ever release it.
 
-The engine holds its consumer weakly (a bound method of the Monitor), so a Monitor
-dropped without ``detach()`` is still collected.
+The engine holds its consumer weakly (a bound method,
+:meth:`stabmon.measurements.Measurements.consume`), so a Monitor dropped without
+``detach()`` is still collected.
 """
 
 from __future__ import annotations
