@@ -245,3 +245,22 @@ def test_owns_param_is_true_only_for_the_measured_parameters_while_the_hooks_liv
     del one.hooks
     gc.collect()
     assert not owns_param(hooks, param)
+
+
+def test_step_hooks_end_an_iteration_the_grad_scaler_skipped_so_the_wait_after_is_input_wait(
+    rig: RigFactory,
+) -> None:
+    model = tiny_model()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    one = rig(model=model, scaler=scaler).install()
+    one.optimizer.zero_grad()
+    loss = model(torch.randn(4, 8)).pow(2).mean()
+    scaler.scale(loss).backward()
+    next(model.parameters()).grad.view(-1)[0] = float("inf")  # type: ignore[union-attr]
+    one.clock.advance(1.0)  # the backward's time
+    scaler.step(one.optimizer)  # skipped: the optimizer's step hooks never run
+    scaler.update()
+    one.clock.advance(3.0)  # waiting for the next batch
+    model(torch.randn(4, 8))
+    assert one.metric("stabmon_phase_seconds_total", phase="backward") == pytest.approx(1.0)
+    assert one.metric("stabmon_phase_seconds_total", phase="data_wait") == pytest.approx(3.0)
