@@ -176,7 +176,9 @@ def test_announce_writes_the_attach_record_with_the_parameters_measured(
     one.announce()
     (attach,) = [r for r in events(one.parts.paths.events) if r["event"] == "attach"]
     assert attach["parameters"] == len(list(one.model.parameters()))
-    assert attach["metrics_url"] == one.resources.exporter.url  # type: ignore[union-attr]
+    exporter = one.resources.exporter
+    assert exporter is not None
+    assert attach["metrics_url"] == exporter.url
     assert attach["config"]["run_id"] == "r"
 
 
