@@ -271,3 +271,18 @@ def test_step_hooks_end_an_iteration_the_grad_scaler_skipped_so_the_wait_after_i
     model(torch.randn(4, 8))
     assert one.metric("stabmon_phase_seconds_total", phase="backward") == pytest.approx(1.0)
     assert one.metric("stabmon_phase_seconds_total", phase="data_wait") == pytest.approx(3.0)
+
+
+def test_step_hooks_book_an_evaluation_forward_to_the_eval_phase_not_the_training_step(
+    rig: RigFactory,
+) -> None:
+    one = rig().install()
+    one.step()
+    one.clock.advance(2.0)  # waiting for input
+    with torch.no_grad():
+        one.model(torch.randn(4, 8))  # evaluation without mon.phase: not a training forward
+    one.clock.advance(5.0)  # the evaluation runs
+    one.step(seconds=0.0)
+    assert one.metric("stabmon_phase_seconds_total", phase="eval") == pytest.approx(5.0)
+    assert one.metric("stabmon_phase_seconds_total", phase="data_wait") == pytest.approx(2.0)
+    assert one.metric("stabmon_steps_total") == 2
