@@ -286,3 +286,23 @@ def test_step_hooks_book_an_evaluation_forward_to_the_eval_phase_not_the_trainin
     assert one.metric("stabmon_phase_seconds_total", phase="eval") == pytest.approx(5.0)
     assert one.metric("stabmon_phase_seconds_total", phase="data_wait") == pytest.approx(2.0)
     assert one.metric("stabmon_steps_total") == 2
+
+
+def test_step_hooks_timed_pass_times_each_batch_fetch_on_the_injected_loop_clock(
+    rig: RigFactory,
+) -> None:
+    one = rig().install()
+    one.parts.timer.track_loader()  # what Monitor.track() does before the first pass
+    one.hooks.epochs.by_loader = True
+
+    def slow_loader() -> Iterator[torch.Tensor]:
+        for seconds in (1.0, 2.0, 4.0):
+            one.clock.advance(seconds)  # the fetch takes this long on the loop clock
+            yield torch.randn(4, 8)
+
+    for batch in one.hooks.timed_pass(slow_loader()):
+        one.optimizer.zero_grad()
+        one.model(batch).pow(2).mean().backward()
+        one.optimizer.step()
+    assert one.metric("stabmon_data_wait_seconds_sum") == pytest.approx(7.0)
+    assert one.metric("stabmon_phase_seconds_total", phase="data_wait") == pytest.approx(7.0)
