@@ -223,7 +223,12 @@ class StepHooks:
 
         return self._throughput.counted(
             timed_iteration(
-                loader, self.loader_wait, exhausted, on_iterator=workers.follow, on_error=failed
+                loader,
+                self.loader_wait,
+                exhausted,
+                clock=self._timer.clock,
+                on_iterator=workers.follow,
+                on_error=failed,
             )
         )
 

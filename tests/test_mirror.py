@@ -31,11 +31,6 @@ ALLOWED: dict[str, str] = {
     "report/__init__.py": "package docstring only",
     "integrations/__init__.py": "package docstring only (tests/integrations/"
     "test_integrations_package.py checks it imports no framework)",
-    "step_hooks.py": "tests/test_step_hooks.py arrives from branch steptests",
-    "assembly.py": "owned by branch monitor (issue 24 split); tested through Monitors for now",
-    "measurements.py": "owned by branch monitor (issue 24 split); tested through Monitors for now",
-    "probes/clipping.py": "tests/test_clipping.py, from before the module moved under probes/ "
-    "(branch monitor owns it)",
     "demo.py": "the CPU demo: run end to end by tests/test_cli.py and tests/test_readme.py",
     "integrations/_lightning.py": "tests/integrations/test_lightning_callback.py (the adapter "
     "behind lightning.py and pytorch_lightning.py)",

@@ -16,7 +16,7 @@ from stabmon.probes.clipping import clipping_wrapped
 from tests.conftest import MonitorFactory
 from tests.helpers import scrape, value
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _model(seed: int = 0) -> torch.nn.Module:
