@@ -28,13 +28,40 @@ def clean_environ(monkeypatch: pytest.MonkeyPatch) -> None:
             monkeypatch.delenv(name)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("dist", "no") == "loadgroup":
+        _schedule(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="Requires: CUDA")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _schedule(items: list[pytest.Item]) -> None:
+    """Order and group the tests for xdist's ``loadgroup`` (pyproject.toml's addopts).
+
+    A module whose tests share a module-scoped fixture of its own (a Prometheus stack, a
+    training run) goes to one worker, so the fixture is built once, not once per worker.
+    Every other test is a unit of its own, handed to whichever worker is free. The slow
+    tests (real processes, mostly waiting) go first, so the long ones overlap each other
+    and the quick tests fill in behind them, instead of one long test starting last.
+    The order within the slow and the quick tests, and within each module, is kept.
+    """
+    for item in items:
+        module = item.nodeid.split("::", 1)[0]
+        info = getattr(item, "_fixtureinfo", None)
+        definitions = getattr(info, "name2fixturedefs", {})
+        shared = any(
+            fixture.scope == "module" and fixture.baseid == module
+            for fixtures in definitions.values()
+            for fixture in fixtures
+        )
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(module))
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 MonitorFactory = Callable[..., stabmon.Monitor]
