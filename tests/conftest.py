@@ -12,7 +12,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
+
+# One intra-op thread for torch here and in every process a test starts (they inherit the
+# environment), unless the caller chose a number. The tests' models are tiny, so more
+# threads add nothing but OpenMP's spin-waiting, which on a busy machine burns the cores the
+# other workers and processes need (`stabmon demo --fast`: 4 s of CPU with one thread, 24 s
+# with two while the machine was busy). Read by torch when it is first imported, below.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402 (after OMP_NUM_THREADS)
 
 import stabmon
 
