@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import signal
@@ -36,9 +37,9 @@ def clean_environ(monkeypatch: pytest.MonkeyPatch) -> None:
             monkeypatch.delenv(name)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks
+@pytest.hookimpl(tryfirst=True)  # the order first, then the GPU marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if config.getoption("dist", "no") == "loadgroup":
+    if getattr(config.option, "loadgroup", False):  # set on xdist's workers under loadgroup
         _schedule(items)
     if torch.cuda.is_available():
         return
@@ -49,27 +50,41 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _schedule(items: list[pytest.Item]) -> None:
-    """Order and group the tests for xdist's ``loadgroup`` (pyproject.toml's addopts).
+    """The slow tests first, on each xdist worker (see ``pytest_xdist_make_scheduler``).
 
-    A module whose tests share a module-scoped fixture of its own (a Prometheus stack, a
-    training run) goes to one worker, so the fixture is built once, not once per worker.
-    Every other test is a unit of its own, handed to whichever worker is free. The slow
-    tests (real processes, mostly waiting) go first, so the long ones overlap each other
-    and the quick tests fill in behind them, instead of one long test starting last.
-    The order within the slow and the quick tests, and within each module, is kept.
+    They are real processes that mostly wait, so the long ones overlap each other and the
+    quick tests fill in behind them, instead of one long test starting last. The order
+    within the slow and within the quick tests is kept.
     """
-    for item in items:
-        module = item.nodeid.split("::", 1)[0]
-        info = getattr(item, "_fixtureinfo", None)
-        definitions = getattr(info, "name2fixturedefs", {})
-        shared = any(
-            fixture.scope == "module" and fixture.baseid == module
-            for fixtures in definitions.values()
-            for fixture in fixtures
-        )
-        if shared:
-            item.add_marker(pytest.mark.xdist_group(module))
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+@functools.cache
+def _shares_a_module_fixture(module: str) -> bool:
+    path = Path(__file__).parent.parent / module
+    return path.suffix == ".py" and 'scope="module"' in path.read_text(encoding="utf-8")
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadgroup`` (pyproject.toml's addopts), with each test its own unit.
+
+    Each test goes to whichever worker is free, except that the tests of a module with a
+    module-scoped fixture (a Prometheus stack, a training run) are one unit, so the fixture
+    is built once rather than once per worker. (xdist's own ``xdist_group`` does not group
+    on pytest 9: it renames ``item._nodeid``, which pytest 9 no longer reads.)
+    """
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class Scheduling(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            if "@" not in nodeid and _shares_a_module_fixture(module):
+                return module
+            return str(super()._split_scope(nodeid))
+
+    return Scheduling(config, log)
 
 
 MonitorFactory = Callable[..., stabmon.Monitor]
