@@ -65,6 +65,7 @@ def _shares_a_module_fixture(module: str) -> bool:
     return path.suffix == ".py" and 'scope="module"' in path.read_text(encoding="utf-8")
 
 
+@pytest.hookimpl(optionalhook=True)  # an xdist hook
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """``--dist loadgroup`` (pyproject.toml's addopts), with each test its own unit.
 
