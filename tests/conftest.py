@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import signal
@@ -12,7 +13,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
+
+# One intra-op thread for torch here and in every process a test starts (they inherit the
+# environment), unless the caller chose a number. The tests' models are tiny, so more
+# threads add nothing but OpenMP's spin-waiting, which on a busy machine burns the cores the
+# other workers and processes need (`stabmon demo --fast`: 4 s of CPU with one thread, 24 s
+# with two while the machine was busy). Read by torch when it is first imported, below.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402 (after OMP_NUM_THREADS)
 
 import stabmon
 
@@ -28,13 +37,55 @@ def clean_environ(monkeypatch: pytest.MonkeyPatch) -> None:
             monkeypatch.delenv(name)
 
 
+@pytest.hookimpl(tryfirst=True)  # the order first, then the GPU marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if getattr(config.option, "loadgroup", False):  # set on xdist's workers under loadgroup
+        _schedule(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="Requires: CUDA")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _schedule(items: list[pytest.Item]) -> None:
+    """The slow tests first, on each xdist worker (see ``pytest_xdist_make_scheduler``).
+
+    They are real processes that mostly wait, so the long ones overlap each other and the
+    quick tests fill in behind them, instead of one long test starting last. The order
+    within the slow and within the quick tests is kept.
+    """
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+@functools.cache
+def _shares_a_module_fixture(module: str) -> bool:
+    path = Path(__file__).parent.parent / module
+    return path.suffix == ".py" and 'scope="module"' in path.read_text(encoding="utf-8")
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadgroup`` (pyproject.toml's addopts), with each test its own unit.
+
+    Each test goes to whichever worker is free, except that the tests of a module with a
+    module-scoped fixture (a Prometheus stack, a training run) are one unit, so the fixture
+    is built once rather than once per worker. (xdist's own ``xdist_group`` does not group
+    on pytest 9: it renames ``item._nodeid``, which pytest 9 no longer reads.)
+    """
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class Scheduling(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            if "@" not in nodeid and _shares_a_module_fixture(module):
+                return module
+            return str(super()._split_scope(nodeid))
+
+    return Scheduling(config, log)
 
 
 MonitorFactory = Callable[..., stabmon.Monitor]

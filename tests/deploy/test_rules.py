@@ -28,6 +28,8 @@ RESILIENCE_TESTS = ROOT / "deploy" / "prometheus" / "tests" / "stabmon.resilienc
 THROUGHPUT_TESTS = ROOT / "deploy" / "prometheus" / "tests" / "stabmon.throughput.test.yml"
 # How fast a frozen rank pages, at a 5 s evaluation interval (issue 22).
 FROZEN_TESTS = ROOT / "deploy" / "prometheus" / "tests" / "stabmon.frozen.test.yml"
+# The for: durations the end-to-end tests shorten, at a 15 s evaluation interval.
+FOR_TESTS = ROOT / "deploy" / "prometheus" / "tests" / "stabmon.for.test.yml"
 ALL_ALERTS = (*contract.ALERT_NAMES, *contract.EXTENSION_ALERT_NAMES)
 RUNBOOKS = ROOT / "docs" / "runbooks.md"
 RUNBOOK_BASE = "https://github.com/stabmon/stabmon/blob/main/docs/runbooks.md#"
@@ -156,7 +158,7 @@ def test_every_rule_has_a_comment_explaining_its_threshold() -> None:
 def test_each_alert_has_a_firing_and_a_quiet_promtool_case() -> None:
     fired: set[str] = set()
     quiet: set[str] = set()
-    for path in (RULE_TESTS, RESILIENCE_TESTS, THROUGHPUT_TESTS, FROZEN_TESTS):
+    for path in (RULE_TESTS, RESILIENCE_TESTS, THROUGHPUT_TESTS, FROZEN_TESTS, FOR_TESTS):
         for case in yaml.safe_load(path.read_text())["tests"]:
             for check in case.get("alert_rule_test", []):
                 (fired if check["exp_alerts"] else quiet).add(check["alertname"])
@@ -174,7 +176,7 @@ def test_promtool_check_rules() -> None:
 
 @pytest.mark.parametrize(
     "tests",
-    [RULE_TESTS, RESILIENCE_TESTS, THROUGHPUT_TESTS, FROZEN_TESTS],
+    [RULE_TESTS, RESILIENCE_TESTS, THROUGHPUT_TESTS, FROZEN_TESTS, FOR_TESTS],
     ids=lambda path: path.name,
 )
 def test_promtool_test_rules(tests: Path) -> None:

@@ -9,16 +9,21 @@ SIGKILL, a rank frozen with SIGSTOP, and one rank of a two-rank run sent SIGTERM
 not a crash). A clean run trains beside them throughout.
 
 What differs from the deployed configuration, and why:
-- Prometheus scrapes and evaluates every second (deployed: 15 s), so the test takes
-  minutes; the rules' ``for:`` durations are the shipped ones, unchanged;
+- Prometheus scrapes and evaluates every second (deployed: 15 s);
+- the rules are the shipped file but for a shorter ``for:`` on the alerts awaited here
+  (realstack.SHORTER_FOR: stall and process-down 15 s instead of 1m, the termination warning
+  30 s instead of 2m), checked at start-up to differ in nothing else, so the shipped
+  expressions, labels and annotations are what fire; the shipped durations are pinned by
+  promtool on simulated time (deploy/prometheus/tests/stabmon.for.test.yml, and
+  tests/integration/test_e2e_rules.py shows those tests fail with the shorter values);
 - Alertmanager's receivers all post to the test's webhook (deployed: PagerDuty, Slack and a
   webhook), and its group_wait/group_interval are 1 s (deployed: 30 s and 5 m), so a
   notification, or a "resolved", arrives within seconds of Prometheus' decision.
 
 Then the daemon is restarted while ``StabmonTrainingProcessDown`` (and the frozen rank's
 stall) fire: neither may send "resolved". Times from each fault to its first notification
-are printed (``pytest -s``). Marked slow: the stall and process-down alerts wait for their
-``for: 1m`` (the frozen rank's only ``for: 5s``), the termination warning for its ``for: 2m``.
+are printed (``pytest -s``). Marked slow: real processes, and it waits out each alert's
+``for:`` (15 s, 30 s and the frozen rank's shipped 5 s) and the daemon restart.
 """
 
 from __future__ import annotations
