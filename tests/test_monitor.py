@@ -175,7 +175,7 @@ def test_results_are_judged_at_the_first_step_end_judge_seconds_after_the_last(
         time.sleep(0.01)  # 100 steps a second: fewer than MAX_WAITING_RESULTS wait
         train_step(model, optimizer, monitor)
         counted = value(scrape(monitor.metrics_url), "stabmon_nonfinite_grad_steps_total")
-        assert time.perf_counter() - judged_first < 10, "never judged"
+        assert time.perf_counter() - judged_first < 60, "never judged"
 
     assert counted == 1
     assert time.perf_counter() - judged_first >= 1.0
@@ -189,7 +189,8 @@ def test_results_waiting_in_a_quiet_loop_are_judged_by_the_judge_thread(
     """A NaN followed by a hang (a collective that never returns): no step end judges it."""
     model = tiny_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    monitor = attach(model, optimizer, judge_seconds=0.3)
+    # judge_seconds leaves a loaded machine time to scrape before the judge thread acts.
+    monitor = attach(model, optimizer, judge_seconds=2.0)
     train_step(model, optimizer, monitor)  # judged at once, the first
     train_step(model, optimizer, monitor, nan_grad=True)
     quiet_since = time.perf_counter()
@@ -200,10 +201,10 @@ def test_results_waiting_in_a_quiet_loop_are_judged_by_the_judge_thread(
         return [(e["kind"], e["step"]) for e in records if e["event"] == "anomaly"]
 
     while not anomalies():
-        assert time.perf_counter() - quiet_since < 5, "the quiet loop's results were not judged"
+        assert time.perf_counter() - quiet_since < 60, "the quiet loop's results were not judged"
         time.sleep(0.02)
 
-    assert time.perf_counter() - quiet_since >= 0.3  # judge_seconds of quiet first
+    assert time.perf_counter() - quiet_since >= 2.0  # judge_seconds of quiet first
     assert anomalies() == [("nonfinite_grad", 1)]
     assert value(scrape(monitor.metrics_url), "stabmon_nonfinite_grad_steps_total") == 1
 

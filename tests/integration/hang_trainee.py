@@ -57,6 +57,8 @@ def main() -> None:
     parser.add_argument("--stall-seconds", type=float, default=3.0)
     parser.add_argument("--phase-seconds", type=float, default=7.0, help="eval/checkpoint time")
     parser.add_argument("--phase-limit", type=float, default=600.0, help="phase_stall_seconds")
+    parser.add_argument("--after-phase-seconds", type=float, default=0.0,
+                        help="the next step after the phase's barrier takes this long")  # fmt: skip
     parser.add_argument("--action", default="none")
     parser.add_argument("--grace", type=float, default=5.0)
     parser.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
@@ -109,6 +111,8 @@ def main() -> None:
         if step == args.hang_after and args.mode == "eval":
             _evaluate(monitor, model, inputs, args.phase_seconds)
             dist.barrier()
+        if step == args.hang_after and args.mode in ("checkpoint", "eval0", "eval"):
+            time.sleep(args.after_phase_seconds)  # a slow step after it: a cold cache, a reload
     monitor.detach()
     dist.destroy_process_group()
     print("done", flush=True)

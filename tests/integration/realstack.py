@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -92,10 +93,23 @@ def differences_besides_for(shipped: str, copy: str) -> list[str]:
     return differences
 
 
+#: Ports picked for a process a test starts later: below Linux's ephemeral range
+#: (32768-60999 by default), so no socket that binds port 0 or connects (gloo, a TCPStore,
+#: a scrape) can take one in the seconds before its process binds it.
+_CHOSEN_PORTS = range(20000, 32000)
+
+
 def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+    """A port that is free now and that the kernel will not hand out to another socket."""
+    for _ in range(200):
+        port = random.choice(_CHOSEN_PORTS)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError(f"no free port in {_CHOSEN_PORTS}")
 
 
 def announced(process: subprocess.Popen[str]) -> str:

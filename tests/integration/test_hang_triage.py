@@ -172,12 +172,15 @@ def test_no_stall_and_no_verdict_while_rank_0_checkpoints_or_evaluates_alone_or_
     tmp_path: Path, processes: Processes, mode: str
 ) -> None:
     run_dir = tmp_path / "runs"
-    job = _torchrun(processes, run_dir, "--mode", mode)
+    job = _torchrun(processes, run_dir, "--mode", mode, "--stall-seconds", "6",
+                    "--phase-seconds", "10", "--after-phase-seconds", "3")  # fmt: skip
     assert job.wait(timeout=240) == 0
     assert _events(run_dir, "hang_verdict") == []
     assert len(_events(run_dir, "detach")) == WORLD
     # Rank 0 inside its phase has the phase's limit; the ranks waiting for it in a barrier
-    # (7 s, past their 3 s limit) read its record and take the phase's limit too.
+    # (10 s, past their 6 s limit) read its record and take the phase's limit too. Their
+    # next step takes 3 s: once rank 0 has left its phase they have their own 6 s again,
+    # counted from when they last saw it holding, not from their step before the barrier.
     assert [e for e in _events(run_dir, "anomaly") if e["kind"] == "stall"] == []
     assert _events(run_dir, "hang_evidence") == []
 
@@ -198,7 +201,9 @@ def test_a_checkpoint_that_never_ends_is_caught_once_the_phase_limit_passes(
     stalls = {e["rank"]: e for e in _events(run_dir, "anomaly") if e["kind"] == "stall"}
     assert set(stalls) == {0, 1, 2, 3}
     # The waiting ranks were held to the phase's limit while rank 0 was within it.
-    assert all(stalls[rank]["silent_seconds"] > 8 for rank in (1, 2, 3))
+    # (Rank 0's limit runs from its own last step, a few ms before theirs: hence 7.5, which is
+    # still far past their own 3 s.)
+    assert all(stalls[rank]["silent_seconds"] > 7.5 for rank in (1, 2, 3))
 
 
 def test_stall_action_exit_ends_a_hung_job_with_the_evidence_on_disk(
