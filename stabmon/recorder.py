@@ -451,8 +451,9 @@ class Recorder:
     # --- stalls (watchdog thread) -------------------------------------------------------------
 
     def stalled(self, report: StallReport) -> None:
-        # The record before the gauge (here and in resumed()): whoever scrapes the gauge
-        # finds the record.
+        # The gauge first: the record's write may itself hang (a dead NFS mount), and the
+        # alert must fire all the same.
+        self._readings.stalled = 1
         step = self._stalled_step = self.global_step
         self.anomaly(
             "stall",
@@ -467,16 +468,15 @@ class Recorder:
             limit_seconds=round(report.limit_seconds, 3),
             stacks=report.stacks,
         )
-        self._readings.stalled = 1
 
     def resumed(self, lasted: float) -> None:
+        self._readings.stalled = 0
         # The same number as its stall record: the step that hung. A stall in a named phase
         # also ends when the phase ends, with that step still in progress: ``completed`` says
         # whether it did complete, and readers count it as done only then (docs/steps.md).
         step = self._stalled_step
         completed = step is not None and self.global_step > step
         self.write("stall_end", step=step, completed=completed, stalled_seconds=round(lasted, 3))
-        self._readings.stalled = 0
         if completed:
             LOGGER.info(
                 "stabmon: step %s completed after a stall of %.1f s; steps resumed",
@@ -551,8 +551,8 @@ class Recorder:
                 f"stabmon Monitor state has step={step!r}, epoch={epoch!r}; expected integers >= 0"
             )
         loss_spikes, grad_spikes = self._new_spike_detectors()
-        leaks = {label: self._new_leak_detector() for label in dict(state["leaks"])}
         try:
+            leaks = {label: self._new_leak_detector() for label in dict(state["leaks"])}
             loss_spikes.load_state_dict(state["loss_spikes"])
             grad_spikes.load_state_dict(state["grad_spikes"])
             for label, leak_state in dict(state["leaks"]).items():

@@ -121,10 +121,10 @@ class StallResponder:
 
     def stalled(self, report: StallReport) -> None:
         """The watchdog declared a stall: record the evidence, then act as configured."""
-        self._recorder.stalled(report)
         if self._action == "exit":
-            with self._lock:  # first: nothing below may delay the exit it schedules
-                self._exit_at = self._clock() + self._grace
+            with self._lock:  # first: nothing below (a record written to a hung mount, say)
+                self._exit_at = self._clock() + self._grace  # may delay the exit it schedules
+        self._recorder.stalled(report)
         # Outside the lock, waiting a bounded time: an NCCL hang can hold the dump's lock.
         self._flight_reads.read(wait=FLIGHT_WAIT_SECONDS)
         with self._lock:

@@ -662,6 +662,35 @@ def test_a_stall_is_judged_on_the_injected_loop_clock_not_the_machine_clock(
     wait_until(lambda: value(scrape(monitor.metrics_url), "stabmon_stalled") == 1, "stalled")
 
 
+def test_a_stall_whose_record_write_hangs_still_sets_the_stalled_gauge(
+    attach: MonitorFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run directory on a dead NFS mount: the stall's record never gets written, and the
+    alert (on the gauge) must fire all the same."""
+    from stabmon.export.event_log import EventLog
+
+    model = tiny_model()
+    optimizer = _sgd(model)
+    clock = LoopClock()
+    monitor = attach(model, optimizer, stall_seconds=0.2, clock=clock)
+    train_step(model, optimizer, monitor)
+    mount_back = threading.Event()
+    write = EventLog.write
+
+    def hung_mount(log: EventLog, event: str, **fields: object) -> None:
+        if event == "anomaly":
+            mount_back.wait(60)
+        write(log, event, **fields)
+
+    monkeypatch.setattr(EventLog, "write", hung_mount)
+    try:
+        clock.advance(0.3)
+        wait_until(lambda: value(scrape(monitor.metrics_url), "stabmon_stalled") == 1, "stalled")
+        assert not mount_back.is_set()  # the record is still being written
+    finally:
+        mount_back.set()
+
+
 def test_named_phase_uses_the_longer_stall_limit(attach: MonitorFactory) -> None:
     model = tiny_model()
     optimizer = _sgd(model)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pickle
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -129,7 +128,7 @@ def save_state(monitor: Monitor, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(monitor.state_dict(), partial)
         os.replace(partial, path)  # rename(2) is atomic: a crash leaves the old state or the new
-    except OSError as error:
+    except Exception as error:  # torch.save raises RuntimeError on a full disk, not OSError
         LOGGER.warning("stabmon: could not save the monitor state to %s: %s", path, error)
         with contextlib.suppress(OSError):
             partial.unlink()
@@ -145,10 +144,18 @@ def load_state(monitor: Monitor, path: Path) -> bool:
         return False
     try:
         monitor.load_state_dict(torch.load(path, weights_only=True))
-    # torch.load raises RuntimeError for a damaged zip archive, EOFError for an empty file and
-    # UnpicklingError for one that is not a torch file at all.
-    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError, StabmonError) as error:
-        LOGGER.warning("stabmon: could not resume the monitor state from %s: %s", path, error)
+    # The trainer's resume callback calls this outside any guard, and a damaged file makes
+    # torch.load raise almost anything (RuntimeError for a broken zip archive, EOFError when
+    # empty, UnpicklingError when not a torch file, UnicodeDecodeError, KeyError, struct.error
+    # for flipped bits): whatever it is, the run goes on without the old numbering.
+    except Exception as error:
+        LOGGER.warning(
+            "stabmon: could not resume the monitor state from %s (%s: %s); step numbering and "
+            "baselines start over",
+            path,
+            type(error).__name__,
+            error,
+        )
         return False
     return True
 

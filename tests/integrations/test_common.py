@@ -136,3 +136,40 @@ def test_an_unusable_saved_state_is_a_warning_and_training_starts_over(
         assert not load_state(monitor, path)
     assert str(path) in caplog.text
     assert monitor.state_dict()["step"] == 0
+
+
+def test_a_saved_state_with_any_one_byte_damaged_never_raises_out_of_load_state(
+    attach: MonitorFactory, tmp_path: Path
+) -> None:
+    """The resume callbacks call load_state outside any guard: a flipped bit must not end
+    training (torch.load raises UnicodeDecodeError, KeyError, struct.error... for some)."""
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = attach(model, optimizer, serve_metrics=False)
+    for _ in range(3):
+        train_step(model, optimizer, monitor)
+    good = tmp_path / "good.pt"
+    save_state(monitor, good)
+    data = good.read_bytes()
+    damaged = tmp_path / "damaged.pt"
+    generator = torch.Generator().manual_seed(0)
+    positions = torch.randint(len(data), (300,), generator=generator).tolist()
+    bits = torch.randint(8, (300,), generator=generator).tolist()
+    for position, bit in zip(positions, bits, strict=True):
+        flipped = bytearray(data)
+        flipped[position] ^= 1 << bit
+        damaged.write_bytes(bytes(flipped))
+        assert load_state(monitor, damaged) in (True, False)  # returned: nothing raised
+
+
+@pytest.mark.parametrize("leaks", [5, [(1,)], "x"])
+def test_a_state_that_loads_but_is_malformed_is_a_warning_not_a_crash(
+    attach: MonitorFactory, tmp_path: Path, caplog: pytest.LogCaptureFixture, leaks: object
+) -> None:
+    model = tiny_model()
+    monitor = attach(model, torch.optim.SGD(model.parameters(), lr=0.01), serve_metrics=False)
+    path = tmp_path / "monitor.pt"
+    torch.save({**monitor.state_dict(), "leaks": leaks}, path)
+    with caplog.at_level(logging.WARNING, logger="stabmon"):
+        assert not load_state(monitor, path)
+    assert "StabmonError" in caplog.text  # the Monitor's own refusal, not a stray TypeError
