@@ -224,12 +224,19 @@ def start_threads(
     if registration is not None:
 
         def beat() -> None:  # captures no Monitor: a dropped Monitor can be collected
+            for _ in range(3):
+                # One phase with its own limit: a phase edge between the two reads would
+                # write a checkpoint with the step limit, which the peers read as stalled.
+                phase = heartbeat.phase
+                limit = watchdog.limit_seconds()
+                if heartbeat.phase == phase:
+                    break
             registration.write(
                 last_step_unix=readings.last_step_unix,
                 steps=recorder.global_step,
                 now=time.time(),
-                phase=heartbeat.phase,
-                stall_limit_seconds=watchdog.limit_seconds(),
+                phase=phase,
+                stall_limit_seconds=limit,
             )
 
         threads.append(

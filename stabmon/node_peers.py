@@ -12,9 +12,9 @@ thread:
   (``checkpoint``, ``eval``) or its start-up, within that phase's own limit.
   The ranks waiting on it (rank 0 saves alone, the others wait in a barrier)
   are not stalled: the watchdog gives them the phase's limit too, so no
-  ``stall`` is recorded. Once the peer passes its limit, or any peer declares a
-  stall, the job is hung, and the waiting ranks are judged against their own
-  limits again.
+  ``stall`` is recorded. Once the peer passes its limit, or (with no peer
+  holding) any peer declares a stall, the job is hung, and the waiting ranks are
+  judged against their own limits again.
 - :meth:`NodePeers.evidence`: every rank's hang evidence, for the node verdict.
 
 Only this run's directory is read, never through a symlink, and only records

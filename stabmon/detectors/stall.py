@@ -19,13 +19,13 @@ batches) the longer ``phase_stall_seconds`` applies instead, so expected long
 stretches raise no false stall. So do the ranks that wait on such a stretch:
 while ``peer_in_phase`` says another rank of the run is inside a named phase
 within its limit (rank 0 saves a checkpoint alone, the others wait in a
-barrier), the phase's limit applies to them too; it is asked only once the
+barrier), the phase's limit applies to them too; it is asked once half the
 rank's own limit has passed, and once the peer is past its limit (stalled
 itself) the rank's own limit applies again. When the peer leaves its phase, the
 waiting rank still has the next step to finish (the barrier returns, then a
 whole forward and backward): its own limit counts again from the last time it
-saw the peer holding, not from its last step, or every long checkpoint would
-end in a false stall on the ranks that waited for it.
+saw the peer holding, not from its last step, or every checkpoint longer than
+half the limit would end in a false stall on the ranks that waited for it.
 """
 
 from __future__ import annotations
@@ -114,12 +114,15 @@ class StallWatchdog:
             return own
         now = self._clock()
         last_beat = self._heartbeat.last_beat
-        if now - last_beat <= own:
-            return own  # within its own limit: the peers' records are not read
+        silent = now - last_beat
+        if silent <= own / 2:
+            return own  # the peers' records are not read while a step is this recent
+        # Asked from half the limit on, not only past it: a peer phase that ends before this
+        # rank's own limit has passed still gives it its own limit again from there.
         peers = self._peer_phase()
         if peers is PeerPhase.HOLDING:
             self._peer_held_at = now
-            return self._phase_stall_seconds
+            return self._phase_stall_seconds if silent > own else own
         if peers is PeerPhase.NONE and self._peer_held_at > last_beat:
             return self._peer_held_at - last_beat + own  # released: its own limit from there
         return own

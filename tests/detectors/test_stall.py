@@ -134,9 +134,12 @@ def _peer_watchdog(clock: FakeClock, holds: list[bool | PeerPhase], asked: list[
 def test_stall_watchdog_gives_a_rank_waiting_on_a_peers_phase_that_phases_limit() -> None:
     clock, holds, asked = FakeClock(), [True], []
     watchdog, stalls = _peer_watchdog(clock, holds, asked)
-    clock.now += 9.0
+    clock.now += 4.0
     watchdog.check()
-    assert asked == []  # within its own limit the peers' records are not read
+    assert asked == []  # within half its own limit the peers' records are not read
+    clock.now += 5.0
+    watchdog.check()
+    assert asked and stalls == [] and watchdog.limit_seconds() == 10.0  # within its own
     clock.now += 80.0  # rank 0 still saves its checkpoint, within the phase's limit
     watchdog.check()
     assert stalls == [] and watchdog.limit_seconds() == 100.0
@@ -185,3 +188,21 @@ def test_stall_watchdog_without_a_peer_phase_since_its_last_step_keeps_its_own_l
     clock.now += 10.5
     watchdog.check()
     assert len(stalls) == 1 and stalls[0].limit_seconds == 10.0
+
+
+def test_stall_watchdog_gives_its_own_limit_again_after_a_peer_phase_shorter_than_it() -> (
+    None
+):
+    clock, asked = FakeClock(), []
+    holds: list[bool | PeerPhase] = [True]
+    watchdog, stalls = _peer_watchdog(clock, holds, asked)
+    clock.now += 6.0  # rank 0 checkpoints for 7 s, less than this rank's 10 s limit
+    watchdog.check()
+    clock.now += 1.0
+    holds[0] = PeerPhase.NONE  # done; this rank's next step takes 8 s more
+    clock.now += 7.0
+    watchdog.check()
+    assert stalls == []  # 14 s since its last step, 8 s since it saw rank 0 holding
+    clock.now += 3.0
+    watchdog.check()
+    assert len(stalls) == 1 and stalls[0].limit_seconds == 16.0
