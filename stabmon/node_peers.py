@@ -128,11 +128,11 @@ class NodePeers:
         return self._records
 
     def phase_holder(self) -> ProcessRecord | None:
-        """See :func:`phase_holder`; the watchdog asks only once its own limit has passed."""
+        """See :func:`phase_holder`."""
         return phase_holder(self.records(), rank=self._rank, now_unix=self._wall_clock())
 
     def peer_phase(self) -> PeerPhase:
-        """See :func:`peer_phase`; the watchdog asks only once its own limit has passed."""
+        """See :func:`peer_phase`; the watchdog asks once half its own limit has passed."""
         return peer_phase(self.records(), rank=self._rank, now_unix=self._wall_clock())
 
     def evidence(self) -> list[RankEvidence]:

@@ -215,7 +215,7 @@ class StallResponder:
     def peer_phase(self) -> PeerPhase:
         """Whether another rank of this run on this node holds a named phase.
 
-        The watchdog asks once its own limit has passed: this rank may wait on that
+        The watchdog asks once half its own limit has passed: this rank may wait on that
         one (a barrier while rank 0 saves alone), and the phase's limit applies to it too.
         """
         return self._peers.peer_phase()
