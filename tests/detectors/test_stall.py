@@ -190,9 +190,7 @@ def test_stall_watchdog_without_a_peer_phase_since_its_last_step_keeps_its_own_l
     assert len(stalls) == 1 and stalls[0].limit_seconds == 10.0
 
 
-def test_stall_watchdog_gives_its_own_limit_again_after_a_peer_phase_shorter_than_it() -> (
-    None
-):
+def test_stall_watchdog_gives_its_own_limit_again_after_a_peer_phase_shorter_than_it() -> None:
     clock, asked = FakeClock(), []
     holds: list[bool | PeerPhase] = [True]
     watchdog, stalls = _peer_watchdog(clock, holds, asked)
