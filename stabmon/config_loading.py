@@ -36,6 +36,7 @@ from typing import Any, ClassVar, TypeVar
 import yaml
 
 from stabmon.errors import ConfigError
+from stabmon.safefs import read_at_most
 
 __all__ = ["Section", "field_meta", "load_sections"]
 
@@ -231,6 +232,12 @@ def _read_source(
     return _flatten(cls, _read_yaml(path, advice), source=path)
 
 
+def _unreadable(error: OSError, advice: str, path: str) -> ConfigError:
+    return ConfigError(
+        f"cannot read config file ({error.strerror or error}); {advice}", key=None, source=path
+    )
+
+
 def _read_yaml(path: str, advice: str) -> Mapping[Any, Any]:
     too_large = f"config file is larger than 1 MiB, too large for a stabmon config; {advice}"
     if "\0" in path or not _encodable(path):
@@ -245,11 +252,7 @@ def _read_yaml(path: str, advice: str) -> Mapping[Any, Any]:
     except FileNotFoundError:
         raise ConfigError(f"config file not found; {advice}", key=None, source=path) from None
     except OSError as error:
-        raise ConfigError(
-            f"cannot read config file ({error.strerror or error}); {advice}",
-            key=None,
-            source=path,
-        ) from None
+        raise _unreadable(error, advice, path) from None
     try:
         info = os.fstat(fd)
         if stat.S_ISDIR(info.st_mode):
@@ -265,21 +268,9 @@ def _read_yaml(path: str, advice: str) -> Mapping[Any, Any]:
         # Refuse before reading: a wrong path can name a log or a dataset.
         if info.st_size > _MAX_FILE_BYTES:
             raise ConfigError(too_large, key=None, source=path)
-        chunks: list[bytes] = []
-        size = 0
-        while size <= _MAX_FILE_BYTES:
-            chunk = os.read(fd, _MAX_FILE_BYTES + 1 - size)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-        data = b"".join(chunks)
+        data = read_at_most(fd, _MAX_FILE_BYTES)
     except OSError as error:
-        raise ConfigError(
-            f"cannot read config file ({error.strerror or error}); {advice}",
-            key=None,
-            source=path,
-        ) from None
+        raise _unreadable(error, advice, path) from None
     finally:
         os.close(fd)
     if len(data) > _MAX_FILE_BYTES:  # grew while read

@@ -34,6 +34,7 @@ __all__ = [
     "append_all",
     "open_append",
     "owned_directory",
+    "read_at_most",
     "read_regular",
     "read_regular_with_owner",
 ]
@@ -77,17 +78,9 @@ def read_regular_with_owner(
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise UnsafePathError(0, "not a regular file (a FIFO, device or directory)", str(path))
-        chunks: list[bytes] = []
-        size = 0
-        while size <= limit:
-            chunk = os.read(fd, limit + 1 - size)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
+        data = read_at_most(fd, limit)
     finally:
         os.close(fd)
-    data = b"".join(chunks)
     if len(data) > limit:
         raise ValueError(f"{path}: larger than {limit} bytes")
     return data, info.st_uid
@@ -175,3 +168,17 @@ def append_all(fd: int, data: bytes) -> None:
             except OSError:
                 pass  # cannot cut back either: the next record starts a new line
         raise
+
+
+def read_at_most(fd: int, limit: int) -> bytes:
+    """Read ``fd`` to its end, but no more than ``limit + 1`` bytes: a result longer than
+    ``limit`` tells the caller the file is too large (it may have grown since a stat)."""
+    chunks: list[bytes] = []
+    size = 0
+    while size <= limit:
+        chunk = os.read(fd, limit + 1 - size)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)

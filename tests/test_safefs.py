@@ -239,3 +239,21 @@ def test_unsafe_path_error_names_the_path_and_the_reason() -> None:
     error = UnsafePathError(0, "is a symbolic link", "/var/tmp/stabmon/x")
     assert str(error) == "/var/tmp/stabmon/x: is a symbolic link"
     assert isinstance(error, OSError)
+
+
+def test_read_at_most_stops_one_byte_past_the_limit_of_an_endless_source() -> None:
+    """A pipe that never ends (a file still growing): one byte more than the limit tells
+    the caller it is too large, without reading the rest."""
+    from stabmon.safefs import read_at_most
+
+    reader, writer = os.pipe()
+    try:
+        os.write(writer, b"x" * 100)
+        assert read_at_most(reader, 10) == b"x" * 11
+        os.close(writer)
+        writer = -1
+        assert read_at_most(reader, 1000) == b"x" * 89  # to the end, under the limit
+    finally:
+        os.close(reader)
+        if writer >= 0:
+            os.close(writer)
