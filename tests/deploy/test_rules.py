@@ -30,6 +30,10 @@ THROUGHPUT_TESTS = ROOT / "deploy" / "prometheus" / "tests" / "stabmon.throughpu
 FROZEN_TESTS = ROOT / "deploy" / "prometheus" / "tests" / "stabmon.frozen.test.yml"
 # The for: durations the end-to-end tests shorten, at a 15 s evaluation interval.
 FOR_TESTS = ROOT / "deploy" / "prometheus" / "tests" / "stabmon.for.test.yml"
+# The leak rules over 6 to 24 hours, at a 5-minute evaluation interval.
+MEMORY_TESTS = ROOT / "deploy" / "prometheus" / "tests" / "stabmon.memory.test.yml"
+PROMTOOL_TESTS = (RULE_TESTS, RESILIENCE_TESTS, THROUGHPUT_TESTS, FROZEN_TESTS, FOR_TESTS,
+                  MEMORY_TESTS)  # fmt: skip
 ALL_ALERTS = (*contract.ALERT_NAMES, *contract.EXTENSION_ALERT_NAMES)
 RUNBOOKS = ROOT / "docs" / "runbooks.md"
 RUNBOOK_BASE = "https://github.com/stabmon/stabmon/blob/main/docs/runbooks.md#"
@@ -158,7 +162,7 @@ def test_every_rule_has_a_comment_explaining_its_threshold() -> None:
 def test_each_alert_has_a_firing_and_a_quiet_promtool_case() -> None:
     fired: set[str] = set()
     quiet: set[str] = set()
-    for path in (RULE_TESTS, RESILIENCE_TESTS, THROUGHPUT_TESTS, FROZEN_TESTS, FOR_TESTS):
+    for path in PROMTOOL_TESTS:
         for case in yaml.safe_load(path.read_text())["tests"]:
             for check in case.get("alert_rule_test", []):
                 (fired if check["exp_alerts"] else quiet).add(check["alertname"])
@@ -176,7 +180,7 @@ def test_promtool_check_rules() -> None:
 
 @pytest.mark.parametrize(
     "tests",
-    [RULE_TESTS, RESILIENCE_TESTS, THROUGHPUT_TESTS, FROZEN_TESTS, FOR_TESTS],
+    PROMTOOL_TESTS,
     ids=lambda path: path.name,
 )
 def test_promtool_test_rules(tests: Path) -> None:
