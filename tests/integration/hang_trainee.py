@@ -3,7 +3,9 @@
     torchrun --nproc_per_node=4 hang_trainee.py --mode MODE [--culprit R] [--action A]
 
 Every rank trains with an explicit gradient all-reduce (a counted collective).
-After ``--hang-after`` steps, ``--mode`` decides what happens:
+After ``--hang-after`` steps, ``--mode`` decides what happens; a ``--mode`` given
+more than once runs each in turn, one step apart (the phases of a real loop: a checkpoint,
+then an evaluation, one job instead of one per phase):
 
 - ``data``: the culprit's dataset blocks in ``__getitem__`` (data starvation), in a
   loader worker process with ``--workers N``;
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import threading
 import time
 
@@ -50,7 +53,7 @@ class Samples(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=MODES)
+    parser.add_argument("--mode", choices=MODES, action="append", required=True)
     parser.add_argument("--culprit", type=int, default=2)
     parser.add_argument("--hang-after", type=int, default=5)
     parser.add_argument("--steps", type=int, default=12)
@@ -76,20 +79,22 @@ def main() -> None:
     )  # fmt: skip
     print(f"ready {monitor.metrics_url}", flush=True)
     culprit = rank == args.culprit
+    modes = {args.hang_after + index: mode for index, mode in enumerate(args.mode)}
     batch = 4
-    block = args.hang_after * batch if args.mode == "data" and culprit else None
+    block = args.hang_after * batch if "data" in args.mode and culprit else None
     loader = torch.utils.data.DataLoader(Samples(block), batch_size=batch,
                                          num_workers=args.workers)  # fmt: skip
     lock = threading.Lock()
     for step, (inputs, targets) in enumerate(monitor.track(loader)):
         if step == args.steps:
             break
+        mode = modes.get(step)
         loss = torch.nn.functional.mse_loss(model(inputs), targets)
         optimizer.zero_grad()
         loss.backward()
-        if step == args.hang_after and culprit and args.mode == "sleep":
+        if culprit and mode == "sleep":
             time.sleep(FOREVER)  # busy elsewhere: never reaches the all-reduce
-        if step == args.hang_after and culprit and args.mode == "deadlock":
+        if culprit and mode == "deadlock":
             lock.acquire()
             with lock:  # not reentrant: waits for itself forever
                 pass
@@ -98,20 +103,21 @@ def main() -> None:
                 dist.all_reduce(parameter.grad)
         optimizer.step()
         monitor.observe(loss)
-        if step == args.hang_after and args.mode in ("checkpoint", "checkpoint-hang"):
+        if mode in ("checkpoint", "checkpoint-hang"):
             if rank == 0:
                 with monitor.phase("checkpoint"):
                     # A slow write to shared storage; or one that never ends.
-                    time.sleep(args.phase_seconds if args.mode == "checkpoint" else FOREVER)
+                    time.sleep(args.phase_seconds if mode == "checkpoint" else FOREVER)
             dist.barrier()
-        if step == args.hang_after and args.mode == "eval0":
+        if mode == "eval0":
             if rank == 0:
                 _evaluate(monitor, model, inputs, args.phase_seconds)
             dist.barrier()
-        if step == args.hang_after and args.mode == "eval":
+        if mode == "eval":
             _evaluate(monitor, model, inputs, args.phase_seconds)
             dist.barrier()
-        if step == args.hang_after and args.mode in ("checkpoint", "eval0", "eval"):
+        if mode in ("checkpoint", "eval0", "eval"):
+            os.write(1, f"rank {rank} passed {mode}\n".encode())  # one write: ranks share a pipe
             time.sleep(args.after_phase_seconds)  # a slow step after it: a cold cache, a reload
     monitor.detach()
     dist.destroy_process_group()
