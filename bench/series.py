@@ -119,7 +119,7 @@ def measure(run_dir: Path) -> dict[str, Any]:
         for index in range(8)
     ]
     config = load_config({"run_dir": str(daemon_dir),
-                          "daemon": {"port": 0, "address": "127.0.0.1", "interval": 0.2}},
+                          "daemon": {"port": 0, "address": "127.0.0.1", "interval": 1.0}},
                          env={})  # fmt: skip
     daemon = DaemonApp(config, reader=FakeNvml(gpus))
     assert daemon.start() and daemon.url
