@@ -71,7 +71,7 @@ typecheck: $(STAMP)
 test: tools lint typecheck
 	$(BIN)/python dashboards/generate.py --check
 	$(BIN)/python deploy/kubernetes/generate.py --check
-	$(BIN)/python -m pytest -n 2
+	$(BIN)/python -m pytest -n 3
 
 clean:
 	rm -rf $(VENV) .venv-gpu .pytest_cache .mypy_cache .ruff_cache

@@ -43,7 +43,7 @@ CHECKS = {
     "stabmon status --run-dir stabmon-runs": RUN,
     "stabmon report stabmon-runs -o report.html": RUN,
     DAEMON: "a synopsis: every option parsed by the real parser",
-    '.venv/bin/python -m pytest -m "not slow" -n 2': "its marker expression collects here",
+    '.venv/bin/python -m pytest -m "not slow" -n 3': "its marker expression collects here",
 }
 
 
@@ -242,7 +242,7 @@ def test_readme_stabmon_commands_run_as_written(tmp_path: Path) -> None:
 
 def test_readme_quick_loop_marker_expression_collects() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-m", "not slow", "-n", "2", "--collect-only", "-q",
+        [sys.executable, "-m", "pytest", "-m", "not slow", "-n", "3", "--collect-only", "-q",
          str(ROOT / "tests" / "test_public_api.py")],
         cwd=ROOT, capture_output=True, text=True,
     )  # fmt: skip
