@@ -180,7 +180,11 @@ def test_promtool_check_rules() -> None:
 
 @pytest.mark.parametrize(
     "tests",
-    PROMTOOL_TESTS,
+    [
+        # A simulated day of the leak rules: the quick loop (-m "not slow") leaves it to CI.
+        pytest.param(path, marks=pytest.mark.slow) if path == MEMORY_TESTS else path
+        for path in PROMTOOL_TESTS
+    ],
     ids=lambda path: path.name,
 )
 def test_promtool_test_rules(tests: Path) -> None:
