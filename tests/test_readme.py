@@ -240,6 +240,7 @@ def test_readme_stabmon_commands_run_as_written(tmp_path: Path) -> None:
         demo.wait(60)
 
 
+@pytest.mark.slow  # a pytest of its own, three workers each importing torch
 def test_readme_quick_loop_marker_expression_collects() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-m", "not slow", "-n", "3", "--collect-only", "-q",

@@ -167,6 +167,7 @@ if sys.argv[2].startswith("exit "):
 """
 
 
+@pytest.mark.slow  # six real processes, each importing torch: make test runs them
 @pytest.mark.parametrize(
     ("ending", "expected"),
     [
