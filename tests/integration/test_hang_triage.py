@@ -20,7 +20,15 @@ from typing import Any
 
 import pytest
 from helpers import scrape
-from realstack import Processes, announced, free_port, require, start_prometheus, until
+from realstack import (
+    Processes,
+    announced,
+    free_port,
+    host_port,
+    require,
+    start_prometheus,
+    until,
+)
 
 from stabmon.report.events import read_run
 from stabmon.report.verdict import judge as judge_run
@@ -107,7 +115,7 @@ def test_a_hung_job_names_the_culprit_in_the_event_log_status_the_daemon_and_a_r
     _torchrun(processes, run_dir, "--mode", mode, "--culprit", str(culprit))
     prometheus = None
     if shutil.which("prometheus") is not None:
-        prometheus = start_prometheus(processes, tmp_path, daemon_url.split("/")[2])
+        prometheus = start_prometheus(processes, tmp_path, host_port(daemon_url))
 
     def named() -> bool:
         verdicts = _events(run_dir, "hang_verdict")
