@@ -51,6 +51,7 @@ from stabmon.contract import (
 )
 from stabmon.daemon import trust
 from stabmon.daemon.pidns import Ambiguous, HostPids
+from stabmon.daemon.tree import ProcessTree
 from stabmon.export.families import family
 from stabmon.log import LogLimiter
 from stabmon.rundir import OwnedRecord, ProcessRecord, RunPaths, read_owned_records
@@ -72,6 +73,14 @@ RECORD_BUDGET_SECONDS = 0.25
 
 _RecordKey = tuple[str, int, int, float]  # run, rank, pid, create_time
 _ChildKey = tuple[int, float]  # pid, create_time
+
+
+@dataclass(frozen=True)
+class _NodeReads:
+    """What a poll reads of the whole node once and shares among its records."""
+
+    sockets: trust.ListeningSockets  # each network namespace's socket tables
+    tree: ProcessTree  # every process's parent
 
 
 @dataclass(frozen=True)
@@ -180,6 +189,7 @@ class ProcessTable:
             )
         boot = self._boot_id()
         self._host_pids.new_poll([entry.record for entry in owned])
+        node = _NodeReads(trust.ListeningSockets(self._proc), ProcessTree(self._proc))
         chosen: dict[tuple[str, int], ProcessSample] = {}
         followed: set[_RecordKey] = set()
         seen: dict[Path, tuple[float, float]] = {}
@@ -190,7 +200,7 @@ class ProcessTable:
             if record.exit_status == _CLEAN_EXIT:
                 continue  # finished normally without detach: nothing is down
             key = _record_key(record)
-            sample = self._sample(entry, key, now)
+            sample = self._sample(entry, key, now, node)
             if sample is None:
                 continue  # cannot tell which process it is, or may not believe it
             sample = replace(sample, uid=entry.owner_uid)
@@ -259,7 +269,9 @@ class ProcessTable:
         )
         return False
 
-    def _sample(self, entry: OwnedRecord, key: _RecordKey, now: float) -> ProcessSample | None:
+    def _sample(
+        self, entry: OwnedRecord, key: _RecordKey, now: float, node: _NodeReads
+    ) -> ProcessSample | None:
         record = entry.record
         age = _heartbeat_age(record, now)
         if record.exit_status is not None:
@@ -292,7 +304,7 @@ class ProcessTable:
                 times = process.cpu_times()
                 main_memory = self._memory_bytes(process, record, worker=False)
             ledger = self._ledgers.setdefault(key, _WorkerLedger())
-            workers_memory, workers = self._sample_children(process, record, ledger, now)
+            workers_memory, workers = self._sample_children(process, record, ledger, now, node.tree)
         except psutil.NoSuchProcess:  # includes ZombieProcess
             return _not_alive(record, age, reused=False)
         except (psutil.Error, OSError) as error:
@@ -308,7 +320,7 @@ class ProcessTable:
             workers_memory_bytes=workers_memory,
             heartbeat_age_seconds=age,
             worker_pids=workers,
-            target_port=trust.verified_port(record.pid, uid, record.metrics_url, self._proc),
+            target_port=node.sockets.verified_port(record.pid, uid, record.metrics_url),
         )
 
     def _refuse(self, entry: OwnedRecord, uid: int) -> None:
@@ -337,13 +349,18 @@ class ProcessTable:
         )
 
     def _sample_children(
-        self, process: psutil.Process, record: ProcessRecord, ledger: _WorkerLedger, now: float
+        self,
+        process: psutil.Process,
+        record: ProcessRecord,
+        ledger: _WorkerLedger,
+        now: float,
+        tree: ProcessTree,
     ) -> tuple[float, tuple[int, ...]]:
         """Add the children's CPU growth to ``ledger``; return their summed memory and pids."""
         memory = 0.0
         pids: list[int] = []
         deadline = self._budget_clock() + RECORD_BUDGET_SECONDS
-        children = process.children(recursive=True)
+        children = tree.descendants(process)
         if len(children) > MAX_CHILDREN or self._budget_clock() > deadline:
             self._limiter.once(
                 f"children:{record.run}:{record.rank}",

@@ -14,17 +14,27 @@ by itself. The daemon honours one only when:
 
 Listening sockets come from ``/proc/<pid>/net/tcp`` and ``tcp6`` (the
 process's own network namespace; readable by any user, unlike its file
-descriptors), each read bounded.
+descriptors), each read bounded. The kernel writes out every socket of the
+namespace on each read, connections included, and the ranks of a node mostly
+share one namespace: :class:`ListeningSockets` reads each namespace's tables once
+per poll, where the daemon may tell namespaces apart.
 """
 
 from __future__ import annotations
 
+import os
 import urllib.parse
 from pathlib import Path
 
 from stabmon.safefs import read_regular
 
-__all__ = ["listening_sockets", "owner_may_speak_for", "record_port", "verified_port"]
+__all__ = [
+    "ListeningSockets",
+    "listening_sockets",
+    "owner_may_speak_for",
+    "record_port",
+    "verified_port",
+]
 
 #: /proc/<pid>/net/tcp of a busy node is a few MB at most; more is not read.
 _MAX_TABLE_BYTES = 16 * 2**20
@@ -68,11 +78,40 @@ def listening_sockets(pid: int, proc: Path = Path("/proc")) -> set[tuple[int, in
     return found
 
 
+class ListeningSockets:
+    """:func:`listening_sockets` of each network namespace, read once: make one per poll.
+
+    A namespace is known by its ``/proc/<pid>/ns/net`` link, which names the same
+    namespace for every process in it. Reading that link needs ptrace access to the
+    process (root, or the process's own user); without it the tables of that pid are
+    read for it alone, as if it had a namespace of its own.
+    """
+
+    def __init__(self, proc: Path = Path("/proc")) -> None:
+        self._proc = proc
+        self._by_namespace: dict[str, set[tuple[int, int]]] = {}
+
+    def of(self, pid: int) -> set[tuple[int, int]]:
+        """(port, uid) of every listening TCP socket in the network namespace of ``pid``."""
+        try:
+            namespace = os.readlink(self._proc / str(pid) / "ns" / "net")
+        except OSError:  # another user's process, or gone: its own read, not shared
+            return listening_sockets(pid, self._proc)
+        found = self._by_namespace.get(namespace)
+        if found is None:
+            found = self._by_namespace[namespace] = listening_sockets(pid, self._proc)
+        return found
+
+    def verified_port(self, pid: int, uid: int, metrics_url: str | None) -> int | None:
+        """The record's port when ``pid``'s namespace has it listening as ``uid``; else None."""
+        port = record_port(metrics_url)
+        if port is None:
+            return None
+        return port if (port, uid) in self.of(pid) else None
+
+
 def verified_port(
     pid: int, uid: int, metrics_url: str | None, proc: Path = Path("/proc")
 ) -> int | None:
     """The record's port when ``pid``'s namespace has it listening as ``uid``; else None."""
-    port = record_port(metrics_url)
-    if port is None:
-        return None
-    return port if (port, uid) in listening_sockets(pid, proc) else None
+    return ListeningSockets(proc).verified_port(pid, uid, metrics_url)

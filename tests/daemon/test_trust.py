@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from stabmon.daemon.trust import (
+    ListeningSockets,
     listening_sockets,
     owner_may_speak_for,
     record_port,
@@ -31,13 +32,23 @@ def _row(slot: int, port: int, state: str, uid: int) -> str:
     )
 
 
-def _proc(tmp_path: Path, pid: int, tcp: str | None, tcp6: str | None = None) -> Path:
+def _proc(
+    tmp_path: Path,
+    pid: int,
+    tcp: str | None,
+    tcp6: str | None = None,
+    *,
+    namespace: str | None = None,
+) -> Path:
     net = tmp_path / str(pid) / "net"
     net.mkdir(parents=True)
     if tcp is not None:
         (net / "tcp").write_text(_HEADER + tcp)
     if tcp6 is not None:
         (net / "tcp6").write_text(_HEADER + tcp6)
+    if namespace is not None:  # the kernel's link names the namespace, e.g. net:[4026531840]
+        (tmp_path / str(pid) / "ns").mkdir()
+        (tmp_path / str(pid) / "ns" / "net").symlink_to(namespace)
     return tmp_path
 
 
@@ -94,6 +105,29 @@ def test_verified_port_needs_the_port_listening_as_the_same_uid(tmp_path: Path) 
     assert verified_port(42, 1000, "http://gpu-node-3:9402/metrics", proc) is None
     assert verified_port(42, 1000, "http://gpu-node-3:9404/metrics", proc) is None
     assert verified_port(42, 1000, None, proc) is None
+
+
+def test_listening_sockets_reads_the_tables_of_a_namespace_once_for_all_its_processes(
+    tmp_path: Path,
+) -> None:
+    # Ranks 42 and 43 share a namespace; 44 has its own; 45's link cannot be read (another
+    # user's process, to a daemon without ptrace access).
+    _proc(tmp_path, 42, _row(0, 9400, "0A", 1000), namespace="net:[4026531840]")
+    _proc(tmp_path, 43, _row(0, 9400, "0A", 1000), namespace="net:[4026531840]")
+    _proc(tmp_path, 44, _row(0, 9500, "0A", 1000), namespace="net:[4026532999]")
+    _proc(tmp_path, 45, _row(0, 9600, "0A", 1000))
+    sockets = ListeningSockets(tmp_path)
+
+    assert sockets.verified_port(42, 1000, "http://node:9400/metrics") == 9400
+    for pid in (42, 43, 44, 45):  # what the next read would see, if there were one
+        (tmp_path / str(pid) / "net" / "tcp").write_text(_HEADER + _row(0, 9401, "0A", 1000))
+    assert sockets.verified_port(43, 1000, "http://node:9400/metrics") == 9400  # not read again
+    assert sockets.verified_port(43, 1000, "http://node:9401/metrics") is None
+    # Another namespace, and a pid whose namespace is unknown, are read for themselves.
+    assert sockets.of(44) == {(9401, 1000)}
+    assert sockets.of(45) == {(9401, 1000)}
+    # A new poll reads again.
+    assert ListeningSockets(tmp_path).verified_port(43, 1000, "http://node:9401/metrics") == 9401
 
 
 def test_owner_may_speak_only_for_processes_of_its_own_uid() -> None:

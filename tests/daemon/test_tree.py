@@ -1,0 +1,95 @@
+"""stabmon.daemon.tree: a rank's descendants from one reading of the node's processes.
+
+Real processes (a shell with two children of its own) where psutil can check the answer;
+a fixture ``/proc`` tree for the parsing and the reused-pid rule.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from stabmon.daemon.tree import ProcessTree
+
+
+@pytest.fixture
+def family() -> Iterator[psutil.Process]:
+    """A shell whose two children sleep: a training process and its loader workers."""
+    shell = subprocess.Popen(["sh", "-c", "sleep 30 & sleep 30 & wait"])
+    try:
+        process = psutil.Process(shell.pid)
+        for _ in range(200):  # the shell forks its children at once; bounded, not timed
+            if len(process.children()) == 2:
+                break
+            time.sleep(0.01)
+        yield process
+    finally:
+        for child in psutil.Process(shell.pid).children(recursive=True):
+            child.kill()
+        shell.kill()
+        shell.wait(10)
+
+
+def _stat(proc: Path, pid: int, parent: int, command: str = "python") -> None:
+    (proc / str(pid)).mkdir(parents=True)
+    (proc / str(pid) / "stat").write_text(f"{pid} ({command}) S {parent} {pid} {pid} 0 -1\n")
+
+
+def test_descendants_are_what_psutil_finds(family: psutil.Process) -> None:
+    found = ProcessTree().descendants(family)
+
+    assert len(found) == 2
+    assert {p.pid for p in found} == {p.pid for p in family.children(recursive=True)}
+    assert {p.pid for p in ProcessTree().descendants(psutil.Process())} >= {
+        family.pid,
+        *(p.pid for p in found),
+    }
+
+
+def test_one_tree_reads_the_node_once_and_a_new_one_sees_what_started_since(
+    family: psutil.Process,
+) -> None:
+    tree = ProcessTree()
+    assert len(tree.descendants(family)) == 2
+    late = subprocess.Popen(["sleep", "30"])
+    try:
+        assert late.pid not in {p.pid for p in tree.descendants(psutil.Process())}
+        assert late.pid in {p.pid for p in ProcessTree().descendants(psutil.Process())}
+    finally:
+        late.kill()
+        late.wait(10)
+
+
+def test_parents_are_read_past_a_command_name_with_spaces_and_parentheses(
+    tmp_path: Path, family: psutil.Process
+) -> None:
+    # Real pids under a fixture /proc: the names are parsed here, the start times are real.
+    (first, second) = family.children()
+    _stat(tmp_path, first.pid, family.pid, command="a) (b c")
+    _stat(tmp_path, second.pid, family.pid, command=")")
+    (tmp_path / "self").mkdir()  # not a pid
+    (tmp_path / "999999999").mkdir()  # no stat: gone while being read
+
+    found = ProcessTree(tmp_path).descendants(family)
+
+    assert {p.pid for p in found} == {first.pid, second.pid}
+
+
+def test_a_reused_pid_older_than_the_process_is_not_its_descendant(
+    tmp_path: Path, family: psutil.Process
+) -> None:
+    (child, _) = family.children()
+    # pid 1 started long before the shell: listed as its child, it is a reused pid.
+    _stat(tmp_path, 1, family.pid)
+    _stat(tmp_path, child.pid, family.pid)
+
+    assert [p.pid for p in ProcessTree(tmp_path).descendants(family)] == [child.pid]
+
+
+def test_an_unreadable_proc_has_no_descendants(tmp_path: Path, family: psutil.Process) -> None:
+    assert ProcessTree(tmp_path / "missing").descendants(family) == []
