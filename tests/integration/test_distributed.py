@@ -159,13 +159,23 @@ def _reference_norm(world: int, steps: int) -> float:
 
 
 @pytest.mark.parametrize(
-    ("mode", "world"), [("ddp", 2), ("ddp", 4), ("fsdp", 2), ("fsdp", 4), ("hsdp", 4)]
+    ("mode", "world", "static"),
+    [
+        # A fixed master address and port, as multi-node jobs and Kubeflow's PyTorchJob
+        # launch it: torchrun says TORCHELASTIC_RUN_ID=none, and the ranks still share a run.
+        ("ddp", 2, True),
+        ("ddp", 4, False),
+        ("fsdp", 2, False),
+        ("fsdp", 4, False),
+        ("hsdp", 4, False),
+    ],
+    ids=["ddp-2-static", "ddp-4", "fsdp-2", "fsdp-4", "hsdp-4"],
 )
 def test_every_rank_exports_and_the_global_norm_is_reconstructed_from_the_ranks(
-    node: Node, mode: str, world: int
+    node: Node, mode: str, world: int, static: bool
 ) -> None:
     steps = 5
-    node.torchrun(world, "--mode", mode, "--steps", str(steps))
+    node.torchrun(world, "--mode", mode, "--steps", str(steps), static=static)
     urls = node.ranks(world)
     assert sorted(urls) == list(range(world))
     ports = sorted(int(url.rsplit(":", 1)[1].split("/")[0]) for url in urls.values())
@@ -178,6 +188,9 @@ def test_every_rank_exports_and_the_global_norm_is_reconstructed_from_the_ranks(
         assert labels["rank"] == str(rank)
         runs.add(labels["run"])
     assert len(runs) == 1, "every rank of one torchrun job is one run"
+    if static:  # no run id from torchrun: the ranks agree on one from the rendezvous
+        (run,) = runs
+        assert run.startswith("job-")
 
     def squared(samples: Samples, placement: str) -> float:
         found = value(samples, "stabmon_grad_norm_squared", placement=placement)
@@ -199,17 +212,6 @@ def test_every_rank_exports_and_the_global_norm_is_reconstructed_from_the_ranks(
             norm = value(samples, "stabmon_grad_norm")
             assert norm is not None and norm < reference
         assert value(samples, "stabmon_nonfinite_grad_steps_total") == 0
-
-
-def test_ranks_of_a_static_rendezvous_share_one_run_id(node: Node) -> None:
-    node.torchrun(2, "--mode", "ddp", "--steps", "2", static=True)
-    urls = node.ranks(2)
-    runs = set()
-    for url in urls.values():
-        samples = _scrape_when(url, 2)
-        runs |= {dict(lbl)["run"] for (name, lbl) in samples if name == "stabmon_steps_total"}
-    (run,) = runs  # one run, though torchrun says TORCHELASTIC_RUN_ID=none here
-    assert run.startswith("job-")
 
 
 def test_a_slowed_rank_is_the_straggler_and_a_killed_rank_is_down_while_the_rest_export(
