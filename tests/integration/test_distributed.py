@@ -43,9 +43,11 @@ class Node:
         self.run_dir = work / "runs"
         self.processes = processes
         self.base_port = _free_port_block(8)
+        # Each poll reads every rank's PSS (smaps_rollup), a few ms per torch process: every
+        # 0.5 s, not faster, or the daemon takes a core's fifth from the ranks it watches.
         daemon = processes.start([sys.executable, "-m", "stabmon", "daemon", "--port", "0",
                                   "--address", "127.0.0.1", "--run-dir", str(self.run_dir),
-                                  "--interval", "0.2"])  # fmt: skip
+                                  "--interval", "0.5"])  # fmt: skip
         self.daemon_url = announced(daemon)
         self.daemon_target = self.daemon_url.split("/")[2]
 

@@ -121,7 +121,7 @@ def test_a_hung_job_names_the_culprit_in_the_event_log_status_the_daemon_and_a_r
     run_dir = tmp_path / "runs"
     daemon = processes.start([sys.executable, "-m", "stabmon", "daemon", "--port", "0",
                               "--address", "127.0.0.1", "--run-dir", str(run_dir),
-                              "--interval", "0.2"])  # fmt: skip
+                              "--interval", "0.5"])  # fmt: skip
     daemon_url = announced(daemon)
     _torchrun(processes, run_dir, "--mode", mode, "--culprit", str(culprit),
               "--workers", str(workers))  # fmt: skip
