@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -31,6 +32,20 @@ ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 def faulty_run(tmp_path_factory: pytest.TempPathFactory) -> FaultyRun:
     """One real training with faults (a few seconds), shared by this module's tests."""
     return train_with_faults(tmp_path_factory.mktemp("runs"))
+
+
+@dataclass(frozen=True)
+class Report:
+    result: subprocess.CompletedProcess[str]
+    path: Path
+
+
+@pytest.fixture(scope="module")
+def faulty_report(faulty_run: FaultyRun, tmp_path_factory: pytest.TempPathFactory) -> Report:
+    """``stabmon report`` of the faulty run, as a user runs it; its plots take seconds to
+    draw, so the tests that read the same page share one."""
+    path = tmp_path_factory.mktemp("report") / "report.html"
+    return Report(stabmon_cli("report", str(faulty_run.directory), "-o", str(path)), path)
 
 
 class _Page(HTMLParser):
@@ -81,15 +96,13 @@ def _page(path: Path) -> tuple[_Page, str]:
 
 
 def test_report_of_a_faulty_run_has_every_section_and_embedded_plots(
-    faulty_run: FaultyRun, tmp_path: Path
+    faulty_report: Report,
 ) -> None:
-    output = tmp_path / "report.html"
-
-    result = stabmon_cli("report", str(faulty_run.directory), "-o", str(output))
+    result = faulty_report.result
 
     assert result.returncode == 0, result.stderr
-    assert str(output) in result.stdout
-    page, text = _page(output)
+    assert str(faulty_report.path) in result.stdout
+    page, text = _page(faulty_report.path)
     assert set(SECTION_IDS) <= set(page.ids)
     assert page.svgs >= 4  # loss, gradient norm, step time, memory (no GPU here)
     assert page.scripts == 0 and page.external == []  # opens with no network and no script
@@ -98,13 +111,11 @@ def test_report_of_a_faulty_run_has_every_section_and_embedded_plots(
 
 
 def test_report_anomaly_table_rows_equal_the_injected_faults(
-    faulty_run: FaultyRun, tmp_path: Path
+    faulty_run: FaultyRun, faulty_report: Report
 ) -> None:
-    output = tmp_path / "report.html"
+    assert faulty_report.result.returncode == 0, faulty_report.result.stderr
 
-    assert stabmon_cli("report", str(faulty_run.directory), "-o", str(output)).returncode == 0
-
-    page, _ = _page(output)
+    page, _ = _page(faulty_report.path)
     found = sorted((row[3], int(row[0])) for row in page.rows)
     expected = sorted(faulty_run.injected)
     assert [kind for kind, _ in found] == [kind for kind, _ in expected]
@@ -220,11 +231,10 @@ def test_report_imports_no_torch(faulty_run: FaultyRun, tmp_path: Path) -> None:
     assert result.stdout.splitlines()[-1] == "False 0", result.stderr
 
 
-def test_report_marks_anomalies_on_the_plots(faulty_run: FaultyRun, tmp_path: Path) -> None:
-    output = tmp_path / "report.html"
-    assert stabmon_cli("report", str(faulty_run.directory), "-o", str(output)).returncode == 0
+def test_report_marks_anomalies_on_the_plots(faulty_report: Report) -> None:
+    assert faulty_report.result.returncode == 0, faulty_report.result.stderr
 
-    text = output.read_text(encoding="utf-8")
+    text = faulty_report.path.read_text(encoding="utf-8")
 
     # Each kind's legend entry is SVG text in its plot (svg.fonttype none keeps text as text).
     for kind in ("nonfinite_grad", "grad_spike", "loss_spike", "stall", "memory_leak"):
@@ -283,11 +293,11 @@ def _browse(chromium: str, profile: Path, *args: str) -> subprocess.CompletedPro
 
 @pytest.mark.slow
 def test_report_opens_in_headless_chromium_with_every_section_and_no_console_error(
-    faulty_run: FaultyRun, tmp_path: Path
+    faulty_report: Report, tmp_path: Path
 ) -> None:
     chromium = _chromium()
-    report = tmp_path / "report.html"
-    assert stabmon_cli("report", str(faulty_run.directory), "-o", str(report)).returncode == 0
+    report = faulty_report.path
+    assert faulty_report.result.returncode == 0, faulty_report.result.stderr
     ARTIFACTS.mkdir(exist_ok=True)
     screenshot = ARTIFACTS / "report.png"
     screenshot.unlink(missing_ok=True)
