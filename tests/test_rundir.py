@@ -152,39 +152,59 @@ def test_record_reader_never_crashes_on_arbitrary_bytes(payload: bytes, name: st
         assert len(records) + len(problems) <= 1
 
 
-_EXITING_SCRIPT = """
-import sys, torch, stabmon
+# One interpreter imports torch and stabmon, then forks a child per ending (a fresh interpreter
+# each costs seconds of CPU); each child attaches, ends as told, and leaves through the
+# interpreter's own exit (its atexit, its excepthook), as a training script does.
+_ENDINGS_SCRIPT = """
+import os, sys
+import torch, stabmon, stabmon.monitor
+children = []
+for run_dir, ending in zip(sys.argv[1::2], sys.argv[2::2]):
+    pid = os.fork()
+    if pid == 0:
+        break
+    children.append(pid)
+else:  # the parent: waits for every child, and ends without a word
+    for pid in children:
+        os.waitpid(pid, 0)
+    os._exit(0)
 model = torch.nn.Linear(2, 1)
 mon = stabmon.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), port=0,
-                     run_dir=sys.argv[1], run_id="job")
-if sys.argv[2] == "raise":
+                     run_dir=run_dir, run_id="job")
+if ending == "raise":
     raise RuntimeError("the training loop failed")
-if sys.argv[2] == "detach":
+if ending == "detach":
     mon.detach()
-if sys.argv[2].startswith("exit "):
-    code = sys.argv[2][len("exit "):]
+if ending.startswith("exit "):
+    code = ending[len("exit "):]
     sys.exit(int(code) if code.isdigit() else code)  # a code, or a message (exit status 1)
 """
+_ENDINGS = {
+    "raise": "exception",
+    "return": "clean",
+    "detach": None,
+    "exit 1": "exception",  # sys.exit(1): a failed run, whatever its scheduler is told
+    "exit 0": "clean",
+    "exit the loop gave up": "exception",
+}
 
 
-@pytest.mark.slow  # six real processes, each importing torch: make test runs them
-@pytest.mark.parametrize(
-    ("ending", "expected"),
-    [
-        ("raise", "exception"),
-        ("return", "clean"),
-        ("detach", None),
-        ("exit 1", "exception"),  # sys.exit(1): a failed run, whatever its scheduler is told
-        ("exit 0", "clean"),
-        ("exit the loop gave up", "exception"),
-    ],
-)
+@pytest.fixture(scope="module")
+def ended(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The run directory of each ending, once every child has ended."""
+    run_dirs = {ending: tmp_path_factory.mktemp("ended") for ending in _ENDINGS}
+    arguments = [str(word) for pair in run_dirs.items() for word in reversed(pair)]
+    subprocess.run([sys.executable, "-c", _ENDINGS_SCRIPT, *arguments],
+                   capture_output=True, timeout=120, check=True)  # fmt: skip
+    return run_dirs
+
+
+@pytest.mark.slow  # real processes exiting: make test runs them
+@pytest.mark.parametrize(("ending", "expected"), _ENDINGS.items())
 def test_record_tells_a_crash_from_a_clean_end(
-    tmp_path: Path, ending: str, expected: str | None
+    ended: dict[str, Path], ending: str, expected: str | None
 ) -> None:
-    subprocess.run([sys.executable, "-c", _EXITING_SCRIPT, str(tmp_path), ending],
-                   capture_output=True, timeout=120, check=False)  # fmt: skip
-    records, problems = read_records(tmp_path)
+    records, problems = read_records(ended[ending])
     assert not problems
     if expected is None:
         assert records == []  # detached: deregistered
