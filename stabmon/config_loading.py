@@ -30,7 +30,7 @@ import stat
 import types
 import typing
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
 import yaml
@@ -72,7 +72,7 @@ class Section:
         source = f"{type(self).__name__}()"
         for name, spec in _specs(type(self)).items():
             value = getattr(self, name)
-            if _is_section(spec.kind):
+            if spec.section:
                 if not isinstance(value, spec.kind):
                     raise ConfigError(
                         f"expected a {spec.kind.__name__}, got {_show(value, typed=True)}; "
@@ -122,11 +122,30 @@ def field_meta(
 
 @dataclass(frozen=True)
 class _Spec:
-    """One field as the checker sees it: a bool/int/float/str or section type, and rules."""
+    """One field as the checker sees it: a bool/int/float/str or section type, and rules.
+
+    What every check of the field asks (is it a section, which types it accepts, its
+    numeric bounds) is worked out here once: a section is checked whole on every
+    construction, and ``load_config`` constructs each a few times (defaults, file,
+    environment, overrides).
+    """
 
     kind: type
     optional: bool
     meta: Mapping[str, Any]
+    section: bool = field(init=False)
+    accepted: tuple[type, ...] = field(init=False)
+    bounds: tuple[tuple[Callable[[Any, Any], bool], Any], ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        bounds = tuple(
+            (compare, self.meta[name])
+            for name, (compare, _) in _BOUNDS.items()
+            if name in self.meta
+        )
+        object.__setattr__(self, "section", _is_section(self.kind))
+        object.__setattr__(self, "accepted", (int, float) if self.kind is float else (self.kind,))
+        object.__setattr__(self, "bounds", bounds)
 
 
 _SectionT = TypeVar("_SectionT", bound=Section)
@@ -501,8 +520,7 @@ def _check_value(spec: _Spec, value: Any, *, key: str, source: str) -> Any:
     if value is None and spec.optional:
         return None
     or_none = " or None" if spec.optional else ""
-    accepted = (int, float) if spec.kind is float else spec.kind
-    if not isinstance(value, accepted) or (spec.kind is not bool and isinstance(value, bool)):
+    if not isinstance(value, spec.accepted) or (spec.kind is not bool and isinstance(value, bool)):
         raise ConfigError(
             f"expected {_TYPE_NAMES[spec.kind]}{or_none}, got {_show(value, typed=True)}"
             + _quote_hint(spec, value),
@@ -531,7 +549,7 @@ def _check_value(spec: _Spec, value: Any, *, key: str, source: str) -> Any:
             source=source,
             allowed=_expected(spec) + or_none,
         )
-    if not _within(spec.meta, checked):
+    if not _within(spec, checked):
         long_text = isinstance(value, str) and bool(value) and "choices" not in spec.meta
         shown = f"{len(str(value))} characters" if long_text else _show(value)
         raise ConfigError(
@@ -552,13 +570,17 @@ def _check_value(spec: _Spec, value: Any, *, key: str, source: str) -> Any:
     return checked
 
 
-def _within(meta: Mapping[str, Any], value: Any) -> bool:
+def _within(spec: _Spec, value: Any) -> bool:
     if isinstance(value, str):
+        meta = spec.meta
         if "choices" in meta:
             return value in meta["choices"]
         too_long = len(value) > meta.get("max_length", len(value))
         return not too_long and not (meta.get("nonempty") and not value)
-    return all(compare(value, meta[name]) for name, (compare, _) in _BOUNDS.items() if name in meta)
+    for compare, bound in spec.bounds:
+        if not compare(value, bound):
+            return False
+    return True
 
 
 def _expected(spec: _Spec) -> str:
