@@ -133,9 +133,12 @@ class _Spec:
     kind: type
     optional: bool
     meta: Mapping[str, Any]
-    section: bool = field(init=False)
-    accepted: tuple[type, ...] = field(init=False)
-    bounds: tuple[tuple[Callable[[Any, Any], bool], Any], ...] = field(init=False)
+    # Derived from the three above in __post_init__.
+    section: bool = field(init=False, repr=False, compare=False)
+    accepted: tuple[type, ...] = field(init=False, repr=False, compare=False)
+    bounds: tuple[tuple[Callable[[Any, Any], bool], Any], ...] = field(
+        init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         bounds = tuple(

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -193,9 +196,20 @@ _ENDINGS = {
 def ended(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The run directory of each ending, once every child has ended."""
     run_dirs = {ending: tmp_path_factory.mktemp("ended") for ending in _ENDINGS}
-    arguments = [str(word) for pair in run_dirs.items() for word in reversed(pair)]
-    subprocess.run([sys.executable, "-c", _ENDINGS_SCRIPT, *arguments],
-                   capture_output=True, timeout=120, check=True)  # fmt: skip
+    arguments = []
+    for ending, run_dir in run_dirs.items():
+        arguments += [str(run_dir), ending]
+    # A session of its own: on a timeout, the forked children are killed with the parent.
+    parent = subprocess.Popen([sys.executable, "-c", _ENDINGS_SCRIPT, *arguments],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              start_new_session=True)  # fmt: skip
+    try:
+        _, stderr = parent.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # none left: every child ended
+            os.killpg(parent.pid, signal.SIGKILL)
+        parent.wait(10)
+    assert parent.returncode == 0, stderr.decode(errors="replace")[-3000:]
     return run_dirs
 
 

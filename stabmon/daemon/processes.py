@@ -361,6 +361,15 @@ class ProcessTable:
         pids: list[int] = []
         deadline = self._budget_clock() + RECORD_BUDGET_SECONDS
         children = tree.descendants(process)
+        if tree.unreadable:
+            self._limiter.once(
+                "tree-unreadable",
+                logging.WARNING,
+                "stabmon daemon: cannot read the parent of %d processes (/proc mounted with "
+                "hidepid, or run by another user); DataLoader workers among them are not "
+                "counted in the workers scope",
+                tree.unreadable,
+            )
         if len(children) > MAX_CHILDREN or self._budget_clock() > deadline:
             self._limiter.once(
                 f"children:{record.run}:{record.rank}",

@@ -31,12 +31,16 @@ class ProcessTree:
     def __init__(self, proc: Path = Path("/proc")) -> None:
         self._proc = proc
         self._children: dict[int, list[int]] | None = None
+        #: Processes whose parent could not be read (``hidepid``, another user's process to
+        #: a daemon without access): their descendants are not found.
+        self.unreadable = 0
 
     def descendants(self, process: psutil.Process) -> list[psutil.Process]:
         """What ``process.children(recursive=True)`` answers, from this poll's reading.
 
         As in psutil, a descendant that started before ``process`` is a reused pid, not a
-        descendant: it and whatever hangs below it are left out.
+        descendant: it and whatever hangs below it are left out. So is a pid whose parent
+        is no longer the one read: it exited and its pid was reused since the reading.
         """
         children = self._children_by_parent()
         started = process.create_time()
@@ -51,10 +55,13 @@ class ProcessTree:
             for child_pid in children.get(pid, ()):
                 try:
                     child = psutil.Process(child_pid)
-                    if child.create_time() < started:
+                    if child.create_time() < started or child.ppid() != pid:
                         continue
-                except (psutil.NoSuchProcess, psutil.AccessDenied):
-                    continue  # exited since the reading (a zombie included)
+                except psutil.NoSuchProcess:
+                    continue  # exited since the reading
+                except psutil.AccessDenied:
+                    self.unreadable += 1
+                    continue
                 found.append(child)
                 stack.append(child_pid)
         return found
@@ -62,18 +69,23 @@ class ProcessTree:
     def _children_by_parent(self) -> dict[int, list[int]]:
         if self._children is None:
             self._children = {}
-            for pid, parent in _parents(self._proc):
+            parents, self.unreadable = _parents(self._proc)
+            for pid, parent in parents:
                 self._children.setdefault(parent, []).append(pid)
         return self._children
 
 
-def _parents(proc: Path) -> list[tuple[int, int]]:
-    """(pid, parent pid) of every process in ``proc``; one that exits meanwhile is skipped."""
+def _parents(proc: Path) -> tuple[list[tuple[int, int]], int]:
+    """(pid, parent pid) of every process in ``proc``, and how many could not be read.
+
+    One that exits meanwhile is skipped, not counted.
+    """
     try:
         names = os.listdir(proc)
     except OSError:
-        return []
+        return [], 0
     found = []
+    unreadable = 0
     for name in names:
         if not name.isdigit():
             continue
@@ -82,6 +94,8 @@ def _parents(proc: Path) -> list[tuple[int, int]]:
                 line = stat.read(_MAX_STAT_BYTES)
             fields = line[line.rfind(b")") + 2 :].split()
             found.append((int(name), int(fields[1])))
-        except (OSError, IndexError, ValueError):
+        except (FileNotFoundError, ProcessLookupError):
             continue
-    return found
+        except (OSError, IndexError, ValueError):
+            unreadable += 1
+    return found, unreadable

@@ -59,11 +59,18 @@ def record_port(metrics_url: str | None) -> int | None:
 
 def listening_sockets(pid: int, proc: Path = Path("/proc")) -> set[tuple[int, int]]:
     """(port, uid) of every listening TCP socket in the network namespace of ``pid``."""
+    return set(_read_listening(pid, proc)[0])
+
+
+def _read_listening(pid: int, proc: Path) -> tuple[frozenset[tuple[int, int]], bool]:
+    """The listening sockets of ``pid``'s namespace, and whether both tables were read."""
     found: set[tuple[int, int]] = set()
+    complete = True
     for table in ("tcp", "tcp6"):
         try:
             text = read_regular(proc / str(pid) / "net" / table, _MAX_TABLE_BYTES).decode("ascii")
         except (OSError, ValueError):
+            complete = False
             continue
         for line in text.splitlines()[1:]:
             fields = line.split()
@@ -75,7 +82,7 @@ def listening_sockets(pid: int, proc: Path = Path("/proc")) -> set[tuple[int, in
             except ValueError:
                 continue
             found.add((port, uid))
-    return found
+    return frozenset(found), complete
 
 
 class ListeningSockets:
@@ -84,23 +91,31 @@ class ListeningSockets:
     A namespace is known by its ``/proc/<pid>/ns/net`` link, which names the same
     namespace for every process in it. Reading that link needs ptrace access to the
     process (root, or the process's own user); without it the tables of that pid are
-    read for it alone, as if it had a namespace of its own.
+    read for it alone, as if it had a namespace of its own. Tables are shared only when
+    the link names the same namespace after they were read as before, and both were
+    read: a process that moved to a namespace of its own meanwhile (``unshare``), or
+    exited, must not lend its tables to the ranks of the namespace it left.
     """
 
     def __init__(self, proc: Path = Path("/proc")) -> None:
         self._proc = proc
-        self._by_namespace: dict[str, set[tuple[int, int]]] = {}
+        self._by_namespace: dict[str, frozenset[tuple[int, int]]] = {}
 
-    def of(self, pid: int) -> set[tuple[int, int]]:
+    def of(self, pid: int) -> frozenset[tuple[int, int]]:
         """(port, uid) of every listening TCP socket in the network namespace of ``pid``."""
-        try:
-            namespace = os.readlink(self._proc / str(pid) / "ns" / "net")
-        except OSError:  # another user's process, or gone: its own read, not shared
-            return listening_sockets(pid, self._proc)
-        found = self._by_namespace.get(namespace)
-        if found is None:
-            found = self._by_namespace[namespace] = listening_sockets(pid, self._proc)
+        namespace = self._namespace(pid)
+        if namespace is not None and namespace in self._by_namespace:
+            return self._by_namespace[namespace]
+        found, complete = _read_listening(pid, self._proc)
+        if namespace is not None and complete and self._namespace(pid) == namespace:
+            self._by_namespace[namespace] = found
         return found
+
+    def _namespace(self, pid: int) -> str | None:
+        try:
+            return os.readlink(self._proc / str(pid) / "ns" / "net")
+        except OSError:  # another user's process, or gone: its own read, not shared
+            return None
 
     def verified_port(self, pid: int, uid: int, metrics_url: str | None) -> int | None:
         """The record's port when ``pid``'s namespace has it listening as ``uid``; else None."""

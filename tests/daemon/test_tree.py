@@ -20,13 +20,14 @@ from stabmon.daemon.tree import ProcessTree
 @pytest.fixture
 def family() -> Iterator[psutil.Process]:
     """A shell whose two children sleep: a training process and its loader workers."""
-    shell = subprocess.Popen(["sh", "-c", "sleep 30 & sleep 30 & wait"])
+    shell = subprocess.Popen(["sh", "-c", "sleep 60 & sleep 60 & wait"])
     try:
         process = psutil.Process(shell.pid)
-        for _ in range(200):  # the shell forks its children at once; bounded, not timed
+        for _ in range(3000):  # bounded (30 s on a busy machine), never asserted as a duration
             if len(process.children()) == 2:
                 break
             time.sleep(0.01)
+        assert len(process.children()) == 2, "the shell did not start its two children"
         yield process
     finally:
         for child in psutil.Process(shell.pid).children(recursive=True):
@@ -91,5 +92,36 @@ def test_a_reused_pid_older_than_the_process_is_not_its_descendant(
     assert [p.pid for p in ProcessTree(tmp_path).descendants(family)] == [child.pid]
 
 
+def test_a_pid_whose_parent_changed_since_the_reading_is_not_a_descendant(
+    tmp_path: Path, family: psutil.Process
+) -> None:
+    # The reading says the shell started `late`; its real parent is this test (the shell's
+    # child exited, and its pid went to a process of someone else).
+    late = subprocess.Popen(["sleep", "60"])
+    try:
+        (child, _) = family.children()
+        _stat(tmp_path, child.pid, family.pid)
+        _stat(tmp_path, late.pid, family.pid)
+
+        assert [p.pid for p in ProcessTree(tmp_path).descendants(family)] == [child.pid]
+    finally:
+        late.kill()
+        late.wait(10)
+
+
+def test_processes_whose_parent_cannot_be_read_are_counted(
+    tmp_path: Path, family: psutil.Process
+) -> None:
+    (child, _) = family.children()
+    _stat(tmp_path, child.pid, family.pid)
+    (tmp_path / "77" / "stat").mkdir(parents=True)  # unreadable, as under hidepid
+    tree = ProcessTree(tmp_path)
+
+    assert [p.pid for p in tree.descendants(family)] == [child.pid]
+    assert tree.unreadable == 1
+
+
 def test_an_unreadable_proc_has_no_descendants(tmp_path: Path, family: psutil.Process) -> None:
-    assert ProcessTree(tmp_path / "missing").descendants(family) == []
+    tree = ProcessTree(tmp_path / "missing")
+    assert tree.descendants(family) == []
+    assert tree.unreadable == 0

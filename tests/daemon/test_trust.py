@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from stabmon.daemon import trust
 from stabmon.daemon.trust import (
     ListeningSockets,
     listening_sockets,
@@ -112,10 +113,10 @@ def test_listening_sockets_reads_the_tables_of_a_namespace_once_for_all_its_proc
 ) -> None:
     # Ranks 42 and 43 share a namespace; 44 has its own; 45's link cannot be read (another
     # user's process, to a daemon without ptrace access).
-    _proc(tmp_path, 42, _row(0, 9400, "0A", 1000), namespace="net:[4026531840]")
-    _proc(tmp_path, 43, _row(0, 9400, "0A", 1000), namespace="net:[4026531840]")
-    _proc(tmp_path, 44, _row(0, 9500, "0A", 1000), namespace="net:[4026532999]")
-    _proc(tmp_path, 45, _row(0, 9600, "0A", 1000))
+    _proc(tmp_path, 42, _row(0, 9400, "0A", 1000), "", namespace="net:[4026531840]")
+    _proc(tmp_path, 43, _row(0, 9400, "0A", 1000), "", namespace="net:[4026531840]")
+    _proc(tmp_path, 44, _row(0, 9500, "0A", 1000), "", namespace="net:[4026532999]")
+    _proc(tmp_path, 45, _row(0, 9600, "0A", 1000), "")
     sockets = ListeningSockets(tmp_path)
 
     assert sockets.verified_port(42, 1000, "http://node:9400/metrics") == 9400
@@ -128,6 +129,39 @@ def test_listening_sockets_reads_the_tables_of_a_namespace_once_for_all_its_proc
     assert sockets.of(45) == {(9401, 1000)}
     # A new poll reads again.
     assert ListeningSockets(tmp_path).verified_port(43, 1000, "http://node:9401/metrics") == 9401
+
+
+def test_tables_read_while_a_process_left_its_namespace_are_not_lent_to_the_namespace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Process 42 unshares a namespace of its own while its tables are read, and listens there
+    # on a port that, in the namespace it left, another user's process holds.
+    _proc(tmp_path, 42, _row(0, 9400, "0A", 1000), "", namespace="net:[4026531840]")
+    _proc(tmp_path, 43, _row(0, 9400, "0A", 2000), "", namespace="net:[4026531840]")
+    read = trust._read_listening
+
+    def moving(pid: int, proc: Path) -> tuple[frozenset[tuple[int, int]], bool]:
+        found = read(pid, proc)
+        if pid == 42:
+            (proc / "42" / "ns" / "net").unlink()
+            (proc / "42" / "ns" / "net").symlink_to("net:[4026533000]")
+        return found
+
+    monkeypatch.setattr(trust, "_read_listening", moving)
+    sockets = ListeningSockets(tmp_path)
+
+    assert sockets.of(42) == {(9400, 1000)}  # what 42 itself has, this once
+    assert sockets.of(43) == {(9400, 2000)}  # the namespace it left, read for itself
+
+
+def test_tables_read_in_part_are_not_lent_to_the_namespace(tmp_path: Path) -> None:
+    # No tcp6 table (IPv6 off, or the process exiting as it was read): used, not shared.
+    _proc(tmp_path, 42, _row(0, 9400, "0A", 1000), namespace="net:[4026531840]")
+    _proc(tmp_path, 43, _row(0, 9401, "0A", 1000), "", namespace="net:[4026531840]")
+    sockets = ListeningSockets(tmp_path)
+
+    assert sockets.of(42) == {(9400, 1000)}
+    assert sockets.of(43) == {(9401, 1000)}
 
 
 def test_owner_may_speak_only_for_processes_of_its_own_uid() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import socket
 import urllib.parse
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -39,9 +40,15 @@ def offline() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def runs(offline: None) -> ModuleType:
     """``huggingface_runs``, imported by the first test here that runs (skipped without
-    transformers), once ``HF_HUB_OFFLINE`` is set: the hub reads it at import."""
-    pytest.importorskip("transformers")
-    import huggingface_runs
+    transformers), once ``HF_HUB_OFFLINE`` is set: the hub reads it at import.
+
+    Under the suite's own warning filter (every warning an error), not this module's: an
+    import that warns fails here as it would have failed collection.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pytest.importorskip("transformers")
+        import huggingface_runs
 
     return huggingface_runs
 

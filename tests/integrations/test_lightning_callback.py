@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import socket
 import urllib.parse
+import warnings
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -31,9 +32,15 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def fits() -> ModuleType:
-    """``lightning_fits``, imported by the first test here that runs (skipped without Lightning)."""
-    pytest.importorskip("pytorch_lightning")
-    import lightning_fits
+    """``lightning_fits``, imported by the first test here that runs (skipped without Lightning).
+
+    Under the suite's own warning filter (every warning an error), not this module's: an
+    import that warns fails here as it would have failed collection.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pytest.importorskip("pytorch_lightning")
+        import lightning_fits
 
     return lightning_fits
 
