@@ -4,19 +4,38 @@ and processes that announce their URL."""
 from __future__ import annotations
 
 import ctypes
+import importlib
 import json
 import subprocess
 import threading
 import time
 import urllib.request
+import warnings
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
+import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 import stabmon
+
+
+def import_on_framework(framework: str, module: str) -> ModuleType:
+    """``module``, a test helper that imports ``framework`` at its top, imported now; the test
+    is skipped where ``framework`` is not installed.
+
+    For a fixture: importing a framework at a test module's top costs every xdist worker
+    seconds at collection. The import runs under the suite's own filter (every warning an
+    error), not the calling module's, so one that warns fails as it would have failed
+    collection.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pytest.importorskip(framework)
+        return importlib.import_module(module)
 
 
 def tiny_model(seed: int = 0) -> torch.nn.Module:

@@ -28,13 +28,7 @@ from pathlib import Path
 
 from stabmon.safefs import read_regular
 
-__all__ = [
-    "ListeningSockets",
-    "listening_sockets",
-    "owner_may_speak_for",
-    "record_port",
-    "verified_port",
-]
+__all__ = ["ListeningSockets", "owner_may_speak_for", "record_port"]
 
 #: /proc/<pid>/net/tcp of a busy node is a few MB at most; more is not read.
 _MAX_TABLE_BYTES = 16 * 2**20
@@ -55,11 +49,6 @@ def record_port(metrics_url: str | None) -> int | None:
     except ValueError:  # port 99999, "abc", a broken IPv6 bracket
         return None
     return port if port is not None and 0 < port < 65536 else None
-
-
-def listening_sockets(pid: int, proc: Path = Path("/proc")) -> set[tuple[int, int]]:
-    """(port, uid) of every listening TCP socket in the network namespace of ``pid``."""
-    return set(_read_listening(pid, proc)[0])
 
 
 def _read_listening(pid: int, proc: Path) -> tuple[frozenset[tuple[int, int]], bool]:
@@ -86,7 +75,7 @@ def _read_listening(pid: int, proc: Path) -> tuple[frozenset[tuple[int, int]], b
 
 
 class ListeningSockets:
-    """:func:`listening_sockets` of each network namespace, read once: make one per poll.
+    """The listening TCP sockets of each network namespace, read once: make one per poll.
 
     A namespace is known by its ``/proc/<pid>/ns/net`` link, which names the same
     namespace for every process in it. Reading that link needs ptrace access to the
@@ -123,10 +112,3 @@ class ListeningSockets:
         if port is None:
             return None
         return port if (port, uid) in self.of(pid) else None
-
-
-def verified_port(
-    pid: int, uid: int, metrics_url: str | None, proc: Path = Path("/proc")
-) -> int | None:
-    """The record's port when ``pid``'s namespace has it listening as ``uid``; else None."""
-    return ListeningSockets(proc).verified_port(pid, uid, metrics_url)

@@ -12,13 +12,7 @@ from pathlib import Path
 import pytest
 
 from stabmon.daemon import trust
-from stabmon.daemon.trust import (
-    ListeningSockets,
-    listening_sockets,
-    owner_may_speak_for,
-    record_port,
-    verified_port,
-)
+from stabmon.daemon.trust import ListeningSockets, owner_may_speak_for, record_port
 
 _HEADER = (
     "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt"
@@ -82,11 +76,11 @@ def test_listening_sockets_reads_listen_rows_of_both_tables_and_skips_the_rest(
     )
     proc = _proc(tmp_path, 42, tcp, tcp6=_row(0, 9401, "0A", 0))
 
-    assert listening_sockets(42, proc) == {(9400, 1000), (9401, 0)}
+    assert ListeningSockets(proc).of(42) == {(9400, 1000), (9401, 0)}
 
 
 def test_listening_sockets_is_empty_when_the_process_has_no_tables(tmp_path: Path) -> None:
-    assert listening_sockets(7, tmp_path) == set()
+    assert ListeningSockets(tmp_path).of(7) == set()
 
 
 def test_listening_sockets_does_not_follow_a_symlinked_table(tmp_path: Path) -> None:
@@ -95,17 +89,19 @@ def test_listening_sockets_does_not_follow_a_symlinked_table(tmp_path: Path) -> 
     proc = _proc(tmp_path, 42, tcp=None)
     (proc / "42" / "net" / "tcp").symlink_to(elsewhere)
 
-    assert listening_sockets(42, proc) == set()
+    assert ListeningSockets(proc).of(42) == set()
 
 
 def test_verified_port_needs_the_port_listening_as_the_same_uid(tmp_path: Path) -> None:
-    proc = _proc(tmp_path, 42, _row(0, 9400, "0A", 1000) + _row(1, 9402, "0A", 2000))
+    sockets = ListeningSockets(
+        _proc(tmp_path, 42, _row(0, 9400, "0A", 1000) + _row(1, 9402, "0A", 2000))
+    )
 
-    assert verified_port(42, 1000, "http://gpu-node-3:9400/metrics", proc) == 9400
+    assert sockets.verified_port(42, 1000, "http://gpu-node-3:9400/metrics") == 9400
     # Another user's listener on the advertised port proves nothing for this record.
-    assert verified_port(42, 1000, "http://gpu-node-3:9402/metrics", proc) is None
-    assert verified_port(42, 1000, "http://gpu-node-3:9404/metrics", proc) is None
-    assert verified_port(42, 1000, None, proc) is None
+    assert sockets.verified_port(42, 1000, "http://gpu-node-3:9402/metrics") is None
+    assert sockets.verified_port(42, 1000, "http://gpu-node-3:9404/metrics") is None
+    assert sockets.verified_port(42, 1000, None) is None
 
 
 def test_listening_sockets_reads_the_tables_of_a_namespace_once_for_all_its_processes(

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import socket
 import urllib.parse
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -19,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 import torch
+from helpers import import_on_framework
 
 if TYPE_CHECKING:
     from huggingface_runs import Run
@@ -40,17 +40,8 @@ def offline() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def runs(offline: None) -> ModuleType:
     """``huggingface_runs``, imported by the first test here that runs (skipped without
-    transformers), once ``HF_HUB_OFFLINE`` is set: the hub reads it at import.
-
-    Under the suite's own warning filter (every warning an error), not this module's: an
-    import that warns fails here as it would have failed collection.
-    """
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        pytest.importorskip("transformers")
-        import huggingface_runs
-
-    return huggingface_runs
+    transformers), once ``HF_HUB_OFFLINE`` is set: the hub reads it at import."""
+    return import_on_framework("transformers", "huggingface_runs")
 
 
 @pytest.fixture(scope="module")

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import socket
 import urllib.parse
-import warnings
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
 
 import pytest
 import torch
+from helpers import import_on_framework
 
 if TYPE_CHECKING:
     from lightning_fits import Fit
@@ -32,17 +32,8 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def fits() -> ModuleType:
-    """``lightning_fits``, imported by the first test here that runs (skipped without Lightning).
-
-    Under the suite's own warning filter (every warning an error), not this module's: an
-    import that warns fails here as it would have failed collection.
-    """
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        pytest.importorskip("pytorch_lightning")
-        import lightning_fits
-
-    return lightning_fits
+    """``lightning_fits``, imported by the first test here that runs (skipped without Lightning)."""
+    return import_on_framework("pytorch_lightning", "lightning_fits")
 
 
 @pytest.fixture(scope="module")
