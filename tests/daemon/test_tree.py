@@ -7,12 +7,12 @@ a fixture ``/proc`` tree for the parsing and the reused-pid rule.
 from __future__ import annotations
 
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
+from helpers import wait_until
 
 from stabmon.daemon.tree import ProcessTree
 
@@ -23,17 +23,24 @@ def family() -> Iterator[psutil.Process]:
     shell = subprocess.Popen(["sh", "-c", "sleep 60 & sleep 60 & wait"])
     try:
         process = psutil.Process(shell.pid)
-        for _ in range(3000):  # bounded (30 s on a busy machine), never asserted as a duration
-            if len(process.children()) == 2:
-                break
-            time.sleep(0.01)
-        assert len(process.children()) == 2, "the shell did not start its two children"
+        wait_until(lambda: len(process.children()) == 2, "the shell started its two children")
         yield process
     finally:
         for child in psutil.Process(shell.pid).children(recursive=True):
             child.kill()
         shell.kill()
         shell.wait(10)
+
+
+@pytest.fixture
+def stranger() -> Iterator[psutil.Process]:
+    """A process started after ``family``, by this test rather than by the shell."""
+    late = subprocess.Popen(["sleep", "60"])
+    try:
+        yield psutil.Process(late.pid)
+    finally:
+        late.kill()
+        late.wait(10)
 
 
 def _stat(proc: Path, pid: int, parent: int, command: str = "python") -> None:
@@ -53,17 +60,14 @@ def test_descendants_are_what_psutil_finds(family: psutil.Process) -> None:
 
 
 def test_one_tree_reads_the_node_once_and_a_new_one_sees_what_started_since(
-    family: psutil.Process,
+    family: psutil.Process, request: pytest.FixtureRequest
 ) -> None:
     tree = ProcessTree()
     assert len(tree.descendants(family)) == 2
-    late = subprocess.Popen(["sleep", "30"])
-    try:
-        assert late.pid not in {p.pid for p in tree.descendants(psutil.Process())}
-        assert late.pid in {p.pid for p in ProcessTree().descendants(psutil.Process())}
-    finally:
-        late.kill()
-        late.wait(10)
+    late: psutil.Process = request.getfixturevalue("stranger")  # started after the reading
+
+    assert late.pid not in {p.pid for p in tree.descendants(psutil.Process())}
+    assert late.pid in {p.pid for p in ProcessTree().descendants(psutil.Process())}
 
 
 def test_parents_are_read_past_a_command_name_with_spaces_and_parentheses(
@@ -93,20 +97,15 @@ def test_a_reused_pid_older_than_the_process_is_not_its_descendant(
 
 
 def test_a_pid_whose_parent_changed_since_the_reading_is_not_a_descendant(
-    tmp_path: Path, family: psutil.Process
+    tmp_path: Path, family: psutil.Process, stranger: psutil.Process
 ) -> None:
-    # The reading says the shell started `late`; its real parent is this test (the shell's
-    # child exited, and its pid went to a process of someone else).
-    late = subprocess.Popen(["sleep", "60"])
-    try:
-        (child, _) = family.children()
-        _stat(tmp_path, child.pid, family.pid)
-        _stat(tmp_path, late.pid, family.pid)
+    # The reading says the shell started `stranger`; its real parent is this test (the
+    # shell's child exited, and its pid went to a process of someone else).
+    (child, _) = family.children()
+    _stat(tmp_path, child.pid, family.pid)
+    _stat(tmp_path, stranger.pid, family.pid)
 
-        assert [p.pid for p in ProcessTree(tmp_path).descendants(family)] == [child.pid]
-    finally:
-        late.kill()
-        late.wait(10)
+    assert [p.pid for p in ProcessTree(tmp_path).descendants(family)] == [child.pid]
 
 
 def test_processes_whose_parent_cannot_be_read_are_counted(
