@@ -449,7 +449,8 @@ def format_rss(result: dict[str, Any]) -> str:
 
 
 def format_exporter(result: dict[str, Any]) -> str:
-    lines = ["Exporter (real HTTP scrapes over loopback, median of 200):"]
+    rounds = result["scrape_rounds"]
+    lines = [f"Exporter (real HTTP scrapes over loopback, median of {rounds}):"]
     lines += [f"series per rank, {name}: {n}" for name, n in result["series_per_rank"].items()]
     lines.append(f"one scrape of one rank: {result['scrape_ms_one_rank']:.2f} ms")
     lines.append(f"one scrape of each of 8 ranks, in turn: {result['scrape_ms_8_ranks']:.2f} ms")

@@ -38,12 +38,18 @@ import stabmon
 from stabmon.config import load_config
 from stabmon.daemon.app import DaemonApp
 from stabmon.daemon.nvml import GpuProcess
+from stabmon.export.exporter import MAX_CONNECTIONS, MIN_REQUEST_SECONDS
 from stabmon.rundir import ProcessRecord, boot_id, write_atomic
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "daemon"))
 from fake_nvml import FakeGpu, FakeNvml  # noqa: E402 - the tests' programmable NVML
 
-SCRAPES = 200
+SCRAPES = 50
+#: Rounds start no closer together than this: each exporter serves at most MAX_CONNECTIONS
+#: requests per MIN_REQUEST_SECONDS (its flood limit), and a faster loop would time the
+#: wait for a free connection slot, not the scrape. Prometheus scrapes a target every few
+#: seconds, far below the limit.
+ROUND_SECONDS = MIN_REQUEST_SECONDS / (MAX_CONNECTIONS - 1)
 
 
 def _model(modules: int) -> nn.Module:
@@ -57,7 +63,7 @@ def _series(url: str) -> int:
 
 
 def _scrape_seconds(urls: list[str], rounds: int = SCRAPES) -> float:
-    """Median wall time of scraping every URL in ``urls`` once, in turn."""
+    """Median wall time of scraping every URL in ``urls`` once, in turn, paced as above."""
     times = []
     for _ in range(rounds):
         started = time.perf_counter()
@@ -65,6 +71,7 @@ def _scrape_seconds(urls: list[str], rounds: int = SCRAPES) -> float:
             with urllib.request.urlopen(url, timeout=5) as response:
                 response.read()
         times.append(time.perf_counter() - started)
+        time.sleep(max(0.0, ROUND_SECONDS - times[-1]))
     return statistics.median(times)
 
 
@@ -132,6 +139,7 @@ def measure(run_dir: Path) -> dict[str, Any]:
             "stabmon": stabmon.__version__,
             "series_per_rank": per_rank,
             "series_daemon_8_gpus_8_ranks": _series(daemon.url),
+            "scrape_rounds": SCRAPES,
             "scrape_ms_one_rank": 1000 * _scrape_seconds(urls[:1]),
             "scrape_ms_8_ranks": 1000 * _scrape_seconds(urls[:8]),
             "scrape_ms_daemon": 1000 * _scrape_seconds([daemon.url]),
@@ -155,7 +163,7 @@ def main() -> None:
     for name, count in result["series_per_rank"].items():
         print(f"series per rank, {name}: {count}")
     print(f"series of the daemon, 8 GPUs and 8 ranks: {result['series_daemon_8_gpus_8_ranks']}")
-    print(f"one scrape of a rank: {result['scrape_ms_one_rank']:.2f} ms (median of {SCRAPES})")
+    print(f"one scrape of a rank: {result['scrape_ms_one_rank']:.2f} ms (median of {result['scrape_rounds']})")
     print(f"scrapes of 8 ranks in turn: {result['scrape_ms_8_ranks']:.2f} ms")
     print(f"one scrape of the daemon: {result['scrape_ms_daemon']:.2f} ms")
     if args.json:
