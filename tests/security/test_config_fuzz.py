@@ -49,13 +49,19 @@ _scalars = st.one_of(
     st.text(max_size=64),
     st.binary(max_size=32).map(os.fsdecode),  # undecodable bytes become lone surrogates
 )
-_values = st.recursive(
-    _scalars,
-    lambda inner: st.one_of(
+
+
+def _containers(inner: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    return st.one_of(
         st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)
-    ),
-    max_leaves=20,
-)
+    )
+
+
+# Override values nest three deep: a section (daemon) whose values are containers. Deeper
+# nesting reaches no other code (a container where a scalar belongs is refused at any depth;
+# YAML text nests a hundred deep above); st.recursive made generation, not load_config, most
+# of each case's time.
+_values = st.one_of(_scalars, _containers(_scalars), _containers(_containers(_scalars)))
 _yaml = st.one_of(
     st.text(max_size=500),
     st.lists(st.sampled_from(_FRAGMENTS), max_size=120).map("".join),
