@@ -163,7 +163,8 @@ def main() -> None:
     for name, count in result["series_per_rank"].items():
         print(f"series per rank, {name}: {count}")
     print(f"series of the daemon, 8 GPUs and 8 ranks: {result['series_daemon_8_gpus_8_ranks']}")
-    print(f"one scrape of a rank: {result['scrape_ms_one_rank']:.2f} ms (median of {result['scrape_rounds']})")
+    rounds = result["scrape_rounds"]
+    print(f"one scrape of a rank: {result['scrape_ms_one_rank']:.2f} ms (median of {rounds})")
     print(f"scrapes of 8 ranks in turn: {result['scrape_ms_8_ranks']:.2f} ms")
     print(f"one scrape of the daemon: {result['scrape_ms_daemon']:.2f} ms")
     if args.json:

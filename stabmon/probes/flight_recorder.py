@@ -15,6 +15,14 @@ dictionary. The stall responder reads it from its own thread, only while
 stalled. :class:`FlightRecorder` is the tiny seam: ``dump`` is injected in tests
 (a recorded-shaped dump), found in torch otherwise; any failure of the real
 call or of the parse gives None, and the verdict falls back to the counter.
+
+The dump keys each group by an id torch counts up for every group the process
+ever made, and keeps a destroyed group's status: after ``destroy_process_group``
+and a new ``init_process_group`` (an in-process restart), id 0 is the dead
+group, and the live default group has a later id. So the default group is
+found by its own collective count (``ProcessGroup._get_sequence_number_for_group``,
+the number its latest enqueued collective carries): the lowest id whose last
+enqueued collective has that number.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ import pickle
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["FlightRecorder", "parse_dump", "torch_dump"]
+__all__ = ["FlightRecorder", "parse_dump", "torch_dump", "torch_sequence"]
 
 #: The default process group's id in the dump: its sequence numbers are comparable across
 #: every rank (subgroups have members of their own).
@@ -32,11 +40,16 @@ DEFAULT_GROUP = "0"
 MAX_DUMP_BYTES = 1 << 20
 
 
-def parse_dump(dump: bytes | Mapping[str, Any]) -> tuple[int, int, int] | None:
+def parse_dump(
+    dump: bytes | Mapping[str, Any], enqueued: int | None = None
+) -> tuple[int, int, int] | None:
     """``(enqueued, started, completed)`` of the default group, or None when absent.
 
     ``dump`` is the pickled dictionary the torch call returns (or it unpickled);
-    the numbers may be ints (pickle) or strings (the JSON dump).
+    the numbers may be ints (pickle) or strings (the JSON dump). ``enqueued`` is
+    the default group's own collective count: the group is the lowest id whose
+    last enqueued collective has that number. Without it, id 0 (the first group
+    the process made).
     """
     if isinstance(dump, bytes):
         if len(dump) > MAX_DUMP_BYTES:
@@ -46,7 +59,19 @@ def parse_dump(dump: bytes | Mapping[str, Any]) -> tuple[int, int, int] | None:
     if not isinstance(dump, Mapping):
         return None
     status = dump.get("pg_status")
-    group = status.get(DEFAULT_GROUP) if isinstance(status, Mapping) else None
+    if not isinstance(status, Mapping):
+        return None
+    if enqueued is None:
+        return _numbers(status.get(DEFAULT_GROUP))
+    ids = sorted(int(key) for key in status if isinstance(key, str) and key.isdecimal())
+    for group_id in ids:
+        numbers = _numbers(status[str(group_id)])
+        if numbers is not None and numbers[0] == enqueued:
+            return numbers
+    return None
+
+
+def _numbers(group: object) -> tuple[int, int, int] | None:
     if not isinstance(group, Mapping):
         return None
     numbers = []
@@ -83,23 +108,53 @@ def torch_dump() -> Callable[[], bytes] | None:
     return status
 
 
-class FlightRecorder:
-    """The default group's collective sequence numbers, or None; never raises."""
+def torch_sequence() -> Callable[[], int] | None:
+    """The default group's own collective count, where torch has a default group."""
+    try:
+        import torch.distributed as distributed
+    except ImportError:
+        return None
+    if not distributed.is_available() or not distributed.is_initialized():
+        return None
+    if not hasattr(distributed.group.WORLD, "_get_sequence_number_for_group"):
+        return None
 
-    def __init__(self, dump: Callable[[], bytes | Mapping[str, Any]] | None = None) -> None:
+    def sequence() -> int:
+        # Looked up at each read: a new init_process_group makes a new default group.
+        return int(distributed.group.WORLD._get_sequence_number_for_group())  # type: ignore[union-attr]
+
+    return sequence
+
+
+class FlightRecorder:
+    """The default group's collective sequence numbers, or None; never raises.
+
+    ``dump`` and ``sequence`` are injected in tests; without ``sequence`` the
+    default group is id 0.
+    """
+
+    def __init__(
+        self,
+        dump: Callable[[], bytes | Mapping[str, Any]] | None = None,
+        sequence: Callable[[], int] | None = None,
+    ) -> None:
         self._dump = dump
+        self._sequence = sequence
         self._found = dump is not None
         #: The last failure, for the evidence ("ImportError: ..."); None while all is well.
         self.error: str | None = None
 
     def progress(self) -> tuple[int, int, int] | None:
         if not self._found:
-            self._dump = torch_dump()  # the process group may come up after attach
+            # The process group may come up after attach.
+            self._dump, self._sequence = torch_dump(), torch_sequence()
             self._found = self._dump is not None
         if self._dump is None:
             return None
         try:
-            return parse_dump(self._dump())
+            dump = self._dump()
+            enqueued = self._sequence() if self._sequence is not None else None
+            return parse_dump(dump, enqueued)
         except Exception as error:  # noqa: BLE001 (a private torch API: contain whatever it does)
             self.error = f"{type(error).__name__}: {error}"[:200]
             return None

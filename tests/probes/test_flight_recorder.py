@@ -104,3 +104,42 @@ def test_flight_recorder_reads_the_real_gloo_groups_enqueued_collectives(gloo_gr
     after = recorder.progress()
     assert after is not None and after[0] == before[0] + 3
     assert recorder.error is None
+
+
+def test_parse_dump_finds_the_default_group_by_its_own_collective_count() -> None:
+    # After a destroyed group and a new init: id 0 is the dead group, 2 the live default
+    # group, 3 a live subgroup with a count of its own.
+    status = {
+        "0": {"last_enqueued_collective": 3, "last_completed_collective": 3},
+        "2": {"last_enqueued_collective": 6, "last_completed_collective": 5},
+        "3": {"last_enqueued_collective": 1, "last_completed_collective": 1},
+    }
+    assert parse_dump({"pg_status": status}, enqueued=6) == (6, -1, 5)
+    assert parse_dump({"pg_status": status}, enqueued=4) is None  # no group with that count
+    assert parse_dump({"pg_status": status}) == (3, -1, 3)  # no count known: id 0, as before
+
+
+def test_flight_recorder_reads_the_live_default_group_after_an_in_process_restart(
+    tmp_path: Path,
+) -> None:
+    if dist.is_initialized():
+        pytest.skip("a process group is already up in this test process")
+    tensor = torch.ones(3)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'first'}", rank=0,
+                            world_size=1)  # fmt: skip
+    try:
+        for _ in range(2):
+            dist.all_reduce(tensor)
+    finally:
+        dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'second'}", rank=0,
+                            world_size=1)  # fmt: skip
+    try:
+        if torch_dump() is None:
+            pytest.skip("Requires: a torch with the flight recorder dump")
+        for _ in range(5):
+            dist.all_reduce(tensor)
+        progress = FlightRecorder().progress()
+        assert progress is not None and progress[0] == 5  # not the destroyed group's 2
+    finally:
+        dist.destroy_process_group()
