@@ -45,9 +45,17 @@ def test_unknown_command_is_one_line_and_exit_2() -> None:
     assert result.stderr.count("\n") == 1 and "invalid choice" in result.stderr
 
 
+@pytest.fixture(scope="module")
+def served_demo(tmp_path_factory: pytest.TempPathFactory) -> subprocess.CompletedProcess[str]:
+    """``stabmon demo --fast --serve 3``, run once for the two tests that read its output."""
+    run_dir = tmp_path_factory.mktemp("demo")
+    return _stabmon("demo", "--fast", "--port", "0", "--run-dir", str(run_dir), "--serve", "3",
+                    timeout=300)  # fmt: skip
+
+
 @pytest.mark.slow
-def test_demo_detects_every_injected_fault(tmp_path: Path) -> None:
-    result = _stabmon("demo", "--fast", "--port", "0", "--run-dir", str(tmp_path), timeout=300)
+def test_demo_detects_every_injected_fault(served_demo: subprocess.CompletedProcess[str]) -> None:
+    result = served_demo
     assert result.returncode == 0, result.stderr[-2000:]
     assert "metrics at http://127.0.0.1:" in result.stdout
     summary = result.stdout.split("stabmon demo summary", 1)[1]
@@ -104,11 +112,12 @@ def test_daemon_with_an_unusable_tls_file_exits_2_naming_the_setting(tmp_path: P
     )
 
 
-def test_demo_serving_after_training_is_not_reported_as_a_stall(tmp_path: Path) -> None:
+def test_demo_serving_after_training_is_not_reported_as_a_stall(
+    served_demo: subprocess.CompletedProcess[str],
+) -> None:
     # --fast stalls once on purpose (2 s against a 0.8 s limit); serving 3 s after the last
     # step, idle in the "serve" phase, must not add a second stall.
-    result = _stabmon("demo", "--fast", "--port", "0", "--run-dir", str(tmp_path), "--serve", "3",
-                      timeout=300)  # fmt: skip
+    result = served_demo
     assert result.returncode == 0, result.stderr[-2000:]
     assert "for 3 s more" in result.stdout
     events_path = result.stdout.rsplit("event log: ", 1)[1].split()[0]
