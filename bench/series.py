@@ -47,8 +47,8 @@ from fake_nvml import FakeGpu, FakeNvml  # noqa: E402 - the tests' programmable 
 SCRAPES = 50
 #: Rounds start no closer together than this: each exporter serves at most MAX_CONNECTIONS
 #: requests per MIN_REQUEST_SECONDS (its flood limit), and a faster loop would time the
-#: wait for a free connection slot, not the scrape. Prometheus scrapes a target every few
-#: seconds, far below the limit.
+#: wait for a free connection slot, not the scrape. One slot is left spare for a round that
+#: runs late. Prometheus scrapes a target every few seconds, far below the limit.
 ROUND_SECONDS = MIN_REQUEST_SECONDS / (MAX_CONNECTIONS - 1)
 
 

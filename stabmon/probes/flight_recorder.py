@@ -20,9 +20,13 @@ The dump keys each group by an id torch counts up for every group the process
 ever made, and keeps a destroyed group's status: after ``destroy_process_group``
 and a new ``init_process_group`` (an in-process restart), id 0 is the dead
 group, and the live default group has a later id. So the default group is
-found by its own collective count (``ProcessGroup._get_sequence_number_for_group``,
-the number its latest enqueued collective carries): the lowest id whose last
-enqueued collective has that number.
+found by its own sequence number (``ProcessGroup._get_sequence_number_for_group``,
+the number its latest enqueued collective carries), read before and after the
+dump: the one id whose last enqueued collective has it. Two such ids (a dead
+group stopped at the same number) give None, not a guess. No such id (gloo's
+send and recv count in the sequence number but not in the dump; a backend
+without sequence numbers) falls back to id 0, the first group the process
+made: right unless the process re-created its default group.
 """
 
 from __future__ import annotations
@@ -33,23 +37,23 @@ from typing import Any
 
 __all__ = ["FlightRecorder", "parse_dump", "torch_dump", "torch_sequence"]
 
-#: The default process group's id in the dump: its sequence numbers are comparable across
-#: every rank (subgroups have members of their own).
-DEFAULT_GROUP = "0"
+#: The first group the process made: the default group unless the process re-created it. Only
+#: the default group's numbers are comparable across every rank (subgroups have members of
+#: their own).
+FIRST_GROUP = "0"
 #: A pg_status dump is a few hundred bytes; anything far larger is not what we asked for.
 MAX_DUMP_BYTES = 1 << 20
 
 
 def parse_dump(
-    dump: bytes | Mapping[str, Any], enqueued: int | None = None
+    dump: bytes | Mapping[str, Any], default_group_sequence: int | None = None
 ) -> tuple[int, int, int] | None:
     """``(enqueued, started, completed)`` of the default group, or None when absent.
 
     ``dump`` is the pickled dictionary the torch call returns (or it unpickled);
-    the numbers may be ints (pickle) or strings (the JSON dump). ``enqueued`` is
-    the default group's own collective count: the group is the lowest id whose
-    last enqueued collective has that number. Without it, id 0 (the first group
-    the process made).
+    the numbers may be ints (pickle) or strings (the JSON dump).
+    ``default_group_sequence`` picks the group as the module docstring says;
+    without it, id 0.
     """
     if isinstance(dump, bytes):
         if len(dump) > MAX_DUMP_BYTES:
@@ -61,14 +65,18 @@ def parse_dump(
     status = dump.get("pg_status")
     if not isinstance(status, Mapping):
         return None
-    if enqueued is None:
-        return _numbers(status.get(DEFAULT_GROUP))
-    ids = sorted(int(key) for key in status if isinstance(key, str) and key.isdecimal())
-    for group_id in ids:
-        numbers = _numbers(status[str(group_id)])
-        if numbers is not None and numbers[0] == enqueued:
-            return numbers
-    return None
+    if default_group_sequence is not None:
+        matching = [
+            numbers
+            for key, group in status.items()
+            if isinstance(key, str) and key.isascii() and key.isdigit()
+            and (numbers := _numbers(group)) is not None and numbers[0] == default_group_sequence
+        ]  # fmt: skip
+        if len(matching) == 1:
+            return matching[0]
+        if matching:
+            return None  # a dead group stopped at the same number: no guess
+    return _numbers(status.get(FIRST_GROUP))
 
 
 def _numbers(group: object) -> tuple[int, int, int] | None:
@@ -109,7 +117,7 @@ def torch_dump() -> Callable[[], bytes] | None:
 
 
 def torch_sequence() -> Callable[[], int] | None:
-    """The default group's own collective count, where torch has a default group."""
+    """The default group's sequence number, where torch has a default group."""
     try:
         import torch.distributed as distributed
     except ImportError:
@@ -152,9 +160,19 @@ class FlightRecorder:
         if self._dump is None:
             return None
         try:
+            before = self._default_group_sequence()
             dump = self._dump()
-            enqueued = self._sequence() if self._sequence is not None else None
-            return parse_dump(dump, enqueued)
+            after = self._default_group_sequence()
+            # A collective enqueued between the reads: the number says nothing of this dump.
+            return parse_dump(dump, before if before == after else None)
         except Exception as error:  # noqa: BLE001 (a private torch API: contain whatever it does)
             self.error = f"{type(error).__name__}: {error}"[:200]
+            return None
+
+    def _default_group_sequence(self) -> int | None:
+        if self._sequence is None:
+            return None
+        try:
+            return self._sequence()
+        except Exception:  # noqa: BLE001 (a backend without sequence numbers raises)
             return None

@@ -247,6 +247,9 @@ def test_a_checkpoint_that_never_ends_is_caught_once_the_phase_limit_passes_and_
     # One job for two questions: a hang inside a phase is caught by the phase's own limit,
     # and stall_action: exit ends a hung job (it would wait for ever without the action).
     run_dir = tmp_path / "runs"
+    # The grace must outlast the spread of the four stalls, the evidence's wait for the flight
+    # recorder and a poll of the responder, so every rank's stall and the verdict are written
+    # before the first rank exits (and torchrun stops the rest): 8 s leaves seconds to spare.
     job = _torchrun(processes, run_dir, "--mode", "checkpoint-hang", "--phase-limit", "8",
                     "--action", "exit", "--grace", "8")  # fmt: skip
     code = job.wait(timeout=240)

@@ -106,7 +106,7 @@ def test_flight_recorder_reads_the_real_gloo_groups_enqueued_collectives(gloo_gr
     assert recorder.error is None
 
 
-def test_parse_dump_finds_the_default_group_by_its_own_collective_count() -> None:
+def test_parse_dump_finds_the_default_group_by_its_own_sequence_number() -> None:
     # After a destroyed group and a new init: id 0 is the dead group, 2 the live default
     # group, 3 a live subgroup with a count of its own.
     status = {
@@ -114,9 +114,42 @@ def test_parse_dump_finds_the_default_group_by_its_own_collective_count() -> Non
         "2": {"last_enqueued_collective": 6, "last_completed_collective": 5},
         "3": {"last_enqueued_collective": 1, "last_completed_collective": 1},
     }
-    assert parse_dump({"pg_status": status}, enqueued=6) == (6, -1, 5)
-    assert parse_dump({"pg_status": status}, enqueued=4) is None  # no group with that count
-    assert parse_dump({"pg_status": status}) == (3, -1, 3)  # no count known: id 0, as before
+    assert parse_dump({"pg_status": status}, default_group_sequence=6) == (6, -1, 5)
+    # No group has it (gloo counts send and recv in the number, not in the dump): id 0.
+    assert parse_dump({"pg_status": status}, default_group_sequence=4) == (3, -1, 3)
+    assert parse_dump({"pg_status": status}) == (3, -1, 3)  # no number known: id 0
+
+
+def test_parse_dump_does_not_guess_between_two_groups_with_the_number() -> None:
+    status = {
+        "0": {"last_enqueued_collective": 4, "last_completed_collective": 4},  # dead
+        "1": {"last_enqueued_collective": 4, "last_completed_collective": 3},  # live
+    }
+    assert parse_dump({"pg_status": status}, default_group_sequence=4) is None
+
+
+@pytest.mark.parametrize("key", ["\u0663", "-1", "x", ""])
+def test_parse_dump_skips_ids_that_are_not_plain_numbers(key: str) -> None:
+    status = {key: {"last_enqueued_collective": 6}, "0": {"last_enqueued_collective": 2}}
+    assert parse_dump({"pg_status": status}, default_group_sequence=6) == (2, -1, -1)
+
+
+def test_flight_recorder_ignores_a_sequence_number_that_moved_or_failed() -> None:
+    status = {
+        "0": {"last_enqueued_collective": 3, "last_completed_collective": 3},
+        "1": {"last_enqueued_collective": 6, "last_completed_collective": 6},
+    }
+    numbers = iter([6, 7])  # a collective enqueued between the two reads
+
+    def unsupported() -> int:
+        raise RuntimeError("backend does not support sequence numbers")
+
+    moved = FlightRecorder(lambda: {"pg_status": status}, lambda: next(numbers))
+    assert moved.progress() == (3, -1, 3)
+    failing = FlightRecorder(lambda: {"pg_status": status}, unsupported)
+    assert failing.progress() == (3, -1, 3) and failing.error is None
+    steady = FlightRecorder(lambda: {"pg_status": status}, lambda: 6)
+    assert steady.progress() == (6, -1, 6)
 
 
 def test_flight_recorder_reads_the_live_default_group_after_an_in_process_restart(
