@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Callable, Mapping
+from types import ModuleType
 from typing import Any
 
 __all__ = ["FlightRecorder", "parse_dump", "torch_dump", "torch_sequence"]
@@ -97,15 +98,23 @@ def _numbers(group: object) -> tuple[int, int, int] | None:
     return numbers[0], numbers[1], numbers[2]
 
 
-def torch_dump() -> Callable[[], bytes] | None:
-    """torch's flight-recorder dump of the process-group status, where torch has one."""
+def _initialized_distributed() -> ModuleType | None:
+    """``torch.distributed`` once a default process group is up; else None."""
     try:
         import torch.distributed as distributed
-        from torch._C import _distributed_c10d as c10d
     except ImportError:
         return None
     if not distributed.is_available() or not distributed.is_initialized():
         return None
+    return distributed
+
+
+def torch_dump() -> Callable[[], bytes] | None:
+    """torch's flight-recorder dump of the process-group status, where torch has one."""
+    if _initialized_distributed() is None:
+        return None
+    from torch._C import _distributed_c10d as c10d
+
     dump = getattr(c10d, "_dump_fr_trace", None) or getattr(c10d, "_dump_nccl_trace", None)
     if dump is None:
         return None
@@ -118,18 +127,15 @@ def torch_dump() -> Callable[[], bytes] | None:
 
 def torch_sequence() -> Callable[[], int] | None:
     """The default group's sequence number, where torch has a default group."""
-    try:
-        import torch.distributed as distributed
-    except ImportError:
-        return None
-    if not distributed.is_available() or not distributed.is_initialized():
-        return None
-    if not hasattr(distributed.group.WORLD, "_get_sequence_number_for_group"):
+    distributed = _initialized_distributed()
+    if distributed is None or not hasattr(
+        distributed.group.WORLD, "_get_sequence_number_for_group"
+    ):
         return None
 
     def sequence() -> int:
         # Looked up at each read: a new init_process_group makes a new default group.
-        return int(distributed.group.WORLD._get_sequence_number_for_group())  # type: ignore[union-attr]
+        return int(distributed.group.WORLD._get_sequence_number_for_group())
 
     return sequence
 
