@@ -1,4 +1,5 @@
-"""The ``stabmon`` command: ``demo``, ``daemon``, ``check-config``, ``env``, ``report``, ``status``.
+"""The ``stabmon`` command: ``demo``, ``daemon``, ``check-config``, ``env``, ``report``,
+``compare``, ``status``.
 
 Errors are one line on stderr and exit code 2; nothing prints a traceback for
 a mistake the user can fix.
@@ -76,6 +77,8 @@ def _parser() -> argparse.ArgumentParser:
         help="whose per-module gradient norms to plot (default: the lowest rank)",
     )  # fmt: skip
 
+    _add_compare(commands)
+
     status = commands.add_parser(
         "status", help="scrape running exporters; one line per rank; exit 1 when any is unhealthy"
     )
@@ -95,6 +98,20 @@ def _parser() -> argparse.ArgumentParser:
         "--basic-auth-file", help="file whose first line is username:password (basic_auth_file)"
     )
     return parser
+
+
+def _add_compare(commands: argparse._SubParsersAction[_Parser]) -> None:
+    compare = commands.add_parser(
+        "compare",
+        help="why run B is slower, bigger or noisier than run A: exit 1 when B regressed",
+    )
+    compare.add_argument("run_a", metavar="RUN_A", help="the reference run: <run_dir>/<run_id>")
+    compare.add_argument("run_b", metavar="RUN_B", help="the run compared with it")
+    compare.add_argument("--rank", type=int, help="compare only this rank (default: every rank)")
+    compare.add_argument("--json", action="store_true", help="the comparison as JSON on stdout")
+    compare.add_argument(
+        "-o", "--output", help="also write an HTML page with both runs on the same plots"
+    )
 
 
 def _load_with_flags(
@@ -155,6 +172,44 @@ def _report(args: argparse.Namespace) -> int:
         print(f"stabmon report: {note}")
     print(f"stabmon report: {output} ({len(run.ranks)} rank(s) of run {run.run_id})")
     return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    import json
+
+    from stabmon.report.compare import compare_runs, read_for_compare
+    from stabmon.report.compare_text import format_comparison
+
+    output = Path(args.output) if args.output else None
+    if output is not None:
+        from stabmon.report.plots import require_matplotlib
+
+        require_matplotlib()  # before reading: a missing extra is the first thing to say
+        if not output.parent.is_dir():
+            raise StabmonError(
+                f"cannot write the page to {output}: the folder {output.parent} does not exist; "
+                "create it, or name a file in an existing folder with -o"
+            )
+    comparison = compare_runs(
+        read_for_compare(Path(args.run_a), "A"), read_for_compare(Path(args.run_b), "B"), args.rank
+    )
+    if output is not None:
+        from stabmon.report.compare_html import write_page
+
+        try:
+            write_page(comparison, output)
+        except OSError as error:  # a folder we may not write to, a full disk
+            raise StabmonError(
+                f"cannot write the page to {output}: {error.strerror or error}; "
+                "name a file in a folder you can write to with -o"
+            ) from None
+    if args.json:
+        print(json.dumps(comparison.to_json(), indent=2, allow_nan=False))
+    else:
+        print(format_comparison(comparison))
+        if output is not None:
+            print(f"\nstabmon compare: {output}")
+    return 1 if comparison.verdict.regressed else 0
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -264,6 +319,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _print_environment(args.json)
         if args.command == "report":
             return _report(args)
+        if args.command == "compare":
+            return _compare(args)
         if args.command == "status":
             return _status(args)
         if args.command == "demo":

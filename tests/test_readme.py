@@ -62,6 +62,7 @@ INLINE_CHECKS = {
     ". .venv/bin/activate": "the venv running the tests has bin/activate and bin/stabmon",
     "stabmon status": "the subcommand exists (test_readme_inline_stabmon_subcommands_exist)",
     "stabmon report": "the subcommand exists (test_readme_inline_stabmon_subcommands_exist)",
+    "stabmon compare RUN_A RUN_B": "the subcommand exists (test_readme_inline_stabmon_...)",
     "stabmon daemon": "the subcommand exists (test_readme_inline_stabmon_subcommands_exist)",
     "stabmon env": RUN_INLINE,
     "stabmon check-config stabmon.yaml": RUN_INLINE + ", beside a stabmon.yaml",

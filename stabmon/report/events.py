@@ -10,19 +10,21 @@ report of a running run is a snapshot.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
-from collections.abc import Iterator
+import stat
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from stabmon.errors import StabmonError
 from stabmon.rundir import ProcessRecord, boot_id, read_records, run_directory_name
-from stabmon.safefs import read_regular
+from stabmon.safefs import UnsafePathError
 
-__all__ = ["RankLog", "Run", "find_run", "number", "read_log", "read_run"]
+__all__ = ["RankLog", "Run", "Selector", "find_run", "number", "read_log", "read_run"]
 
 _LOG_NAME = re.compile(r"^rank-(\d+)\.events\.jsonl$")
 #: Records nest a few levels (environment, config); deeper is not a stabmon record.
@@ -34,8 +36,12 @@ _MAX_INT = 2**63
 _AFTER_STEP = frozenset(
     {"step_sample", "epoch", "detach", "resume", "throughput", "stall_end", "slowdown_end"}
 )
-#: An event log larger than this is not read whole (a month of step samples is ~100 MB).
+#: An event log larger than this is not read (a month of step samples is ~100 MB).
 MAX_LOG_BYTES = 2**30
+#: A line longer than this is skipped as malformed (a stall's every-thread stacks are ~100 KB).
+MAX_LINE_BYTES = 2**24
+#: ``select(rank, record)``: the record to keep (or a slimmer one), None to keep nothing.
+Selector = Callable[[int, dict[str, Any]], dict[str, Any] | None]
 
 
 @dataclass
@@ -159,56 +165,123 @@ def find_run(path: Path) -> tuple[Path, list[Path], list[str]]:
     return chosen, logs, notes
 
 
-def read_run(path: Path) -> Run:
-    """Read every rank's log of the run at ``path`` (see :func:`find_run`)."""
+def read_run(path: Path, *, select: Selector | None = None, follow_symlinks: bool = True) -> Run:
+    """Read every rank's log of the run at ``path`` (see :func:`find_run`).
+
+    ``select`` and ``follow_symlinks`` are :func:`read_log`'s, for every log.
+    """
     directory, logs, notes = find_run(path)
     registrations = _registrations(directory)
     ranks = []
     for log_path in logs:
-        log = read_log(log_path)
+        log = read_log(log_path, select=select, follow_symlinks=follow_symlinks)
         log.registration = registrations.get(log.rank)
         ranks.append(log)
     ranks.sort(key=lambda log: log.rank)
     return Run(directory, ranks, notes)
 
 
-def read_log(path: Path) -> RankLog:
-    """Every whole JSON record of ``path``; a cut-short or malformed line becomes a note."""
+def read_log(
+    path: Path, *, select: Selector | None = None, follow_symlinks: bool = True
+) -> RankLog:
+    """Every whole JSON record of ``path``; a cut-short or malformed line becomes a note.
+
+    The file is read a line at a time, so memory holds the records kept, not the file.
+    ``select(rank, record)`` returns the record to keep (it may slim it down) or None to
+    keep nothing (a reader that folds step samples into its own figures as they go).
+    ``follow_symlinks=False`` refuses a log that is a symbolic link (a note, not an error):
+    on a shared node, a log another user could have swapped for a link.
+    """
     match = _LOG_NAME.match(path.name)
     log = RankLog(rank=int(match.group(1)) if match else 0, path=path)
+    for record in _records(path, log.notes, follow_symlinks):
+        kept = record if select is None else select(log.rank, record)
+        if kept is not None:
+            log.records.append(kept)
+    return log
+
+
+def _records(path: Path, notes: list[str], follow_symlinks: bool) -> Iterator[dict[str, Any]]:
+    """The well-formed records of ``path`` in order; what is skipped goes to ``notes``."""
     try:  # never blocking (a FIFO under a log's name) and bounded
-        data = read_regular(path, MAX_LOG_BYTES, follow_symlinks=True)
+        stream = _open_log(path, follow_symlinks)
     except (OSError, ValueError) as error:
-        log.notes.append(f"{path.name}: not read ({error})")
-        return log
-    lines = data.split(b"\n")
-    bad: list[int] = []
-    for index, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        last = index == len(lines)  # no newline after it: the writer had not finished it
-        try:
-            record = json.loads(line)
-        except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        notes.append(f"{path.name}: not read ({error})")
+        return
+    bad: list[int] = []  # the first malformed lines' numbers
+    skipped = size = 0
+    with stream:
+        for index, line in enumerate(iter(lambda: stream.readline(MAX_LINE_BYTES + 1), b""), 1):
+            size += len(line)
+            if size > MAX_LOG_BYTES:  # it grew past the bound while being read
+                notes.append(f"{path.name}: only its first {MAX_LOG_BYTES} bytes were read")
+                break
+            last = not line.endswith(b"\n")  # the writer had not finished it
             record = None
-        if not isinstance(record, dict) or not _well_formed(record):
-            if last:
-                log.notes.append(
+            if len(line) > MAX_LINE_BYTES:  # no stabmon record is this long: skip to its end
+                last = _skip_line(stream)
+            elif not line.strip():
+                continue
+            else:
+                record = _parse(line)
+            if record is not None:
+                if last:
+                    notes.append(f"{path.name}: the last line has no newline (the process "
+                                 "stopped while writing)")  # fmt: skip
+                yield record
+            elif last:
+                notes.append(
                     f"{path.name}: the last line ({len(line)} bytes) is incomplete and was "
                     "skipped: the process was writing it when it was read or when it stopped"
                 )
             else:
-                bad.append(index)
-            continue
-        if last:
-            log.notes.append(
-                f"{path.name}: the last line has no newline (the process stopped while writing)"
-            )
-        log.records.append(record)
-    if bad:
-        shown = ", ".join(map(str, bad[:10])) + (" ..." if len(bad) > 10 else "")
-        log.notes.append(f"{path.name}: {len(bad)} malformed line(s) skipped (line {shown})")
-    return log
+                skipped += 1
+                bad += [index] if len(bad) < 10 else []
+    if skipped:
+        shown = ", ".join(map(str, bad)) + (" ..." if skipped > len(bad) else "")
+        notes.append(f"{path.name}: {skipped} malformed line(s) skipped (line {shown})")
+
+
+def _skip_line(stream: BinaryIO) -> bool:
+    """Read past the rest of an overlong line; True when it ended without a newline."""
+    while chunk := stream.readline(MAX_LINE_BYTES):
+        if chunk.endswith(b"\n"):
+            return False
+    return True
+
+
+def _open_log(path: Path, follow_symlinks: bool) -> BinaryIO:
+    """``path`` opened for reading as :func:`stabmon.safefs.read_regular` opens it: no final
+    symlink unless ``follow_symlinks``, never blocking, a regular file of at most
+    ``MAX_LOG_BYTES`` (else an error)."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_symlinks else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags)
+    except OSError as error:
+        if error.errno == errno.ELOOP:  # the final component is a symlink
+            raise UnsafePathError(
+                error.errno, "is a symbolic link; not followed", str(path)
+            ) from None
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise UnsafePathError(0, "not a regular file (a FIFO, device or directory)", str(path))
+        if info.st_size > MAX_LOG_BYTES:
+            raise ValueError(f"{path}: larger than {MAX_LOG_BYTES} bytes")
+    except BaseException:
+        os.close(fd)
+        raise
+    return open(fd, "rb", buffering=2**16)
+
+
+def _parse(line: bytes) -> dict[str, Any] | None:
+    """The record a line holds, or None when it is not a well-formed stabmon record."""
+    try:
+        record = json.loads(line)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        return None
+    return record if isinstance(record, dict) and _well_formed(record) else None
 
 
 def _well_formed(record: dict[str, Any]) -> bool:

@@ -21,7 +21,7 @@ from stabmon.report.goodput import goodput_section
 from stabmon.report.plots import KIND_COLORS, Plots, require_matplotlib
 from stabmon.report.verdict import judge, when
 
-__all__ = ["SECTION_IDS", "render", "write_report"]
+__all__ = ["SECTION_IDS", "STYLE", "render", "write_report"]
 
 SECTION_IDS = (
     "verdict",
@@ -36,7 +36,8 @@ SECTION_IDS = (
 )
 _STACK_CHARS = 6000
 
-_STYLE = """
+#: The page's inline style sheet (``stabmon compare``'s page uses it too).
+STYLE = """
 body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,"DejaVu Sans",sans-serif;margin:0;
  color:#1a202c;background:#f7fafc}
 main{max-width:1180px;margin:0 auto;padding:24px}
@@ -121,7 +122,7 @@ def render(run: Run, *, module_rank: int | None = None, now: float | None = None
     title = f"stabmon report: {run.run_id}"
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
-        f"<title>{escape(title)}</title><style>{_STYLE}</style></head><body><main>"
+        f"<title>{escape(title)}</title><style>{STYLE}</style></head><body><main>"
         f'<h1>{escape(title)}</h1><div class="sub">{escape(str(run.directory))} &middot; '
         f"generated {escape(generated)}{escape(snapshot)}</div>"
         + "".join(sections)

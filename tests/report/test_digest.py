@@ -1,0 +1,118 @@
+"""stabmon.report.digest: a run read for comparison, from event logs written by hand."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from compare_helpers import attach_record, throughput_records, write_run
+
+from stabmon.report import digest
+from stabmon.report.digest import read_digest
+
+
+def test_blocks_are_the_seconds_per_step_between_two_throughput_records(tmp_path: Path) -> None:
+    blocks = [{"forward": 0.01, "data_wait": 0.002}, {"forward": 0.03, "data_wait": 0.002}]
+    records = [attach_record(), *throughput_records(blocks)]
+    (rank,) = read_digest(write_run(tmp_path / "r", {0: records})).ranks
+
+    first, second = rank.blocks()
+
+    assert (first.first_step, first.last_step, second.first_step, second.last_step) == (
+        0,
+        9,
+        10,
+        19,
+    )
+    assert first.per_step == pytest.approx({"forward": 0.01, "data_wait": 0.002})
+    assert second.per_step["forward"] == pytest.approx(0.03)
+    assert second.step_seconds == pytest.approx(0.032)
+
+
+def test_blocks_start_again_from_zero_after_a_restart(tmp_path: Path) -> None:
+    before = throughput_records([{"forward": 0.01}] * 2)
+    after = throughput_records([{"forward": 0.05}])  # a new process: totals from 0 again
+    after[0]["step"] = 29  # resumed after step 19
+    records = [attach_record(), *before, attach_record(2000.0), *after]
+    (rank,) = read_digest(write_run(tmp_path / "r", {0: records})).ranks
+
+    blocks = rank.blocks()
+
+    assert [(b.first_step, b.last_step) for b in blocks] == [(0, 9), (10, 19), (20, 29)]
+    assert blocks[-1].per_step["forward"] == pytest.approx(0.05)
+
+
+def test_step_samples_are_folded_and_thinned_evenly_past_the_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(digest, "MAX_SAMPLES", 8)
+    samples = [{"time": 1000.0 + s, "event": "step_sample", "step": s, "step_seconds": 0.01,
+                "module_grad_norms": {"0": 1.0}} for s in range(40)]  # fmt: skip
+    (rank,) = read_digest(write_run(tmp_path / "r", {0: [attach_record(), *samples]})).ranks
+
+    steps = [sample.step for sample in rank.samples]
+
+    assert len(steps) < 8 and steps[0] == 0 and steps == sorted(steps)
+    assert len({b - a for a, b in zip(steps, steps[1:], strict=False)}) <= 2  # even strides
+    assert all(r.get("event") != "step_sample" for r in rank.log.records)
+
+
+def test_kept_records_lose_their_stacks(tmp_path: Path) -> None:
+    stall = {"time": 1001.0, "event": "anomaly", "kind": "stall", "step": 3, "stacks": "x" * 9000}
+    (rank,) = read_digest(write_run(tmp_path / "r", {0: [attach_record(), stall]})).ranks
+
+    (kept,) = rank.log.of("anomaly")
+
+    assert "stacks" not in kept and rank.anomalies() == [("stall", 3)]
+
+
+def test_environment_facts_leave_out_the_launch_variables(tmp_path: Path) -> None:
+    attach = attach_record(OMP_NUM_THREADS="4", MASTER_PORT="29500", RANK="0", WORLD_SIZE="2")
+    run = read_digest(write_run(tmp_path / "r", {0: [attach]}))
+
+    facts = run.ranks[0].environment()
+
+    assert facts["OMP_NUM_THREADS"] == "4" and facts["torch_version"] == "2.13.0+cpu"
+    assert "MASTER_PORT" not in facts and "RANK" not in facts and "WORLD_SIZE" not in facts
+    assert facts["cuda_devices"] == "none" and facts["CUDA_VISIBLE_DEVICES"] == "unset"
+    assert run.world_size() == 2
+
+
+def test_world_size_without_a_launcher_is_the_number_of_rank_logs(tmp_path: Path) -> None:
+    run = read_digest(write_run(tmp_path / "r", {0: [attach_record()], 1: [attach_record()]}))
+    assert run.world_size() == 2 and run.ranks_per_node() == 2
+
+
+def test_memory_peaks_and_leaks_come_from_epoch_records(tmp_path: Path) -> None:
+    epochs = [{"time": 1000.0 + e, "event": "epoch", "epoch": e, "step": 10 * e + 9,
+               "memory": {"cuda:0": 100.0 + e}, "peak": {"cuda:0": 500.0},
+               "leak_suspected": {"cuda:0": e == 2}} for e in range(3)]  # fmt: skip
+    (rank,) = read_digest(write_run(tmp_path / "r", {0: [attach_record(), *epochs]})).ranks
+
+    assert rank.memory() == {"cuda:0": [(9, 100.0), (19, 101.0), (29, 102.0)]}
+    assert rank.peaks() == {"cuda:0": 500.0}
+    assert rank.leaks() == {"cuda:0"}
+
+
+def test_a_symlinked_event_log_is_noted_and_not_read(tmp_path: Path) -> None:
+    elsewhere = write_run(tmp_path / "elsewhere", {0: [attach_record()]})
+    run_dir = write_run(tmp_path / "r", {0: [attach_record()]})
+    (run_dir / "rank-1.events.jsonl").symlink_to(elsewhere / "rank-0.events.jsonl")
+
+    run = read_digest(run_dir)
+
+    assert [len(rank.log.records) for rank in run.ranks] == [1, 0]
+    assert any("is a symbolic link; not followed" in note for note in run.notes)
+
+
+def test_a_field_of_the_wrong_type_reads_as_absent(tmp_path: Path) -> None:
+    bad = {"time": 1001.0, "event": "throughput", "step": 9, "steps": "ten",
+           "phase_seconds": ["forward"]}  # fmt: skip
+    sample = {"time": 1001.0, "event": "step_sample", "step": 5, "step_seconds": "nan",
+              "amp_loss_scale": {"x": 1}}  # fmt: skip
+    (rank,) = read_digest(write_run(tmp_path / "r", {0: [attach_record(), bad, sample]})).ranks
+
+    assert rank.blocks() == []
+    assert rank.samples[0].step_seconds is None and rank.samples[0].loss_scale is None
+    assert json.dumps(rank.environment())  # plain strings
