@@ -69,9 +69,22 @@ MULTI_RULE_ALERTS = {"StabmonTrainingStalled"}
 PROMETHEUS_SERIES = {"up"}
 
 
-def _alerts() -> list[dict[str, Any]]:
+def _rules() -> list[dict[str, Any]]:
     document = yaml.safe_load(RULES.read_text())
-    return [rule for group in document["groups"] for rule in group["rules"] if "alert" in rule]
+    return [rule for group in document["groups"] for rule in group["rules"]]
+
+
+def _alerts() -> list[dict[str, Any]]:
+    return [rule for rule in _rules() if "alert" in rule]
+
+
+def _recorded() -> dict[str, list[dict[str, Any]]]:
+    """The recording rules by the series they record, in file order."""
+    recorded: dict[str, list[dict[str, Any]]] = {}
+    for rule in _rules():
+        if "record" in rule:
+            recorded.setdefault(rule["record"], []).append(rule)
+    return recorded
 
 
 def _promtool() -> str:
@@ -144,10 +157,56 @@ def test_runbook_has_a_section_for_each_alert(alert: str) -> None:
 def test_rules_read_only_contract_series_and_never_select_by_job_or_instance(
     alert: str,
 ) -> None:
+    # Besides contract series, an alert may read what this file's recording rules record.
     for rule in _rules_of(alert):
         expr = _strip_comments(rule["expr"])
-        assert _series_names(expr) <= SERIES_NAMES | PROMETHEUS_SERIES, _series_names(expr)
+        allowed = SERIES_NAMES | PROMETHEUS_SERIES | set(_recorded())
+        assert _series_names(expr) <= allowed, _series_names(expr) - allowed
         assert not re.search(r"\b(job|instance)\s*(=|!=|=~|!~)", expr), "selects by job/instance"
+
+
+def test_recording_rules_read_contract_series_or_series_recorded_before_them() -> None:
+    # Before them in the same group: a group evaluates its rules in order, so a rule that read
+    # a series recorded later (or in another group) would read the previous evaluation's value.
+    document = yaml.safe_load(RULES.read_text())
+    recording = 0
+    for group in document["groups"]:
+        recorded: set[str] = set()
+        for rule in group["rules"]:
+            names = _series_names(rule["expr"])
+            if "record" in rule:
+                recording += 1
+                assert names <= SERIES_NAMES | PROMETHEUS_SERIES | recorded, (
+                    rule["record"],
+                    names - SERIES_NAMES - recorded,
+                )
+                expr = _strip_comments(rule["expr"])
+                assert not re.search(r"\b(job|instance)\s*(=|!=|=~|!~)", expr), rule["record"]
+                recorded.add(rule["record"])
+            else:
+                # An alert reads recorded series of its own group only.
+                assert names & set(_recorded()) <= recorded, (rule["alert"], group["name"])
+    assert recording > 0
+
+
+def test_recorded_series_are_named_level_metric_operations_once_each() -> None:
+    # Prometheus' convention: level:metric:operations, the metric one of the contract's (a
+    # counter without its _total once rated).
+    for name, rules in _recorded().items():
+        assert len(rules) == 1, f"{name} is recorded by {len(rules)} rules"
+        level, metric, operations = name.split(":")
+        assert re.fullmatch(r"[a-z]+(_[a-z]+)*", level), name
+        assert {metric, f"{metric}_total"} & METRIC_NAMES, (
+            f"{name}: {metric} is not in the contract"
+        )
+        assert re.fullmatch(r"[a-z0-9_]+", operations), name
+        assert not name.startswith("stabmon_"), name
+
+
+def test_the_contract_check_is_strict_about_series_the_file_does_not_record() -> None:
+    assert _series_names("run:stabmon_made_up:median10m > 1") == {"run:stabmon_made_up:median10m"}
+    assert "run:stabmon_made_up:median10m" not in SERIES_NAMES | set(_recorded())
+    assert _series_names("stabmon_not_in_the_contract") - SERIES_NAMES
 
 
 def test_every_rule_has_a_comment_explaining_its_threshold() -> None:
@@ -175,7 +234,7 @@ def test_promtool_check_rules() -> None:
         [_promtool(), "check", "rules", str(RULES)], capture_output=True, text=True, check=False
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert f"SUCCESS: {len(_alerts())} rules found" in result.stdout
+    assert f"SUCCESS: {len(_rules())} rules found" in result.stdout
 
 
 @pytest.mark.parametrize(
