@@ -19,6 +19,7 @@ from stabmon.errors import (
     StabmonError,
     TrainingStalled,
 )
+from stabmon.extension import Plugin
 
 if TYPE_CHECKING:
     from stabmon.monitor import Monitor, attach
@@ -43,6 +44,7 @@ __all__ = [
     "ConfigError",
     "DeviceMismatchError",
     "Monitor",
+    "Plugin",
     "StabmonError",
     "TrainingStalled",
     "__version__",

@@ -1,70 +1,102 @@
-"""The extension point: a probe or detector is one class, plugged into the Monitor in one place.
+"""The extension point: the ports every probe and detector plugs into, built-in or the user's.
 
-In the spirit of client_python's ``Collector`` and Lightning's ``Callback``: a plug-in
-implements the hooks it needs, of the five below, and is listed once, as a factory, in
-:data:`stabmon.plugins.PLUGINS`. At attach the Monitor calls each factory with the
-:class:`Attachment` (a factory returns None when its feature is configured off) and
-sorts what they return into one tuple per hook, so a hook costs nothing for plug-ins
-that do not implement it. Example (the whole of a probe that publishes a metric;
-docs/architecture.md, "Adding a probe", has the diff that adds it)::
+In the spirit of client_python's ``Collector`` and Lightning's ``Callback``: a plug-in is
+one class that implements the hooks it needs, of those below, built once at attach from
+the :class:`Context` (what it may call). The built-ins are listed in
+:data:`stabmon.plugins.PLUGINS`; a user passes their own to ``attach(plugins=[...])``. A
+factory (usually the class itself) returns None when its feature is configured off. The
+Monitor sorts the plug-ins into one tuple per hook, so a hook costs nothing for plug-ins
+that do not implement it. Example (a whole plug-in that publishes a metric;
+docs/architecture.md, "Adding a probe", has one that measures on the device)::
 
     class LearningRate:
         component = "exporter"       # its failures count in stabmon_internal_errors_total
 
-        def __init__(self, attachment: Attachment) -> None:
-            self._optimizer = attachment.optimizer
+        def __init__(self, context: Context) -> None:
+            self._optimizer = context.optimizer
 
         def readings(self) -> Iterable[Reading]:
             groups = self._optimizer.param_groups
             yield LEARNING_RATE, [((str(i),), float(g["lr"])) for i, g in enumerate(groups)]
 
+    mon = stabmon.attach(model, optimizer, plugins=[LearningRate])
+
 The hooks, each optional, each call contained by the guard under ``component``:
 
+- ``measure(step)`` and ``judge(step, values)`` (:class:`MeasuresOnDevice`): the
+  device-side port. ``measure`` runs on the training thread at every optimizer step,
+  before it (``measure_at = "before_step"``: the gradients are in place) or after it
+  (``"after_step"``: the new parameters), and returns a small 1-D tensor computed on the
+  device, or None when it has nothing to measure at this step. It must never read a value
+  back (no ``.item()``, ``.cpu()``, ``.tolist()`` or truth test of a device tensor): the
+  tensor is copied back asynchronously with the Monitor's other results and handed to
+  ``judge`` as host floats, a step or more later, under the judging lock.
+- ``grads_judged(step, summary)``: once per measured step's
+  :class:`~stabmon.probes.grads.GradSummary`, under the judging lock.
+- ``loss_judged(step, value)``: once per training loss observed, as a host float, under
+  the judging lock.
+- ``clip_judged(step, max_norm)``: the ``max_norm`` of each clip of the model's
+  gradients (``clip_grad_norm_``), under the judging lock; the step's pre-clip norms
+  come through ``grads_judged``, before or after it.
+- ``scale_judged(step, scale)``: the GradScaler's scale after each ``update()`` (a lower
+  scale than before means that step was skipped), under the judging lock.
 - ``step_end(steps)``: training thread, after an optimizer step, once ``steps`` (steps
   completed in this process) reaches the plug-in's ``next_step``; the Monitor compares
   one integer a step, the smallest ``next_step`` of all, re-read after each call.
+- ``epoch_memory(samples)``: training thread, at an epoch boundary, before the epoch's
+  record: the memory samples (bytes by device label: ``host``, ``cuda:N``); returns the
+  drift against a baseline by label (None while there is none) for that record.
 - ``epoch_end(step)``: training thread, at an epoch boundary, after memory was judged.
   ``step`` is the index of the epoch's last step, across resumes, as its ``epoch``
   record names it (docs/steps.md): after ``n`` steps, ``n - 1``; None before the first.
-- ``grads_judged(step, summary)``: whichever thread judges read-back results, under the
-  judging lock, once per measured step's :class:`~stabmon.probes.grads.GradSummary`;
-  ``step`` is the index of the measured step.
 - ``readings()``: the exporter thread, at scrape: ``(contract row, samples)`` pairs,
   each sample ``(label values, value)``; the ``rank`` and ``run`` labels are added.
+- ``state_dict()`` / ``load_state_dict(state)`` with ``state_key``: what a checkpoint
+  carries (``Monitor.state_dict()`` under ``state_key``), restored on resume. A
+  ``load_state_dict`` that raises ``TypeError`` or ``ValueError`` leaves every plug-in as
+  it was.
+- ``finish()``: under the judging lock at the last judgement (``detach()`` or the
+  interpreter's exit): write what is still open (an episode in progress).
 - ``detach()``: once, at ``Monitor.detach()``, before the threads stop.
 
-This module imports nothing from stabmon at run time (a checked leaf): the types
-below are for readers and mypy.
+Step numbers are 0-based global step indices across resumes (docs/steps.md). This module
+imports nothing from stabmon at run time (a checked leaf): the types below are for
+readers and mypy.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
 
     from stabmon.config import Config
     from stabmon.contract import MetricDef
-    from stabmon.judging import Judging
-    from stabmon.log import LogLimiter
     from stabmon.probes.grads import GradSummary
     from stabmon.probes.heartbeat import Heartbeat
     from stabmon.probes.memory import MemorySampler
     from stabmon.readings import Readings
-    from stabmon.recorder import Recorder
 
 __all__ = [
-    "Attachment",
+    "ClipJudged",
+    "Context",
     "Detaches",
     "EpochEnd",
+    "EpochMemory",
+    "Factory",
+    "Finishes",
     "GradsJudged",
+    "LossJudged",
+    "MeasuresOnDevice",
     "Plugin",
     "Publishes",
     "Reading",
+    "ScaleJudged",
+    "Stateful",
     "StepEnd",
 ]
 
@@ -72,30 +104,102 @@ __all__ = [
 Reading = tuple["MetricDef", Iterable[tuple[Sequence[str], float]]]
 
 
-@dataclass(frozen=True)
-class Attachment:
-    """What a plug-in may use, handed to its factory at attach (everything is the Monitor's)."""
+class Context(Protocol):
+    """What a plug-in may use and call, handed to its factory at attach.
 
+    Everything belongs to the Monitor; a plug-in keeps what it needs and nothing refers
+    back to the plug-in, so a dropped Monitor is still collected.
+    """
+
+    #: The Monitor's configuration (frozen).
     config: Config
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
+    #: What the exporter publishes (the built-in gauges and counters).
     readings: Readings
-    #: Judges, counts and writes events (hold ``judging`` to call it from another thread).
-    recorder: Recorder
-    limiter: LogLimiter
+    #: Host and device memory, sampled on demand.
     memory: MemorySampler
+    #: The loop's heartbeat: last beat, phase, median step time.
     heartbeat: Heartbeat
-    #: The judging engine (stabmon.judging): use the recorder under ``judging.lock``.
-    judging: Judging[Any]
     run_directory: Path
     rank: int
 
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps completed, across resumes: the index of the step in progress."""
+
+    @property
+    def last_step(self) -> int | None:
+        """The index of the last step completed, across resumes; None before the first."""
+
+    def anomaly(self, kind: str, step: int | None, message: str, **details: Any) -> None:
+        """Count an anomaly of ``kind`` (a contract kind), write its record and log
+        ``message`` (rate-limited). Say where (module, parameter, rank, batch) and what to
+        do in ``message``; ``details`` go into the record."""
+
+    def event(self, name: str, **fields: Any) -> None:
+        """Write one record to this rank's event log (JSON values only)."""
+
+    def log(self, key: str, level: int, message: str, *args: object) -> None:
+        """Log through the Monitor's limiter: at most a few lines a minute per ``key``."""
+
+    def judging(self) -> AbstractContextManager[object]:
+        """The judging lock: hold it to call ``anomaly``/``event`` from a thread of your own
+        (hooks called by the Monitor under the lock need not take it)."""
+
+
+#: Builds a plug-in from the Context at attach (or returns None: configured off).
+Factory = Callable[[Context], Any]
+
 
 class Plugin(Protocol):
-    """Any plug-in: the guard component its failures are counted against."""
+    """Any plug-in: the guard component its failures are counted against.
 
-    #: One of stabmon.contract.INTERNAL_COMPONENTS (a bounded label).
+    Implement any of the hooks of :mod:`stabmon.extension` (the protocols below); pass the
+    class to ``stabmon.attach(model, optimizer, plugins=[MyPlugin])``.
+    """
+
+    #: One of stabmon.contract.INTERNAL_COMPONENTS (a bounded label), e.g. "detectors".
     component: str
+
+
+@runtime_checkable
+class MeasuresOnDevice(Protocol):
+    component: str
+    #: When ``measure`` runs: "before_step" (gradients in place) or "after_step".
+    measure_at: Literal["before_step", "after_step"]
+
+    def measure(self, step: int) -> torch.Tensor | None: ...
+
+    def judge(self, step: int, values: list[float]) -> None: ...
+
+
+@runtime_checkable
+class GradsJudged(Protocol):
+    component: str
+
+    def grads_judged(self, step: int, summary: GradSummary) -> None: ...
+
+
+@runtime_checkable
+class LossJudged(Protocol):
+    component: str
+
+    def loss_judged(self, step: int, value: float) -> None: ...
+
+
+@runtime_checkable
+class ClipJudged(Protocol):
+    component: str
+
+    def clip_judged(self, step: int, max_norm: float) -> None: ...
+
+
+@runtime_checkable
+class ScaleJudged(Protocol):
+    component: str
+
+    def scale_judged(self, step: int, scale: float) -> None: ...
 
 
 @runtime_checkable
@@ -108,17 +212,17 @@ class StepEnd(Protocol):
 
 
 @runtime_checkable
+class EpochMemory(Protocol):
+    component: str
+
+    def epoch_memory(self, samples: Mapping[str, float]) -> Mapping[str, float | None]: ...
+
+
+@runtime_checkable
 class EpochEnd(Protocol):
     component: str
 
     def epoch_end(self, step: int | None) -> None: ...
-
-
-@runtime_checkable
-class GradsJudged(Protocol):
-    component: str
-
-    def grads_judged(self, step: int, summary: GradSummary) -> None: ...
 
 
 @runtime_checkable
@@ -129,7 +233,35 @@ class Publishes(Protocol):
 
 
 @runtime_checkable
+class Stateful(Protocol):
+    component: str
+    #: The key of this plug-in's state in Monitor.state_dict() (unique per Monitor).
+    state_key: str
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> None: ...
+
+
+@runtime_checkable
+class Finishes(Protocol):
+    component: str
+
+    def finish(self) -> None: ...
+
+
+@runtime_checkable
 class Detaches(Protocol):
     component: str
 
     def detach(self) -> None: ...
+
+
+#: Reserved state keys (the Monitor's own numbering).
+RESERVED_STATE_KEYS: Mapping[str, str] = {
+    "version": "the state format",
+    "step": "steps completed",
+    "epoch": "the epoch in progress",
+    "run_id": "the run",
+    "epochs_marked_by": "the epoch policy",
+}

@@ -3,9 +3,10 @@
 The hooks start measurements (the gradient probe's fused pass, the observed loss,
 the GradScaler's scale, a clip's ``max_norm``) and submit them, tagged, to the
 readback queue of the judging engine (:mod:`stabmon.judging`); :meth:`Measurements.consume`
-hands each result on the host to the recorder and to the plug-ins that judge
-gradients (:mod:`stabmon.extension`). Never a sync: device values are copied back
-asynchronously (:mod:`stabmon.readback`) and read later.
+hands each result on the host to the judge its tag names: the recorder and the
+plug-ins' hooks (:mod:`stabmon.extension`), the same call for every kind of result.
+Never a sync: device values are copied back asynchronously (:mod:`stabmon.readback`)
+and read later.
 
 The caller holds the engine's lock around :meth:`Measurements.poll` and
 :meth:`Measurements.scale`; every other method takes it itself.
@@ -13,8 +14,8 @@ The caller holds the engine's lock around :meth:`Measurements.poll` and
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Literal, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
@@ -24,7 +25,6 @@ from stabmon.hooks import unwrap_model
 from stabmon.judging import MAX_WAITING_RESULTS, Judging
 from stabmon.log import LogLimiter
 from stabmon.plugins import Plugged
-from stabmon.probes.device_timing import DeviceTimer
 from stabmon.probes.grads import GradLayout, GradProbe, build_grad_probe
 from stabmon.readings import Readings
 from stabmon.recorder import Recorder
@@ -34,28 +34,24 @@ __all__ = ["Measurements", "build_probe", "param_signature"]
 #: Builds a named tuple in C, without the Python ``__new__`` that NamedTuple generates.
 _tuple_new = tuple.__new__
 
+#: Judges one read-back result on the host: (step, values, extra), under the judging lock.
+Judge = Callable[[int, list[float], Any], None]
 
-# Named tuples, not frozen dataclasses: one is built per measured step.
-class _GradTag(NamedTuple):
-    """Built with ``_tuple_new`` on the hot path (see :class:`~stabmon.probes.grads.GradSample`).
 
-    It carries the layout the step was measured with, which reads the values even when
-    the probe was rebuilt while they waited (a new param group, a model moved or cast),
-    and no tensor: results wait to be judged in batches, and a tensor would wait with them.
+# A named tuple, not a frozen dataclass: one is built per measured step.
+class Tag(NamedTuple):
+    """What a read-back result is and who judges it; built with ``_tuple_new`` on the hot
+    path (see :class:`~stabmon.probes.grads.GradSample`).
+
+    The consumer calls ``judge(step, values, extra)`` for every result alike. A gradient
+    result's ``extra`` is the layout it was measured with, which reads the values even when
+    the probe was rebuilt while they waited (a new param group, a model moved or cast); a
+    tag holds no tensor: results wait to be judged in batches, and a tensor would wait too.
     """
 
+    judge: Judge
     step: int
-    layout: GradLayout
-
-
-class _ValueTag(NamedTuple):
-    """Built with ``_tuple_new`` on the hot path (see :class:`~stabmon.probes.grads.GradSample`)."""
-
-    kind: Literal["loss", "scale", "clip"]
-    step: int
-
-
-Tag = _GradTag | _ValueTag
+    extra: Any
 
 
 def param_signature(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
@@ -78,7 +74,7 @@ def build_probe(
 
 
 class Measurements:
-    """The gradient probe, the readback queue's tags, and the consumer of what comes back."""
+    """The gradient probe, the readback queue's tags, and the judges of what comes back."""
 
     def __init__(
         self,
@@ -106,18 +102,32 @@ class Measurements:
         self.engine: Judging[Tag] = Judging(
             self.consume, guard=guard, judge_seconds=config.judge_seconds
         )
+        #: Measures the gradients (None: it could not be built; it is built again at the
+        #: next measured step).
         self.probe: GradProbe | None = None
         self._signature = param_signature(optimizer)
         # A measurement taken by a clip call before the step it belongs to (pre-clip norms):
         # (steps completed when taken, sample, layout), used by that step's pre-hook.
-        self.preclip: tuple[int, Any, GradLayout] | None = None
+        self._preclip: tuple[int, Any, GradLayout] | None = None
         # Lightning measures at on_before_optimizer_step, before it clips: its clip belongs
-        # to the step just measured (set through Monitor._clips_after_measuring()).
-        self.clip_after_measure = False
-        #: Polled with the readback queue (set once the loop's device is known).
-        self.device_timer: DeviceTimer | None = None
+        # to the step just measured (see clips_after_measuring()).
+        self._clip_after_measure = False
+        # Each kind of result's judge, bound once: a tag carries it, so none is built a step.
+        self._judge_grads_ref: Judge = self._judge_grads
+        self._judge_loss_ref: Judge = self._judge_loss
+        self._judge_clip_ref: Judge = self._judge_clip
+        self._judge_scale_ref: Judge = self._judge_scale
         with guard.contain("grads"):
             self.probe = build_probe(model, optimizer, config, limiter)
+
+    def clips_after_measuring(self) -> None:
+        """For adapters that step the Monitor before the framework clips (Lightning)."""
+        self._clip_after_measure = True
+
+    def forget_preclip(self) -> None:
+        """New gradients are coming (a forward), or the clip's step was skipped: a
+        measurement a clip took before is stale."""
+        self._preclip = None
 
     # --- training thread --------------------------------------------------------------------
 
@@ -137,46 +147,52 @@ class Measurements:
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """At a measured step's pre-hook: measure the gradients (or use the clip's)."""
         try:
-            preclip = self.preclip
+            preclip = self._preclip
             if preclip is not None and preclip[0] == self._readings.steps:
                 # Measured by this step's clip call, before clipping scaled the gradients.
-                self.preclip = None
+                self._preclip = None
                 sample, layout = preclip[1], preclip[2]
             else:
                 probe = self.current_probe(optimizer)
                 sample = probe.measure()
                 layout = probe.layout  # measure() rebuilt it first if the model moved
             if sample is not None:
-                tag = _tuple_new(_GradTag, (self._recorder.global_step, layout))
+                tag = _tuple_new(Tag, (self._judge_grads_ref, self._recorder.global_step, layout))
                 with self.engine.lock:
                     self.engine.readback.submit(tag, sample.packed)
         except Exception as error:
             self._guard.record("grads", error)
 
+    def submit_device(self, judge: Judge, step: int, values: torch.Tensor) -> None:
+        """A device plug-in's measurement (:mod:`stabmon.extension`), judged by ``judge``."""
+        with self.engine.lock:
+            self.engine.readback.submit(_tuple_new(Tag, (judge, step, None)), values)
+
     def clip(self, max_norm: float) -> None:
         """A clip of our parameters is about to scale the gradients: measure them first.
 
         The measurement is the one the step pre-hook would take (moved earlier, same cost);
-        ``max_norm`` goes to the recorder for the clip coefficient. Never a sync.
+        ``max_norm`` goes to the clip judges. Never a sync.
         """
         try:
             step = self._recorder.global_step
-            if self.clip_after_measure:
+            if self._clip_after_measure:
                 step = max(step - 1, 0)  # Lightning: the step was measured (and counted) already
             elif self._readings.steps % self._config.measure_every == 0:
                 probe = self.current_probe(self._optimizer)
                 sample = probe.measure()
-                self.preclip = (
+                self._preclip = (
                     None if sample is None else (self._readings.steps, sample, probe.layout)
                 )
+            tag = _tuple_new(Tag, (self._judge_clip_ref, step, None))
             with self.engine.lock:
-                self.engine.readback.submit(_tuple_new(_ValueTag, ("clip", step)), [max_norm])
+                self.engine.readback.submit(tag, [max_norm])
         except Exception as error:
             self._guard.record("grads", error)
 
     def loss(self, loss: torch.Tensor | float, step: int) -> None:
         """Submit an observed loss for ``step`` (a tensor is kept on device, read later)."""
-        tag = _tuple_new(_ValueTag, ("loss", step))
+        tag = _tuple_new(Tag, (self._judge_loss_ref, step, None))
         if isinstance(loss, torch.Tensor):
             if loss.is_complex():
                 raise TypeError(
@@ -200,7 +216,7 @@ class Measurements:
 
     def scale(self, scale: torch.Tensor, step: int) -> None:
         """Submit the GradScaler's new scale (a device scalar), read for ``step``; lock held."""
-        self.engine.readback.submit(_ValueTag("scale", max(step, 0)), scale)
+        self.engine.readback.submit(Tag(self._judge_scale_ref, max(step, 0), None), scale)
 
     def rebuild_if_trainable_changed(self) -> None:
         """At an epoch end: a parameter frozen or unfrozen since attach is measured anew."""
@@ -213,37 +229,35 @@ class Measurements:
         """Collect finished reads every step; judge them once ``judge_seconds`` have passed."""
         engine = self.engine
         try:
-            waiting = engine.readback.collect()
-            if waiting and (
-                now - engine.judged_at >= engine.judge_seconds or waiting >= MAX_WAITING_RESULTS
-            ):
-                engine.judged_at = now
+            if engine.due(now, engine.readback.collect()):
                 self.consume(engine.readback.poll())
-            if self.device_timer is not None:
-                self.device_timer.poll()
         except Exception as error:
             self._guard.record("readback", error)
 
     def finish(self) -> None:
-        """The device timer's last events and the step sample still waiting for a value."""
-        if self.device_timer is not None:
-            self.device_timer.poll()
+        """The last judgement's end: the step sample still waiting for a value, and what the
+        plug-ins still hold open."""
         self._recorder.flush_sample()
+        self._plugged.finish()
 
     def consume(self, results: Sequence[tuple[Tag, list[float]]]) -> None:
-        recorder = self._recorder
         for tag, values in results:
             try:  # per result, so one bad value does not lose the others
-                if isinstance(tag, _GradTag):
-                    layout = tag.layout  # the one it was measured with, however old
-                    summary = layout.summarize(values)
-                    recorder.grads(tag.step, summary, layout.nonfinite_offenders)
-                    self._plugged.grads_judged(tag.step, summary)
-                elif tag.kind == "loss":
-                    recorder.loss(tag.step, values[0])
-                elif tag.kind == "clip":
-                    recorder.clip(tag.step, values[0])
-                else:
-                    recorder.scale(tag.step, values[0])
+                tag.judge(tag.step, values, tag.extra)
             except Exception as error:
                 self._guard.record("detectors", error)
+
+    def _judge_grads(self, step: int, values: list[float], layout: GradLayout) -> None:
+        summary = layout.summarize(values)  # the layout it was measured with, however old
+        self._recorder.grads(step, summary)
+        self._plugged.grads_judged(step, summary)
+
+    def _judge_loss(self, step: int, values: list[float], extra: object) -> None:
+        self._recorder.loss(step, values[0])
+        self._plugged.loss_judged(step, values[0])
+
+    def _judge_clip(self, step: int, values: list[float], extra: object) -> None:
+        self._plugged.clip_judged(step, values[0])
+
+    def _judge_scale(self, step: int, values: list[float], extra: object) -> None:
+        self._plugged.scale_judged(step, values[0])

@@ -1,6 +1,6 @@
 """The Monitor: the public API, wired at attach to the parts that do the work.
 
-``Monitor`` holds no math and no judgement. :mod:`stabmon.assembly` builds its parts;
+``Monitor`` holds no math and no judgement. :class:`~stabmon.assembly.Assembly` builds its parts;
 :class:`~stabmon.step_hooks.StepHooks` holds what the hooks do; :mod:`stabmon.judging`
 decides when read-back results are judged; :class:`~stabmon.resources.Resources` holds
 what ``detach()`` closes. Nothing a thread or a hook holds refers back to the Monitor
@@ -16,7 +16,7 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
@@ -24,10 +24,11 @@ from typing import Any, TypeVar
 import torch
 from prometheus_client import CollectorRegistry
 
-from stabmon import assembly
+from stabmon.assembly import Assembly
 from stabmon.config import Config, load_config
 from stabmon.contract import INTERNAL_COMPONENTS
 from stabmon.errors import StabmonError
+from stabmon.extension import Factory
 from stabmon.guard import Guard
 from stabmon.hooks import HookSet
 from stabmon.log import LOGGER, LogLimiter
@@ -56,6 +57,7 @@ def attach(
     scaler: object | None = None,
     config: str | os.PathLike[str] | Mapping[str, Any] | Config | None = None,
     clock: Callable[[], float] | None = None,
+    plugins: Sequence[Factory] = (),
     **overrides: Any,
 ) -> Monitor:
     """Attach a Monitor to ``model`` and ``optimizer`` and start exporting.
@@ -63,10 +65,13 @@ def attach(
     ``config`` is a YAML path or a mapping; ``overrides`` are config keys
     (``port=0``, ``stall_seconds=5``). ``clock`` is the loop clock (seconds, monotonic;
     ``time.perf_counter`` by default) that times steps and ages the heartbeat for the
-    stall watchdog: tests and simulations inject one. Raises :class:`~stabmon.ConfigError`
-    for bad config, :class:`~stabmon.AlreadyAttachedError` when either object already
-    has a Monitor, and :class:`~stabmon.StabmonError` when the hooks cannot be
-    installed; nothing else, and never after it returned.
+    stall watchdog: tests and simulations inject one. ``plugins`` are your own probes and
+    detectors (:class:`stabmon.Plugin`; each a class, or a callable, taking the
+    :class:`~stabmon.extension.Context`), plugged in after the built-ins. Raises
+    :class:`~stabmon.ConfigError` for bad config, :class:`~stabmon.AlreadyAttachedError`
+    when either object already has a Monitor, and :class:`~stabmon.StabmonError` when the
+    hooks cannot be installed or ``plugins`` are not plug-ins; nothing else, and never
+    after it returned.
 
     Example::
 
@@ -79,7 +84,9 @@ def attach(
             mon.observe(loss=loss)
         mon.detach()
     """
-    return Monitor(model, optimizer, scaler=scaler, config=config, clock=clock, **overrides)
+    return Monitor(
+        model, optimizer, scaler=scaler, config=config, clock=clock, plugins=plugins, **overrides
+    )
 
 
 class Monitor:
@@ -93,6 +100,7 @@ class Monitor:
         scaler: object | None = None,
         config: str | os.PathLike[str] | Mapping[str, Any] | Config | None = None,
         clock: Callable[[], float] | None = None,
+        plugins: Sequence[Factory] = (),
         **overrides: Any,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -116,7 +124,7 @@ class Monitor:
         self._detached = False
         try:
             self._start(model, optimizer, scaler, identity.local_rank, identity.local_world_size,
-                        clock or time.perf_counter)  # fmt: skip
+                        clock or time.perf_counter, _plugin_factories(plugins))  # fmt: skip
         except BaseException:
             self._finalizer()  # undo whatever was started; the model is left as it was
             raise
@@ -129,19 +137,19 @@ class Monitor:
         local_rank: int,
         local_world_size: int,
         clock: Callable[[], float],
+        plugins: Sequence[Factory],
     ) -> None:
         cfg, guard, resources = self.config, self._guard, self._resources
-        parts = assembly.build(
-            cfg, model, optimizer, run_id=self.run_id, rank=self.rank, guard=guard,
-            limiter=self._limiter, resources=resources, clock=clock,
+        parts = Assembly(
+            cfg, model, optimizer, run_id=self.run_id, rank=self.rank, plugins=plugins,
+            guard=guard, limiter=self._limiter, resources=resources, clock=clock,
         )  # fmt: skip
         self._adopt(parts)
         self._steps = steps = StepHooks(
             parts, model=model, scaler=scaler, guard=guard, measure_every=cfg.measure_every,
             window_steps=cfg.window_steps,
         )  # fmt: skip
-        assembly.serve(parts, cfg, resources, guard=guard, limiter=self._limiter,
-                       local_rank=local_rank, local_world_size=local_world_size)  # fmt: skip
+        parts.serve(local_rank=local_rank, local_world_size=local_world_size)
         register(
             resources, parts.paths, run_id=self.run_id, local_rank=local_rank,
             devices=parts.devices, metrics_url=self.metrics_url, stall_seconds=cfg.stall_seconds,
@@ -151,18 +159,14 @@ class Monitor:
         # results are judged before the record says how the process ended.
         resources.judge_at_exit = functools.partial(judge_at_exit, weakref.ref(steps))
         atexit.register(resources.judge_at_exit)
-        assembly.start_threads(
-            parts, cfg, resources, guard=guard, run_id=self.run_id, rank=self.rank,
-            judge_quiet=functools.partial(judge_if_quiet, weakref.ref(steps)), clock=clock,
-        )  # fmt: skip
+        parts.start_threads(functools.partial(judge_if_quiet, weakref.ref(steps)))
         assert resources.hooks is not None  # set in __init__ before _start
         steps.install(resources.hooks)
-        assembly.announce(
-            parts, cfg, model, optimizer, guard=guard, run_id=self.run_id, rank=self.rank,
-            metrics_url=self.metrics_url, event_log_path=self.event_log_path,
-        )  # fmt: skip
+        parts.announce(
+            model, optimizer, metrics_url=self.metrics_url, event_log_path=self.event_log_path
+        )
 
-    def _adopt(self, parts: assembly.Parts) -> None:
+    def _adopt(self, parts: Assembly) -> None:
         """The parts the public methods use, as attributes (one lookup each per call)."""
         self._readings, self._recorder = parts.readings, parts.recorder
         self._measurements = parts.measurements
@@ -342,6 +346,7 @@ class Monitor:
         """
         self._engine.judge_waiting(wait_seconds=1.0)
         state = self._recorder.state_dict()
+        state.update(self._plugged.state_dict())
         state["run_id"] = self.run_id
         state["epochs_marked_by"] = self._steps.epochs.state()
         return state
@@ -355,7 +360,10 @@ class Monitor:
         # Results of the steps before the resume are judged against the old baselines; copies
         # in flight get a second, as in state_dict().
         self._engine.judge_waiting(wait_seconds=1.0)
-        self._recorder.load_state_dict(state)
+        plugged = self._plugged
+        self._recorder.load_state_dict(
+            state, required=plugged.state_keys, restore=plugged.load_state_dict
+        )
         with self._guard.contain("detectors"):
             self._throughput.restart(self._timer.clock())  # the first steps after a resume
         self._steps.epochs.load(state.get("epochs_marked_by"))
@@ -365,13 +373,13 @@ class Monitor:
         if self._detached:
             return
         deadline = time.monotonic() + DETACH_SECONDS  # one bound for the whole detach
-        self._engine.judge_last(1.0, self._measurements.finish)  # bounded: never hang a detach
+        self._engine.judge_last(1.0, self._steps.finish)  # bounded: never hang a detach
         with self._guard.contain("detectors"):
             self._throughput.close()
             self._throughput.record(self._timer.clock())  # the totals goodput reads
         self._plugged.detach()
         self._detached = True
-        self._engine.closed = True
+        self._engine.close()
         self._recorder.detached()
         if self._finalizer.detach() is not None:  # not yet closed (nor collected)
             now = time.monotonic()
@@ -391,4 +399,20 @@ class Monitor:
 
     def _clips_after_measuring(self) -> None:
         """For adapters that step the Monitor before the framework clips (Lightning)."""
-        self._measurements.clip_after_measure = True
+        self._measurements.clips_after_measuring()
+
+
+def _plugin_factories(plugins: Sequence[Factory]) -> tuple[Factory, ...]:
+    """``attach(plugins=...)``, checked: a sequence of callables (classes or factories)."""
+    if isinstance(plugins, (str, bytes)) or not isinstance(plugins, Sequence):
+        raise StabmonError(
+            f"attach(plugins=...) takes a list of plug-in classes (or factories taking the "
+            f"stabmon.extension.Context), got {type(plugins).__name__}"
+        )
+    for plugin in plugins:
+        if not callable(plugin):
+            raise StabmonError(
+                f"attach(plugins=...) got {plugin!r}, which is not callable: pass the plug-in "
+                "class (stabmon builds it with the Context at attach), not an instance"
+            )
+    return tuple(plugins)

@@ -1,6 +1,6 @@
 """What the Monitor's hooks do at each boundary of a training step (training thread).
 
-:class:`StepHooks` holds the parts the hooks use (:class:`~stabmon.assembly.Parts`) as
+:class:`StepHooks` holds the parts the hooks use (:class:`~stabmon.assembly.Assembly`) as
 attributes of its own, bound once at attach, so a hook body costs what it cost as a
 method of the Monitor: one attribute lookup per part, no hop through the Monitor
 (``bench/instructions.py`` counts it). :mod:`stabmon.hooks` registers its bound methods
@@ -32,7 +32,7 @@ from stabmon.probes.clipping import watch_clipping
 from stabmon.probes.timing import timed_iteration
 
 if TYPE_CHECKING:
-    from stabmon.assembly import Parts
+    from stabmon.assembly import Assembly
 
 __all__ = ["StepHooks", "clip_seen", "judge_at_exit", "judge_if_quiet", "owns_param"]
 
@@ -44,7 +44,7 @@ class StepHooks:
 
     def __init__(
         self,
-        parts: Parts,
+        parts: Assembly,
         *,
         model: torch.nn.Module,
         scaler: object | None,
@@ -61,6 +61,7 @@ class StepHooks:
         self._memory, self._workers = parts.memory, parts.workers
         self._heartbeat, self._timer = parts.heartbeat, parts.timer
         self._throughput = parts.throughput
+        self._device_timer = parts.device_timer
         self._device_type = "cuda" if parts.devices else "cpu"
         self._measure_every = measure_every
         self._window_steps = window_steps
@@ -113,7 +114,7 @@ class StepHooks:
                 self._guard.record("hooks", error)
             return
         # New gradients are coming: a clip measured before is stale.
-        self._measurements.preclip = None
+        self._measurements.forget_preclip()
         try:
             self._timer.forward_start()
             watch = self._throughput
@@ -153,10 +154,17 @@ class StepHooks:
                 self._guard.record("hooks", error)
         if self._readings.steps % self._measure_every == 0:
             self._measurements.step(optimizer)
+        plugged = self._plugged
+        if plugged.measures_before:  # a plug-in measures on the device: gradients in place
+            plugged.measure_before(self._recorder.global_step, self._measurements.submit_device)
 
     def step_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         engine = self._engine
         now = engine.judged_at  # if the timer fails: collect, and judge at the next due step
+        plugged = self._plugged
+        if plugged.measures_after:  # a plug-in measures the new parameters on the device
+            ended = self._readings.steps + self._recorder.step_offset  # not yet counted
+            plugged.measure_after(ended, self._measurements.submit_device)
         with engine.lock:
             try:
                 now = self._timer.optimizer_end()
@@ -164,17 +172,16 @@ class StepHooks:
                 ended = self._readings.steps + self._recorder.step_offset - 1  # global step
                 if ended >= sampler.window_due:
                     if sampler.close_window(ended):  # many sample windows wait: judge them now
-                        engine.judged_at = -float("inf")
+                        engine.judge_soon()
             except Exception as error:
                 self._guard.record("hooks", error)
-            self._measurements.poll(now)
+            self._poll(now)
         if now >= self._throughput.due:  # one comparison a step; a block every few seconds
             with self._guard.contain("detectors"):
                 self._throughput.step_end(now)
         steps = self._readings.steps
         if steps % self._window_steps == 0 and self.epochs.by_steps():
             self.close_epoch()
-        plugged = self._plugged
         if steps >= plugged.next_step:  # one comparison a step; the plug-ins when one is due
             plugged.step_end(steps)
 
@@ -185,16 +192,33 @@ class StepHooks:
             self._steps_at_update = self._readings.steps
             if not stepped:
                 self._timer.iteration_skipped()  # the step hooks never ran
-                self._measurements.preclip = None  # measured by a clip whose step was skipped
+                self._measurements.forget_preclip()  # measured by a clip whose step was skipped
                 self._throughput.abandon(self._readings.steps)
             step = self._recorder.global_step - (1 if stepped else 0)
             scale = scale_tensor(self._scaler)
             with self._engine.lock:
                 if scale is not None:
                     self._measurements.scale(scale, step)
-                self._measurements.poll(self._timer.clock())  # a skipped step: no step end
+                self._poll(self._timer.clock())  # a skipped step: no step end
         except Exception as error:
             self._guard.record("hooks", error)
+
+    def _poll(self, now: float) -> None:
+        """Collect (and when due judge) read-back results, and the device timer's events;
+        the engine's lock is held."""
+        self._measurements.poll(now)
+        if self._device_timer is not None:
+            try:
+                self._device_timer.poll()
+            except Exception as error:
+                self._guard.record("readback", error)
+
+    def finish(self) -> None:
+        """The last judgement's end (detach, interpreter exit): the device timer's last
+        events, then what waits for a value; the engine's lock is held."""
+        if self._device_timer is not None:
+            self._device_timer.poll()
+        self._measurements.finish()
 
     # --- the input side -----------------------------------------------------------------------
 
@@ -238,7 +262,7 @@ class StepHooks:
         self._engine.judge_waiting()
         with self._guard.contain("memory"):
             samples, peaks = self._memory.epoch_samples()
-            self._recorder.epoch(samples, peaks)
+            self._recorder.epoch(samples, peaks, self._plugged.epoch_memory(samples))
         # The epoch's last step, as its ``epoch`` record names it (docs/steps.md).
         self._plugged.epoch_end(self._recorder.last_step)
         with self._guard.contain("grads"):
@@ -269,8 +293,8 @@ def judge_at_exit(hooks: weakref.ref[StepHooks]) -> None:
     target = hooks()
     if target is None or target._engine.closed or target._pid != os.getpid():
         return
-    target._engine.exiting = True
-    target._engine.judge_last(0.5, target._measurements.finish)
+    target._engine.exit()
+    target._engine.judge_last(0.5, target.finish)
 
 
 def owns_param(hooks: weakref.ref[StepHooks], param: torch.Tensor) -> bool:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -28,6 +28,9 @@ from stabmon.detectors.slowdown import Block, Slowdown, SlowdownDetector
 from stabmon.log import LogLimiter
 from stabmon.probes.flops import FlopCount, compile_in_use, compute_dtype, peak_flops
 from stabmon.readings import Readings
+
+if TYPE_CHECKING:
+    from stabmon.extension import Context
 
 __all__ = ["ThroughputWatch", "batch_samples", "batch_tokens"]
 
@@ -86,12 +89,12 @@ def build_throughput(
     devices: Sequence[torch.device],
     parameters: Sequence[torch.Tensor],
     started: float,
-    recorder: Any,
+    context: Context,
     limiter: LogLimiter,
 ) -> ThroughputWatch:
     """Throughput and slowdown accounting; MFU only where a CUDA device's peak is known.
 
-    ``recorder`` (a :class:`~stabmon.recorder.Recorder`) gets the anomalies and events;
+    ``context`` (:class:`~stabmon.extension.Context`) gets the anomalies and events;
     ``started`` is at or before the loop timer's first mark, so uptime covers every phase
     second it books.
     """
@@ -108,9 +111,9 @@ def build_throughput(
         device_name=device_name,
         parameter_dtype=parameters[0].dtype if parameters else torch.float32,
         model=model,
-        anomaly=recorder.anomaly,
-        write=recorder.write,
-        global_step=lambda: recorder.global_step,
+        anomaly=context.anomaly,
+        write=context.event,
+        global_step=lambda: context.global_step,
         limiter=limiter,
     )
 

@@ -1,5 +1,5 @@
-"""stabmon.assembly through its own interface: ``build`` the parts of one Monitor from a
-real tiny CPU model, then ``serve``, ``start_threads`` and ``announce`` them, and read
+"""stabmon.assembly through its own interface: an ``Assembly`` of one Monitor built from a
+real tiny CPU model, then its ``serve``, ``start_threads`` and ``announce``, and read
 what they made through a real HTTP scrape, the event log in tmp_path and the log. No
 Monitor and no hooks; the loop clock is a :class:`~tests.helpers.LoopClock`."""
 
@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from stabmon import assembly
+from stabmon.assembly import Assembly
 from stabmon.config import Config, load_config
 from stabmon.guard import Guard
 from stabmon.log import LOGGER, LogLimiter
@@ -23,7 +23,7 @@ from tests.helpers import LoopClock, events, scrape, tiny_model, value, wait_unt
 
 
 class Assembled:
-    """The parts of one Monitor built by ``assembly.build``; their resources closed after."""
+    """The parts of one Monitor built by ``Assembly``; their resources closed after."""
 
     def __init__(self, tmp_path: Path, **overrides: Any) -> None:
         settings: dict[str, Any] = {"port": 0, "address": "127.0.0.1", "run_dir": str(tmp_path),
@@ -38,25 +38,21 @@ class Assembled:
         # Far from any real clock's reading: a part that read a real clock instead would
         # see a beat a billion seconds off and never (or always) a stall.
         self.clock = LoopClock(start=1e9)
-        self.parts = assembly.build(
-            self.config, self.model, self.optimizer, run_id="r", rank=0, guard=self.guard,
-            limiter=self.limiter, resources=self.resources, clock=self.clock,
+        self.parts = Assembly(
+            self.config, self.model, self.optimizer, run_id="r", rank=0, plugins=(),
+            guard=self.guard, limiter=self.limiter, resources=self.resources, clock=self.clock,
         )  # fmt: skip
 
     def serve(self) -> None:
-        assembly.serve(self.parts, self.config, self.resources, guard=self.guard,
-                       limiter=self.limiter, local_rank=0, local_world_size=1)  # fmt: skip
+        self.parts.serve(local_rank=0, local_world_size=1)
 
     def start_threads(self, judge_quiet: Callable[[], None] = lambda: None) -> None:
-        assembly.start_threads(self.parts, self.config, self.resources, guard=self.guard,
-                               run_id="r", rank=0, judge_quiet=judge_quiet,
-                               clock=self.clock)  # fmt: skip
+        self.parts.start_threads(judge_quiet)
 
     def announce(self) -> None:
         exporter = self.resources.exporter
-        assembly.announce(
-            self.parts, self.config, self.model, self.optimizer, guard=self.guard, run_id="r",
-            rank=0, metrics_url=exporter.url if exporter else None,
+        self.parts.announce(
+            self.model, self.optimizer, metrics_url=exporter.url if exporter else None,
             event_log_path=self.parts.paths.events if self.resources.events else None,
         )  # fmt: skip
 

@@ -36,7 +36,8 @@ def test_judge_quiet_leaves_results_waiting_until_the_loop_is_quiet_for_judge_se
     sink = _Sink()
     engine = _engine(sink, judge_seconds=10.0)
     engine.readback.submit("step-1", [1.0])
-    engine.judged_at = 100.0
+    assert not engine.due(100.0, waiting=0)  # nothing on the host: no judgement, no mark
+    assert engine.due(100.0, waiting=1)  # the last judgement: a step end at 100
     engine.judge_quiet(now=109.0, last_beat=105.0, median_step=None)
     assert sink.judged() == []
     engine.judge_quiet(now=115.0, last_beat=105.0, median_step=None)
@@ -79,11 +80,11 @@ def test_judge_quiet_never_waits_for_a_lock_another_thread_holds() -> None:
 
 
 def test_judge_quiet_judges_nothing_after_close_or_exit() -> None:
-    for flag in ("closed", "exiting"):
+    for flag in ("close", "exit"):
         sink = _Sink()
         engine = _engine(sink, judge_seconds=0.0)
         engine.readback.submit("step-1", [1.0])
-        setattr(engine, flag, True)
+        getattr(engine, flag)()
         engine.judge_quiet(now=100.0, last_beat=0.0, median_step=None)
         assert sink.judged() == [], flag
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,12 +15,15 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from stabmon.config import Config, load_config
+from stabmon.context import PluginContext
 from stabmon.export.collector import ReadingsCollector
 from stabmon.export.exporter import Exporter
 from stabmon.guard import Guard
 from stabmon.log import LogLimiter
 from stabmon.measurements import Measurements, param_signature
 from stabmon.plugins import Plugged
+from stabmon.probes.heartbeat import Heartbeat
+from stabmon.probes.memory import MemorySampler
 from stabmon.readings import Readings
 from stabmon.recorder import Recorder
 from tests.helpers import scrape, tiny_model, value
@@ -36,9 +40,19 @@ class Harness:
         self.guard = Guard(limiter)
         self.readings = Readings(labels={"rank": "0", "run": "r"})
         recorder = Recorder(self.config, self.readings, events=None, limiter=limiter)
+        plugged = Plugged(self.guard)
         self.measurements = Measurements(
             self.model, self.optimizer, self.config, readings=self.readings, recorder=recorder,
-            plugged=Plugged(self.guard), guard=self.guard, limiter=limiter,
+            plugged=plugged, guard=self.guard, limiter=limiter,
+        )  # fmt: skip
+        # The built-in judges (clip coefficient, AMP scale, ...), as the Monitor plugs them.
+        plugged.plug(
+            PluginContext(
+                self.config, self.model, self.optimizer, readings=self.readings,
+                memory=MemorySampler(self.readings, None, lambda: ()), heartbeat=Heartbeat(),
+                run_directory=Path("/nonexistent"), rank=0, recorder=recorder,
+                engine=self.measurements.engine,
+            )
         )  # fmt: skip
         registry = CollectorRegistry(auto_describe=False)
         registry.register(ReadingsCollector(self.readings, self.guard.counts))
@@ -129,7 +143,7 @@ def test_measurements_step_measures_anew_when_new_gradients_replaced_the_clips(
     h = harness()
     h.backward()
     h.measurements.clip(1e-3)
-    h.measurements.preclip = None  # what the forward pre-hook does: new gradients are coming
+    h.measurements.forget_preclip()  # what the forward pre-hook does: new gradients are coming
     h.backward()
     h.measurements.step(h.optimizer)
     h.poll(0.0)

@@ -10,6 +10,7 @@ def test_public_api_exports_exactly_the_documented_names() -> None:
         "ConfigError",
         "DeviceMismatchError",
         "Monitor",
+        "Plugin",
         "StabmonError",
         "TrainingStalled",
         "__version__",

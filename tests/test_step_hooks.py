@@ -1,5 +1,5 @@
 """stabmon.step_hooks through its own interface: a :class:`StepHooks` over parts that
-``stabmon.assembly.build`` made from a real tiny CPU model, installed on a real
+an ``Assembly`` (stabmon.assembly) made from a real tiny CPU model, installed on a real
 :class:`~stabmon.hooks.HookSet`, driven by real training steps, and read back through a
 real HTTP scrape. No Monitor; the loop clock is a :class:`~tests.helpers.LoopClock`."""
 
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from stabmon import assembly
+from stabmon.assembly import Assembly
 from stabmon.config import Config, load_config
 from stabmon.errors import StabmonError
 from stabmon.guard import Guard
@@ -61,12 +61,11 @@ class Rig:
         guard = Guard(limiter)
         self.clock = FailingClock()
         self.resources = Resources(hooks=HookSet(self.model, self.optimizer, scaler))
-        self.parts = parts = assembly.build(
-            config, self.model, self.optimizer, run_id="r", rank=0, guard=guard,
+        self.parts = parts = Assembly(
+            config, self.model, self.optimizer, run_id="r", rank=0, plugins=(), guard=guard,
             limiter=limiter, resources=self.resources, clock=self.clock,
         )  # fmt: skip
-        assembly.serve(parts, config, self.resources, guard=guard, limiter=limiter,
-                       local_rank=0, local_world_size=1)  # fmt: skip
+        parts.serve(local_rank=0, local_world_size=1)
         self.hooks = StepHooks(parts, model=self.model, scaler=scaler, guard=guard,
                                measure_every=measure_every, window_steps=window_steps)  # fmt: skip
 

@@ -14,12 +14,13 @@ while some gradient is zero.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from stabmon.extension import Attachment
+    from stabmon.extension import Context
     from stabmon.probes.grads import GradLayout, GradSummary
 
 __all__ = ["DeadGradientJudge", "DeadGradients", "DeadReport", "module_of"]
@@ -96,14 +97,18 @@ class DeadGradients:
 
 class DeadGradientJudge:
     """Plug-in (:mod:`stabmon.extension`): feeds each judged gradient summary to
-    :class:`DeadGradients`; a new layout (model moved, parameters changed) restarts it."""
+    :class:`DeadGradients`; a new layout (model moved, parameters changed) restarts it.
+
+    A module group newly dead is a ``dead_grad`` anomaly (one per episode); every newly dead
+    or revived parameter is a ``dead_gradients`` / ``gradients_revived`` record.
+    """
 
     component = "detectors"
 
-    def __init__(self, attachment: Attachment) -> None:
-        self._window = attachment.config.dead_grad_steps
-        self._readings = attachment.readings
-        self._recorder = attachment.recorder
+    def __init__(self, context: Context) -> None:
+        self._context = context
+        self._window = context.config.dead_grad_steps
+        self._readings = context.readings
         self._dead: DeadGradients | None = None
         self._layout: GradLayout | None = None  # the layout self._dead was built for
 
@@ -123,4 +128,48 @@ class DeadGradientJudge:
             norms = [n for i, n in enumerate(norms) if i not in empty]
         report = dead.update(norms, summary.zero_grad_params)
         if report.newly_dead or report.revived or not self._readings.dead_grad_params:
-            self._recorder.dead(step, report, dead.dead_by_group())
+            self._record(step, report, dead.dead_by_group())
+
+    def _record(self, step: int, report: DeadReport, by_group: Mapping[str, int]) -> None:
+        """Dead branches: name the modules whose gradients stayed exactly zero for a window."""
+        before = {group for group, count in self._readings.dead_grad_params.items() if count}
+        self._readings.dead_grad_params = dict(by_group)
+        if report.newly_dead:
+            self._newly_dead(step, report, by_group, before)
+        if report.revived:
+            self._context.event(
+                "gradients_revived", step=step, parameters=list(report.revived[:20])
+            )
+
+    def _newly_dead(
+        self, step: int, report: DeadReport, by_group: Mapping[str, int], before: set[str]
+    ) -> None:
+        context, window = self._context, self._window
+        modules = sorted({module_of(name) or "(root)" for name in report.newly_dead})
+        groups = sorted(group for group, count in by_group.items() if count)
+        if set(groups) - before:  # a module group newly dead: one anomaly per episode
+            context.anomaly(
+                "dead_grad",
+                step,
+                f"gradients of module group(s) {', '.join(groups)} have been exactly zero "
+                f"for {window} measured steps at step {step}",
+                modules=groups,
+                parameters=list(report.newly_dead[:20]),
+            )
+        context.event(
+            "dead_gradients",
+            step=step,
+            modules=modules[:20],
+            parameters=list(report.newly_dead[:20]),
+            count=len(report.newly_dead),
+        )
+        context.log(
+            "dead_gradients",
+            logging.WARNING,
+            "stabmon: the gradient of %s has been exactly zero for %d measured steps "
+            "(parameters %s): a dead branch, cut off by detach(), a mask, an unused output "
+            "or a loss term that is always zero",
+            ", ".join(modules[:5]) + (f" and {len(modules) - 5} more" if len(modules) > 5 else ""),
+            window,
+            ", ".join(report.newly_dead[:5]),
+        )

@@ -155,31 +155,10 @@ def judge(evidence: Sequence[RankEvidence]) -> Verdict | None:
     world = len(evidence)
     if world < 2 or not all(rank.stalled and rank.state for rank in evidence):
         return None
-    ranked = Counter(rank.state for rank in evidence).most_common()
-    majority, size = str(ranked[0][0]), ranked[0][1]
-    tie = len(ranked) > 1 and ranked[1][1] == size
-    culprits: list[RankEvidence] = []
-    behind = False
-    if len(ranked) > 1 and not tie:
-        culprits = [rank for rank in evidence if rank.state != majority]
-        if 2 * len(culprits) >= world:
-            return None
-    elif tie:
-        culprits = [rank for rank in evidence if rank.state != "collective"]
-        if len(culprits) == world or len({rank.state for rank in culprits}) != 1:
-            return None  # nobody waits in a collective, or the others disagree among themselves
-        majority = "collective"
-    elif majority == "collective" or (
-        majority == "compute" and all(rank.flight is not None for rank in evidence)
-    ):
-        # NCCL returns from the call at once: ranks waiting on a peer block later, in a
-        # device sync that reads as compute; the flight recorder still says who is behind.
-        culprits = _behind(evidence)
-        behind = True
-        if not culprits:
-            return None
-    else:
-        return None  # every rank in the same state, not a collective: read the stacks
+    found = _culprits(evidence)
+    if found is None:
+        return None
+    culprits, majority, behind = found
     odd_state = str(Counter(rank.state for rank in culprits).most_common(1)[0][0])
     if odd_state in _REASON_BY_STATE:
         reason = _REASON_BY_STATE[odd_state]
@@ -195,6 +174,31 @@ def judge(evidence: Sequence[RankEvidence]) -> Verdict | None:
         majority_state=majority,
         message=_message(culprits, reason, world, majority, evidence),
     )
+
+
+def _culprits(evidence: Sequence[RankEvidence]) -> tuple[list[RankEvidence], str, bool] | None:
+    """The three rules of :func:`judge`: (culprits, the majority's state, whether they are
+    behind by a collective), or None when no rule names anyone."""
+    world = len(evidence)
+    ranked = Counter(rank.state for rank in evidence).most_common()
+    majority, size = str(ranked[0][0]), ranked[0][1]
+    tie = len(ranked) > 1 and ranked[1][1] == size
+    if len(ranked) > 1 and not tie:
+        culprits = [rank for rank in evidence if rank.state != majority]
+        return None if 2 * len(culprits) >= world else (culprits, majority, False)
+    if tie:
+        culprits = [rank for rank in evidence if rank.state != "collective"]
+        if len(culprits) == world or len({rank.state for rank in culprits}) != 1:
+            return None  # nobody waits in a collective, or the others disagree among themselves
+        return culprits, "collective", False
+    if majority == "collective" or (
+        majority == "compute" and all(rank.flight is not None for rank in evidence)
+    ):
+        # NCCL returns from the call at once: ranks waiting on a peer block later, in a
+        # device sync that reads as compute; the flight recorder still says who is behind.
+        culprits = _behind(evidence)
+        return (culprits, majority, True) if culprits else None
+    return None  # every rank in the same state, not a collective: read the stacks
 
 
 def _behind(evidence: Sequence[RankEvidence]) -> list[RankEvidence]:

@@ -35,9 +35,23 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TypeGuard
+from typing import TYPE_CHECKING, Any, TypeGuard
 
-__all__ = ["ABS_STD_FLOOR", "REL_STD_FLOOR", "Spike", "SpikeDetector"]
+if TYPE_CHECKING:
+    from stabmon.config import Config
+    from stabmon.extension import Context
+    from stabmon.probes.grads import GradSummary
+
+__all__ = [
+    "ABS_STD_FLOOR",
+    "CLIPPED_SPIKE_STEPS",
+    "IMMEDIATE_LOSS_RATIO",
+    "REL_STD_FLOOR",
+    "GradSpikes",
+    "LossSpikes",
+    "Spike",
+    "SpikeDetector",
+]
 
 # A 0.1% move of a flat series is noise, not a spike; floats carry ~16 digits anyway.
 REL_STD_FLOOR = 1e-3
@@ -205,6 +219,173 @@ class SpikeDetector:
         self._count = count
         self._mean = float(mean)
         self._var = float(var)
+
+
+#: A loss this many times its running mean is a spike at once (a corrupt batch); a smaller
+#: rise (loss_spike_min_ratio and up) is one when the next loss is still up.
+IMMEDIATE_LOSS_RATIO = 10.0
+#: A gradient spike that the loop's clip absorbed is an incident when this many consecutive
+#: measured steps are grad_spike_min_ratio above the level before it (an RNN clipped at 0.25
+#: explodes for one or two steps and recovers; weights wrecked by an LR blow-up do not).
+CLIPPED_SPIKE_STEPS = 3
+
+
+class _SpikeRule:
+    """What the loss and gradient-norm rules share: the detector, its state and the record."""
+
+    component = "detectors"
+    state_key: str
+    #: The anomaly kind, what the message calls the value, and the record's field for it.
+    _kind: str
+    _what: str
+    _field: str
+
+    def __init__(self, context: Context) -> None:
+        self._context = context
+        self._config = context.config
+        self._detector = self._new_detector(context.config)
+
+    @staticmethod
+    def _new_detector(config: Config) -> SpikeDetector:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, float | int]:
+        return self._detector.state_dict()
+
+    def load_state_dict(self, state: Any) -> None:
+        detector = self._new_detector(self._config)
+        detector.load_state_dict(state)  # ValueError, or TypeError: not a mapping
+        self._detector = detector
+
+    def _record(self, step: int, spike: Spike, first_step: int | None = None) -> None:
+        if spike.run_length != 1 and first_step is None:  # one incident, one anomaly
+            return
+        since = "" if first_step is None else f" (up since step {first_step}, and still up)"
+        self._context.anomaly(
+            self._kind,
+            step,
+            f"{self._what} spike at step {step}: {spike.value:.4g} (z={spike.zscore:.1f}, "
+            f"running mean {spike.mean:.4g}){since}",
+            **{self._field: spike.value},
+            zscore=spike.zscore,
+            mean=spike.mean,
+            first_step=step if first_step is None else first_step,
+        )
+
+
+class GradSpikes(_SpikeRule):
+    """Plug-in: a gradient-norm spike (log scale: norms vary multiplicatively).
+
+    A spike the loop's clip absorbed is an incident only when it persists for
+    :data:`CLIPPED_SPIKE_STEPS` measured steps (an LR blow-up, not an RNN's exploding step);
+    it is then recorded at its first step.
+    """
+
+    state_key = "grad_spikes"
+    _kind, _what, _field = "grad_spike", "gradient norm", "grad_norm"
+
+    def __init__(self, context: Context) -> None:
+        super().__init__(context)
+        self._max_norm: float | None = None  # the loop's last clip
+        # A spike the clip absorbed, waiting for later measured steps to confirm it.
+        self._pending: tuple[int, Spike, int] | None = None
+
+    @staticmethod
+    def _new_detector(config: Config) -> SpikeDetector:
+        return SpikeDetector(
+            threshold=config.spike_threshold, warmup=config.spike_warmup_steps,
+            alpha=config.spike_ema_alpha, log_scale=True, min_ratio=config.grad_spike_min_ratio,
+            episode_gap=config.spike_episode_gap,
+        )  # fmt: skip
+
+    def clip_judged(self, step: int, max_norm: float) -> None:
+        self._max_norm = max_norm
+
+    def grads_judged(self, step: int, summary: GradSummary) -> None:
+        if summary.nonfinite:
+            return
+        total = summary.total_norm
+        spike = self._detector.update(total)
+        pending, self._pending = self._pending, None
+        cfg = self._config
+        if pending is not None and still_up(
+            total, pending[1], cfg.grad_spike_min_ratio, cfg.spike_threshold, log_scale=True
+        ):
+            first_step, first, high = pending
+            if high + 1 < CLIPPED_SPIKE_STEPS:
+                self._pending = (first_step, first, high + 1)
+                return
+            # Still far above the level before it: an incident, recorded at its first step.
+            self._record(first_step, first, first_step=first_step)
+            return
+        if spike is None or spike.run_length != 1:
+            return
+        max_norm = self._max_norm
+        if max_norm is not None and total > max_norm:
+            # The clip absorbed it: a clipped spike (an RNN's exploding step) is no
+            # incident unless it persists (an LR blow-up), see CLIPPED_SPIKE_STEPS.
+            self._pending = (step, spike, 1)
+            return
+        self._record(step, spike)
+
+
+class LossSpikes(_SpikeRule):
+    """Plug-in: a loss spike. Ten times the running mean is one at once (a corrupt batch); a
+    smaller rise is one when the next loss is still up (a hard batch is not)."""
+
+    state_key = "loss_spikes"
+    _kind, _what, _field = "loss_spike", "loss", "loss"
+
+    def __init__(self, context: Context) -> None:
+        super().__init__(context)
+        # A moderate loss spike, waiting for the next loss to confirm it.
+        self._pending: tuple[int, Spike] | None = None
+
+    @staticmethod
+    def _new_detector(config: Config) -> SpikeDetector:
+        return SpikeDetector(
+            threshold=config.spike_threshold, warmup=config.spike_warmup_steps,
+            alpha=config.spike_ema_alpha, min_delta=config.loss_spike_min_delta,
+            min_ratio=config.loss_spike_min_ratio, episode_gap=config.spike_episode_gap,
+        )  # fmt: skip
+
+    def loss_judged(self, step: int, value: float) -> None:
+        if not math.isfinite(value):
+            return
+        spike = self._detector.update(value)
+        pending, self._pending = self._pending, None
+        cfg = self._config
+        if pending is not None and still_up(
+            value, pending[1], cfg.loss_spike_min_ratio, cfg.spike_threshold, log_scale=False
+        ):
+            # The rise persists past one batch: an incident, recorded at its first step.
+            self._record(pending[0], pending[1], first_step=pending[0])
+            return
+        if spike is None or spike.run_length != 1:
+            return
+        if spike.mean > 0 and value < IMMEDIATE_LOSS_RATIO * spike.mean:
+            # A few times the mean for one batch is a hard batch (label noise, a rare class);
+            # it is a spike if the next loss is still up.
+            self._pending = (step, spike)
+            return
+        self._record(step, spike)
+
+
+def still_up(value: float, spike: Spike, min_ratio: float, threshold: float, *,
+             log_scale: bool) -> bool:  # fmt: skip
+    """Whether ``value`` (after ``spike``) is still abnormal: ``min_ratio`` times the level
+    before the spike, and half the spike threshold in standard deviations above it (the
+    deviation is the spike's own: its rise over its z-score)."""
+    mean = spike.mean
+    if not (value >= min_ratio * mean and spike.zscore > 0):
+        return False
+    if log_scale:
+        if not (mean > 0 and spike.value > 0 and value > 0):
+            return False
+        std = math.log(spike.value / mean) / spike.zscore
+        return math.log(value / mean) >= 0.5 * threshold * std
+    std = (spike.value - mean) / spike.zscore
+    return value - mean >= 0.5 * threshold * std
 
 
 def _is_int(value: object) -> TypeGuard[int]:

@@ -65,6 +65,13 @@ class ReadingsCollector(Collector):
         yield _counter(c.ANOMALIES, r.labels, _by_key(r.anomalies))
         yield _gauge(c.AMP_LOSS_SCALE, r.labels, _optional(r.amp_loss_scale))
         yield _counter(c.AMP_SKIPPED_STEPS, r.labels, _optional(r.amp_skipped_steps))
+        yield from self._memory()
+        yield _gauge(c.STALLED, r.labels, [((), r.stalled)])
+        yield _counter(c.INTERNAL_ERRORS, r.labels, _by_key(self._internal_errors))
+        yield from self._device_and_throughput()
+
+    def _memory(self) -> Iterator[Metric]:
+        r = self._readings
         memory = dict(r.device_memory)
         yield _gauge(
             c.DEVICE_MEMORY_ALLOCATED,
@@ -86,8 +93,9 @@ class ReadingsCollector(Collector):
         yield _gauge(c.MEMORY_DRIFT, r.labels, _by_key(r.memory_drift))
         yield _gauge(c.MEMORY_LEAK_SUSPECTED, r.labels, _by_key(r.memory_leak_suspected))
         yield _gauge(c.HOST_MEMORY_RSS, r.labels, _optional(r.host_rss))
-        yield _gauge(c.STALLED, r.labels, [((), r.stalled)])
-        yield _counter(c.INTERNAL_ERRORS, r.labels, _by_key(self._internal_errors))
+
+    def _device_and_throughput(self) -> Iterator[Metric]:
+        r = self._readings
         if r.device_utilization:
             yield _gauge(c.DEVICE_UTILIZATION, r.labels, _by_key(r.device_utilization))
         if r.device_phase_seconds:  # CUDA only: absent rather than a misleading 0 on CPU

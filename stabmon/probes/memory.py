@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import psutil
 import torch
@@ -22,14 +21,10 @@ import torch
 from stabmon.log import LOGGER
 from stabmon.readings import DeviceMemory, Readings
 
-if TYPE_CHECKING:
-    from stabmon.extension import Attachment
-
 __all__ = [
     "DeviceMemorySample",
     "HostMemory",
     "MemorySampler",
-    "TrendSampler",
     "cuda_devices",
     "device_label",
     "sample_device",
@@ -173,28 +168,3 @@ class MemorySampler:
             self._readings.host_rss = rss
             samples[HOST] = rss
         return samples, peaks
-
-
-class TrendSampler:
-    """Plug-in (:mod:`stabmon.extension`): every ``leak_sample_steps`` steps after
-    ``leak_trend_warmup_steps``, memory for the trend leak rule (any loop shape)."""
-
-    component = "memory"
-
-    def __init__(self, attachment: Attachment) -> None:
-        config = attachment.config
-        self._every = config.leak_sample_steps
-        self._memory = attachment.memory
-        self._recorder = attachment.recorder
-        self._heartbeat = attachment.heartbeat
-        self._engine = attachment.judging
-        #: The first multiple of leak_sample_steps past the warm-up.
-        self.next_step = (config.leak_trend_warmup_steps // self._every + 1) * self._every
-
-    def step_end(self, steps: int) -> None:
-        self.next_step = (steps // self._every + 1) * self._every
-        samples = self._memory.trend_samples()
-        with self._engine.lock:  # read at each use: a forked child gets a new lock
-            self._recorder.memory_trend(
-                samples, self._memory.limits, self._heartbeat.median_step_seconds()
-            )

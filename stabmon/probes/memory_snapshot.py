@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from stabmon.log import LOGGER
 
 if TYPE_CHECKING:
-    from stabmon.extension import Attachment
+    from stabmon.extension import Context
 
 __all__ = ["AllocatorSnapshots", "SnapshotRecorder"]
 
@@ -79,11 +79,11 @@ class AllocatorSnapshots:
 
     component = "memory"
 
-    def __init__(self, attachment: Attachment) -> None:
-        self._readings = attachment.readings
-        self._recorder = attachment.recorder
-        self._steps = attachment.config.memory_snapshot_steps
-        self.snapshots = SnapshotRecorder(self._steps, attachment.run_directory, attachment.rank)
+    def __init__(self, context: Context) -> None:
+        self._readings = context.readings
+        self._context = context
+        self._steps = context.config.memory_snapshot_steps
+        self.snapshots = SnapshotRecorder(self._steps, context.run_directory, context.rank)
         #: Every step while recording; otherwise never (epoch_end starts a recording).
         self.next_step = sys.maxsize
 
@@ -91,10 +91,10 @@ class AllocatorSnapshots:
         completed = 0 if step is None else step + 1  # the recorder counts steps completed
         for label, suspected in self._readings.memory_leak_suspected.items():
             if suspected and label.startswith("cuda") and self.snapshots.start(label, completed):
-                self._recorder.write(
+                self._context.event(
                     "memory_snapshot_started",
                     device=label,
-                    step=self._recorder.last_step,
+                    step=self._context.last_step,
                     steps=self._steps,
                 )
                 self.next_step = self._readings.steps + 1
@@ -102,14 +102,14 @@ class AllocatorSnapshots:
 
     def step_end(self, steps: int) -> None:
         self.next_step = steps + 1
-        step = self._recorder.global_step
+        step = self._context.global_step
         finished = self.snapshots.step(step)
         if finished is None:
             return
         self.next_step = sys.maxsize
         device, path = finished
-        self._recorder.write(
-            "memory_snapshot", device=device, step=self._recorder.last_step, path=str(path)
+        self._context.event(
+            "memory_snapshot", device=device, step=self._context.last_step, path=str(path)
         )
         LOGGER.warning(
             "stabmon: CUDA allocator snapshot of %s written to %s; open it at "

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from stabmon.detectors.dead import DeadGradients, module_of
+from stabmon.probes.grads import GradLayout, GradSummary
+from tests.judges import Judges
 
 NAMES = ("encoder.weight", "encoder.bias", "aux.head.weight", "aux.head.bias")
 GROUPS = ("encoder", "encoder", "aux", "aux")
@@ -43,3 +47,28 @@ def test_a_dead_branch_that_learns_again_is_revived() -> None:
 def test_module_of_names_the_owning_module() -> None:
     assert module_of("aux.head.weight") == "aux.head"
     assert module_of("bias") == ""
+
+
+def test_dead_gradient_judge_raises_one_anomaly_per_newly_dead_group(tmp_path: Path) -> None:
+    # Two parameters of group "encoder" go dead one step apart: one anomaly (the group),
+    # a dead_gradients record each, and the per-group counts the exporter publishes.
+    layout = GradLayout(
+        ("encoder", "head"),
+        (0, 0, 1),
+        None,
+        None,
+        names=("encoder.0.weight", "encoder.1.weight", "head.weight"),
+        model_order=(0, 1, 2),
+        empty_shards=(),
+    )
+    harness = Judges(tmp_path, dead_grad_steps=1)
+    for step, norms in ((100, [0.0, 1.0, 1.0]), (101, [0.0, 0.0, 1.0])):
+        summary = GradSummary(1.0, norms.count(0.0), False, norms, layout)
+        harness.plugged.grads_judged(step, summary)
+    (anomaly,) = harness.anomalies("dead_grad")
+    assert anomaly["modules"] == ["encoder"]
+    assert [r["modules"] for r in harness.records("dead_gradients")] == [
+        ["encoder.0"],
+        ["encoder.1"],
+    ]
+    assert harness.readings.dead_grad_params == {"encoder": 2, "head": 0}

@@ -56,10 +56,12 @@ def test_off_by_default_and_stopped_even_when_the_dump_fails(tmp_path: Path) -> 
     assert not snapshots.recording
 
 
-class _Recorder:
-    """The recorder's step numbering as the plug-in reads it (docs/steps.md)."""
+class _Context:
+    """The Context's step numbering and event record, as the plug-in uses them (docs/steps.md);
+    the other members it reads are set by the test."""
 
-    def __init__(self) -> None:
+    def __init__(self, **members: Any) -> None:
+        self.__dict__.update(members)
         self.global_step = 0  # steps completed
         self.records: list[tuple[str, dict[str, Any]]] = []
 
@@ -67,8 +69,8 @@ class _Recorder:
     def last_step(self) -> int | None:
         return self.global_step - 1 if self.global_step else None
 
-    def write(self, event: str, **fields: Any) -> None:
-        self.records.append((event, fields))
+    def event(self, name: str, **fields: Any) -> None:
+        self.records.append((name, fields))
 
 
 def test_the_plug_in_records_for_the_configured_steps_after_the_epochs_last_step(
@@ -76,13 +78,12 @@ def test_the_plug_in_records_for_the_configured_steps_after_the_epochs_last_step
 ) -> None:
     """epoch_end gets the epoch's last step index (99 after 100 steps); the window of 3
     steps still ends after step 102, when 103 steps have completed."""
-    recorder = _Recorder()
     readings = SimpleNamespace(memory_leak_suspected={"cuda:0": True}, steps=100)
-    attachment = SimpleNamespace(
-        readings=readings, recorder=recorder, rank=0, run_directory=tmp_path / "run",
+    recorder = _Context(
+        readings=readings, rank=0, run_directory=tmp_path / "run",
         config=SimpleNamespace(memory_snapshot_steps=3),
     )  # fmt: skip
-    plugin = AllocatorSnapshots(attachment)  # type: ignore[arg-type]  # the fields it reads
+    plugin = AllocatorSnapshots(recorder)  # type: ignore[arg-type]  # the members it reads
     plugin.snapshots = SnapshotRecorder(3, tmp_path / "run", rank=0, memory=FakeCudaMemory())
     recorder.global_step = 100
     plugin.epoch_end(recorder.last_step)

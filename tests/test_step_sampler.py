@@ -1,4 +1,5 @@
-"""The event log's step_sample records, which `stabmon report` plots, from real training."""
+"""stabmon.step_sampler: the event log's step_sample records, which `stabmon report` plots,
+from real training."""
 
 from __future__ import annotations
 
