@@ -5,8 +5,8 @@ following a symlink (the run directory is on a shared node). Step samples, the b
 long run's log, are folded into a few numbers each as they are read; past
 ``MAX_SAMPLES`` per rank every other one is dropped, so a month-long run keeps an even
 sample of its steps. Other records are kept without their bulky fields (a stall's
-stacks, per-module norms), at most ``MAX_RECORDS`` per rank. Every record is untrusted:
-a field of the wrong type reads as absent.
+stacks, per-module norms) and without NaN or Inf figures, at most ``MAX_RECORDS`` per
+rank. Every record is untrusted: a field of the wrong type reads as absent.
 
 Needs no torch; reuses :mod:`stabmon.report.goodput` for throughput and goodput.
 """
@@ -267,7 +267,9 @@ class _Fold:
             self.dropped[rank] = self.dropped.get(rank, 0) + 1
             return None
         self._kept[rank] = self._kept.get(rank, 0) + 1
-        return {key: value for key, value in record.items() if key not in _BULKY}
+        # No figure compare reads may be NaN or Inf (a hostile "steps": "nan" would stop it).
+        return {key: _finite_only(value) for key, value in record.items()
+                if key not in _BULKY and not _non_finite(value)}  # fmt: skip
 
     def _sample(self, rank: int, record: Mapping[str, Any]) -> None:
         step = record.get("step")
@@ -300,6 +302,18 @@ def read_digest(path: Path) -> RunDigest:
         RankDigest(log, fold.samples.get(log.rank, []), rank_goodput(log)) for log in run.ranks
     ]
     return RunDigest(run, ranks)
+
+
+def _non_finite(value: object) -> bool:
+    found = number(value)
+    return found is not None and not math.isfinite(found)
+
+
+def _finite_only(value: object) -> object:
+    """A mapping without its non-finite numbers (phase seconds, memory by device)."""
+    if isinstance(value, Mapping):
+        return {key: item for key, item in value.items() if not _non_finite(item)}
+    return value
 
 
 def _seconds(value: object) -> float | None:

@@ -153,8 +153,8 @@ def compare_step_time(
     for name, blocks in (("A", pooled_a), ("B", pooled_b)):
         if not any(blocks.values()):
             reasons.append(
-                f"run {name} has no throughput record (stabmon older than compare, "
-                "or it ended before its first step)"
+                f"run {name} has no throughput record with steps in it (stabmon older than "
+                "compare, or it ended before its first step)"
             )
     scopes: list[int | None] = [None]
     if len(a_ranks) > 1 or len(b_ranks) > 1:

@@ -195,6 +195,15 @@ def test_compare_of_a_directory_without_event_logs_is_one_line_and_exit_2(
     assert "run A: no event log (rank-<N>.events.jsonl) in" in err
 
 
+def test_compare_of_a_run_whose_log_cannot_be_read_says_why(
+    runs: dict[str, Path], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    (tmp_path / "rank-0.events.jsonl").write_text("not json\n")
+    err = _error(capsys, str(runs["clean"]), str(tmp_path))
+    assert "run B: no record could be read from the event logs in" in err
+    assert "1 malformed line(s) skipped (line 1)" in err
+
+
 def test_compare_of_a_root_of_runs_names_one_of_them(
     runs: dict[str, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:

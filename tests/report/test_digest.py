@@ -116,3 +116,19 @@ def test_a_field_of_the_wrong_type_reads_as_absent(tmp_path: Path) -> None:
     assert rank.blocks() == []
     assert rank.samples[0].step_seconds is None and rank.samples[0].loss_scale is None
     assert json.dumps(rank.environment())  # plain strings
+
+
+def test_nan_and_inf_figures_read_as_absent_and_stop_nothing(tmp_path: Path) -> None:
+    hostile = {"time": 1001.0, "event": "throughput", "step": 9, "steps": "nan",
+               "samples": "inf", "uptime_seconds": 1e400,
+               "phase_seconds": {"forward": "inf", "backward": 0.5}}  # fmt: skip
+    good = throughput_records([{"forward": 0.01}], start=1002.0)[0]
+    records = [attach_record(), hostile, {**good, "step": 19, "steps": 20}]
+    (rank,) = read_digest(write_run(tmp_path / "r", {0: records})).ranks
+
+    (kept, _) = rank.log.of("throughput")
+
+    assert kept == {"time": 1001.0, "event": "throughput", "step": 9, "run": "r", "rank": 0,
+                    "phase_seconds": {"backward": 0.5}}  # fmt: skip
+    assert rank.goodput is not None and rank.goodput.steps == 20
+    assert [(b.first_step, b.last_step) for b in rank.blocks()] == [(0, 19)]
