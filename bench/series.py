@@ -37,9 +37,9 @@ from torch import nn
 import stabmon
 from stabmon.config import load_config
 from stabmon.daemon.app import DaemonApp
-from stabmon.daemon.nvml import GpuProcess
 from stabmon.export.exporter import MAX_CONNECTIONS, MIN_REQUEST_SECONDS
-from stabmon.rundir import ProcessRecord, boot_id, write_atomic
+from stabmon.hardware.nvml import GpuProcess
+from stabmon.shared.rundir import ProcessRecord, boot_id, write_atomic
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "daemon"))
 from fake_nvml import FakeGpu, FakeNvml  # noqa: E402 - the tests' programmable NVML

@@ -25,10 +25,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from stabmon.config import ThroughputConfig  # noqa: E402
-from stabmon.log import LogLimiter  # noqa: E402
+from stabmon.pipeline.readings import Readings  # noqa: E402
+from stabmon.pipeline.throughput import ThroughputWatch  # noqa: E402
 from stabmon.probes.flops import FlopCount  # noqa: E402
-from stabmon.readings import Readings  # noqa: E402
-from stabmon.throughput import ThroughputWatch  # noqa: E402
+from stabmon.shared.log import LogLimiter  # noqa: E402
 
 
 def cpu_seconds(work: Callable[[], None], repeats: int = 15) -> float:

@@ -22,7 +22,7 @@ from typing import Any
 
 from grafanalib._gen import DashboardEncoder
 
-from stabmon.generated import check_fresh, stale_files
+from stabmon.shared.generated import check_fresh, stale_files
 
 DASHBOARDS_DIR = Path(__file__).resolve().parent
 JSON_DIR = DASHBOARDS_DIR / "json"

@@ -11,7 +11,6 @@ heartbeat, and serves them at ``mon.metrics_url``.
 from typing import TYPE_CHECKING, Any
 
 from stabmon._version import __version__
-from stabmon.config import Config, load_config
 from stabmon.errors import (
     AlreadyAttachedError,
     ConfigError,
@@ -22,19 +21,27 @@ from stabmon.errors import (
 from stabmon.extension import Plugin
 
 if TYPE_CHECKING:
+    from stabmon.config import Config, load_config
     from stabmon.monitor import Monitor, attach
 
 
 def __getattr__(name: str) -> Any:
-    """Import the monitor (and with it torch) on first use, not at ``import stabmon``.
+    """Import the monitor (and with it torch) and the config on first use, not at
+    ``import stabmon``.
 
     The node daemon and the CLI's other commands run where torch is not installed (the
-    daemon's container image), and ``import stabmon`` must not cost torch's import time.
+    daemon's container image), and ``import stabmon`` must not cost torch's import time;
+    ``import stabmon.contract`` (dashboards, rule generators) needs nothing beyond the
+    standard library.
     """
     if name in ("Monitor", "attach"):
         from stabmon import monitor
 
         return getattr(monitor, name)
+    if name in ("Config", "load_config"):
+        from stabmon import config
+
+        return getattr(config, name)
     raise AttributeError(f"module 'stabmon' has no attribute {name!r}")
 
 

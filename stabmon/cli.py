@@ -220,7 +220,7 @@ def _status(args: argparse.Namespace) -> int:
         require_urls,
         scrape_status,
     )
-    from stabmon.rundir import DEFAULT_RUN_DIR
+    from stabmon.shared.rundir import DEFAULT_RUN_DIR
 
     if not (args.timeout > 0 and args.timeout < 86400):
         raise StabmonError(f"--timeout must be a number of seconds above 0, got {args.timeout}")

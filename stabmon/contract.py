@@ -329,7 +329,7 @@ MEMORY_EXHAUSTION = MetricDef(
 #: Values of ``stabmon_grad_norm_squared{placement}``.
 GRAD_PLACEMENTS: tuple[str, ...] = ("replicated", "sharded")
 
-# Throughput (stabmon/throughput.py; proposed in docs/contract-proposals.md).
+# Throughput (stabmon/pipeline/throughput.py; proposed in docs/contract-proposals.md).
 SAMPLES = MetricDef(
     "stabmon_samples_total",
     "counter",

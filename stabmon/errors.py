@@ -2,7 +2,7 @@
 
 Only user errors escape, and only at set-up time (``attach``, ``load_config``);
 nothing raised inside a hook or a background thread reaches the training loop
-(see :mod:`stabmon.guard`).
+(see :mod:`stabmon.shared.guard`).
 
     StabmonError                  base of everything stabmon raises on purpose
      ├── ConfigError              a config key, type or value is not allowed

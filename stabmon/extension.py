@@ -3,7 +3,7 @@
 In the spirit of client_python's ``Collector`` and Lightning's ``Callback``: a plug-in is
 one class that implements the hooks it needs, of those below, built once at attach from
 the :class:`Context` (what it may call). The built-ins are listed in
-:data:`stabmon.plugins.PLUGINS`; a user passes their own to ``attach(plugins=[...])``. A
+:data:`stabmon.wiring.plugins.PLUGINS`; a user passes their own to ``attach(plugins=[...])``. A
 factory (usually the class itself) returns None when its feature is configured off. The
 Monitor sorts the plug-ins into one tuple per hook, so a hook costs nothing for plug-ins
 that do not implement it. Example (a whole plug-in that publishes a metric;
@@ -74,13 +74,6 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import torch
 
-    from stabmon.config import Config
-    from stabmon.contract import MetricDef
-    from stabmon.probes.grads import GradSummary
-    from stabmon.probes.heartbeat import Heartbeat
-    from stabmon.probes.memory import MemorySampler
-    from stabmon.readings import Readings
-
 __all__ = [
     "ClipJudged",
     "Context",
@@ -89,9 +82,12 @@ __all__ = [
     "EpochMemory",
     "Factory",
     "Finishes",
+    "GradSummary",
     "GradsJudged",
+    "Heartbeat",
     "LossJudged",
     "MeasuresOnDevice",
+    "Memory",
     "Plugin",
     "Publishes",
     "Reading",
@@ -100,8 +96,63 @@ __all__ = [
     "StepEnd",
 ]
 
-#: One metric's samples at a scrape: its contract row and (label values, value) pairs.
-Reading = tuple["MetricDef", Iterable[tuple[Sequence[str], float]]]
+#: One metric's samples at a scrape: its contract row (a ``stabmon.contract.MetricDef``) and
+#: (label values, value) pairs.
+Reading = tuple[Any, Iterable[tuple[Sequence[str], float]]]
+
+
+class GradSummary(Protocol):
+    """One measured step's gradients, read back on the host (the Monitor hands a
+    ``stabmon.probes.grads.GradSummary``; this module names no stabmon type)."""
+
+    @property
+    def total_norm(self) -> float:
+        """The global L2 norm, before any clip."""
+
+    @property
+    def zero_grad_params(self) -> int:
+        """Trainable tensors whose gradient was None or all zero."""
+
+    @property
+    def nonfinite(self) -> bool:
+        """Whether the total norm is NaN or Inf."""
+
+    @property
+    def tensor_norms(self) -> list[float]:
+        """Each measured tensor's norm, in the layout's order."""
+
+    @property
+    def group_norms(self) -> dict[str, float]:
+        """The norm of each module group (the exported ``module`` label)."""
+
+    @property
+    def layout(self) -> Any:
+        """How to read the norms: parameter names, groups (``stabmon.probes.grads.GradLayout``)."""
+
+
+class Memory(Protocol):
+    """Memory as a plug-in may sample it, in bytes by device label (``host``, ``cuda:N``)."""
+
+    def trend_samples(self) -> dict[str, float]:
+        """Bytes now: RSS for host, allocated per CUDA device."""
+
+    def limits(self) -> dict[str, float]:
+        """Bytes each label may reach (the cgroup or machine limit; the device's total)."""
+
+
+class Heartbeat(Protocol):
+    """The training loop's progress, as the stall watchdog reads it."""
+
+    @property
+    def last_beat(self) -> float:
+        """The last progress (a step end, a phase edge), on the loop clock."""
+
+    @property
+    def phase(self) -> str:
+        """The phase the loop is in (forward, backward, optimizer, data_wait, a named one)."""
+
+    def median_step_seconds(self) -> float | None:
+        """The median of the recent steps' durations; None before there are any."""
 
 
 class Context(Protocol):
@@ -111,18 +162,34 @@ class Context(Protocol):
     back to the plug-in, so a dropped Monitor is still collected.
     """
 
-    #: The Monitor's configuration (frozen).
-    config: Config
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    #: What the exporter publishes (the built-in gauges and counters).
-    readings: Readings
-    #: Host and device memory, sampled on demand.
-    memory: MemorySampler
-    #: The loop's heartbeat: last beat, phase, median step time.
-    heartbeat: Heartbeat
-    run_directory: Path
-    rank: int
+    @property
+    def config(self) -> Any:
+        """The Monitor's ``stabmon.config.Config`` (frozen)."""
+
+    @property
+    def model(self) -> torch.nn.Module: ...
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer: ...
+
+    @property
+    def readings(self) -> Any:
+        """What the exporter publishes (``stabmon.pipeline.readings.Readings``): the built-in
+        gauges and counters a built-in judge keeps; a plug-in of yours publishes through its
+        own ``readings()`` hook instead."""
+
+    @property
+    def memory(self) -> Memory: ...
+
+    @property
+    def heartbeat(self) -> Heartbeat: ...
+
+    @property
+    def run_directory(self) -> Path:
+        """This rank's run directory (its event log, records and dumps)."""
+
+    @property
+    def rank(self) -> int: ...
 
     @property
     def global_step(self) -> int:

@@ -1,10 +1,11 @@
 """The Monitor: the public API, wired at attach to the parts that do the work.
 
-``Monitor`` holds no math and no judgement. :class:`~stabmon.assembly.Assembly` builds its parts;
-:class:`~stabmon.step_hooks.StepHooks` holds what the hooks do; :mod:`stabmon.judging`
-decides when read-back results are judged; :class:`~stabmon.resources.Resources` holds
-what ``detach()`` closes. Nothing a thread or a hook holds refers back to the Monitor
-(docs/architecture.md, "Where things live").
+``Monitor`` holds no math and no judgement. :class:`~stabmon.wiring.assembly.Assembly`
+builds its parts; :class:`~stabmon.wiring.step_hooks.StepHooks` holds what the hooks do;
+:mod:`stabmon.pipeline.judging` decides when read-back results are judged;
+:class:`~stabmon.wiring.resources.Resources` holds what ``detach()`` closes. Nothing a
+thread or a hook holds refers back to the Monitor (docs/architecture.md, "Where things
+live").
 """
 
 from __future__ import annotations
@@ -24,21 +25,21 @@ from typing import Any, TypeVar
 import torch
 from prometheus_client import CollectorRegistry
 
-from stabmon.assembly import Assembly
 from stabmon.config import Config, load_config
 from stabmon.contract import INTERNAL_COMPONENTS
 from stabmon.errors import StabmonError
 from stabmon.extension import Factory
-from stabmon.guard import Guard
-from stabmon.hooks import HookSet
-from stabmon.log import LOGGER, LogLimiter
 from stabmon.probes.environment import default_run_id, process_identity
 from stabmon.probes.loader import loader_problem
 from stabmon.probes.phases import PhaseNames
 from stabmon.probes.timing import TrackedLoader
-from stabmon.registration import register
-from stabmon.resources import SHUTDOWN_SECONDS, Resources
-from stabmon.step_hooks import StepHooks, judge_at_exit, judge_if_quiet
+from stabmon.shared.guard import Guard
+from stabmon.shared.log import LOGGER, LogLimiter
+from stabmon.wiring.assembly import Assembly
+from stabmon.wiring.hooks import HookSet
+from stabmon.wiring.registration import register
+from stabmon.wiring.resources import SHUTDOWN_SECONDS, Resources
+from stabmon.wiring.step_hooks import StepHooks, judge_at_exit, judge_if_quiet
 
 __all__ = ["Monitor", "attach"]
 

@@ -1,4 +1,4 @@
-"""The Recorder and the built-in judges (stabmon.plugins.PLUGINS) on a real event log.
+"""The Recorder and the built-in judges (stabmon.wiring.plugins.PLUGINS) on a real event log.
 
 Host values go in as the readback would deliver them (a gradient summary, a loss, a clip's
 ``max_norm``, a GradScaler scale, epoch-end memory), through the same calls the Monitor's
@@ -12,17 +12,17 @@ from pathlib import Path
 from typing import Any, cast
 
 from stabmon.config import load_config
-from stabmon.context import PluginContext
 from stabmon.export.event_log import EventLog
-from stabmon.guard import Guard
-from stabmon.judging import Judging
-from stabmon.log import LogLimiter
-from stabmon.plugins import Plugged
+from stabmon.pipeline.judging import Judging
+from stabmon.pipeline.readings import Readings
+from stabmon.pipeline.recorder import Recorder
 from stabmon.probes.grads import GradLayout, GradSummary
-from stabmon.probes.heartbeat import Heartbeat
 from stabmon.probes.memory import MemorySampler
-from stabmon.readings import Readings
-from stabmon.recorder import Recorder
+from stabmon.shared.guard import Guard
+from stabmon.shared.heartbeat import Heartbeat
+from stabmon.shared.log import LogLimiter
+from stabmon.wiring.context import PluginContext
+from stabmon.wiring.plugins import Plugged
 
 #: Two module groups of one parameter each.
 LAYOUT = GradLayout(

@@ -1,7 +1,7 @@
 """stabmon.extension: the optional hooks a plug-in implements, recognised by shape.
 
 The Monitor sorts plug-ins into one tuple per hook with these runtime-checkable
-protocols (see tests/test_plugins.py for a plug-in served end to end); here each
+protocols (see tests/wiring/test_plugins.py for a plug-in served end to end); here each
 protocol must claim exactly the plug-ins that implement its hook.
 """
 

@@ -18,6 +18,7 @@ torch on first use) does not make every module "import torch".
 from __future__ import annotations
 
 import ast
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +44,10 @@ class ImportGraph:
 
     modules: set[str] = field(default_factory=set)
     imports: dict[str, list[Import]] = field(default_factory=dict)
+    #: Imports under ``if TYPE_CHECKING:`` (read by mypy, never run), by module.
+    type_only: dict[str, list[Import]] = field(default_factory=dict)
+    #: Calls of a ``register_*hook`` method or function, by module: (name, line).
+    hook_calls: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
 
     def explicit(self, module: str, *, module_level_only: bool = False) -> list[Import]:
         found = self.imports.get(module, [])
@@ -82,6 +87,27 @@ class ImportGraph:
                     queue.append((target, level_only))
         return seen
 
+    def loaded_by(self, start: str) -> set[str]:
+        """The stabmon modules that ``import start`` runs: module-level imports only."""
+        seen = {start}
+        queue = [start]
+        while queue:
+            module = queue.pop()
+            parts = module.split(".")
+            targets = {".".join(parts[:depth]) for depth in range(1, len(parts))}
+            for imp in self.explicit(module, module_level_only=True):
+                target = self.internal(imp)
+                if target is not None:
+                    targets.add(target)
+                    targets.update(
+                        ".".join(target.split(".")[:d]) for d in range(1, target.count(".") + 1)
+                    )
+            for target in targets - seen:
+                if target in self.modules:
+                    seen.add(target)
+                    queue.append(target)
+        return seen
+
     def external_imports(self, modules: Iterable[str]) -> Iterator[Import]:
         for module in modules:
             for imp in self.imports.get(module, []):
@@ -102,12 +128,18 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _imports_of(tree: ast.Module, module: str, is_package: bool) -> list[Import]:
+def _imports_of(
+    tree: ast.Module, module: str, is_package: bool, type_only: list[Import] | None = None
+) -> list[Import]:
+    """The imports that run; those under ``if TYPE_CHECKING:`` go to ``type_only``."""
     found: list[Import] = []
 
     def visit(node: ast.AST, module_level: bool) -> None:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.If) and _is_type_checking(child.test):
+                if type_only is not None:
+                    checked = ast.Module(body=child.body, type_ignores=[])
+                    type_only.extend(_imports_of(checked, module, is_package))
                 for orelse in child.orelse:
                     visit(orelse, module_level)
                 continue
@@ -133,13 +165,28 @@ def _imports_of(tree: ast.Module, module: str, is_package: bool) -> list[Import]
     return found
 
 
+def _hook_calls(tree: ast.Module) -> list[tuple[str, int]]:
+    """Calls that register a torch hook: ``x.register_forward_pre_hook(...)``,
+    ``torch.nn.modules.module.register_module_forward_hook(...)``, ``tensor.register_hook``."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if name.startswith("register_") and name.endswith("hook"):
+                found.append((name, node.lineno))
+    return found
+
+
 def build_graph(root: Path) -> ImportGraph:
     graph = ImportGraph()
     for path in sorted(root.rglob("*.py")):
         name = _module_name(path, root)
         graph.modules.add(name)
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-        graph.imports[name] = _imports_of(tree, name, path.name == "__init__.py")
+        type_only = graph.type_only[name] = []
+        graph.imports[name] = _imports_of(tree, name, path.name == "__init__.py", type_only)
+        graph.hook_calls[name] = _hook_calls(tree)
     return graph
 
 
@@ -179,7 +226,7 @@ def contract_is_a_leaf(graph: ImportGraph) -> list[str]:
 
 
 #: Small modules every layer may import, which therefore import nothing from stabmon.
-LEAVES = ("stabmon.wrapping", "stabmon.extension")
+LEAVES = ("stabmon.shared.wrapping", "stabmon.extension")
 
 
 def leaves_import_nothing_from_stabmon(graph: ImportGraph) -> list[str]:
@@ -203,12 +250,12 @@ def daemon_never_imports_torch(graph: ImportGraph) -> list[str]:
     return sorted(set(problems))
 
 
-def only_daemon_nvml_imports_pynvml(graph: ImportGraph) -> list[str]:
-    """NVML has one seam: stabmon.daemon.nvml initialises it once and shuts it down."""
+def only_hardware_nvml_imports_pynvml(graph: ImportGraph) -> list[str]:
+    """NVML has one seam: stabmon.hardware.nvml initialises it once and shuts it down."""
     return [
         _describe(imp)
         for imp in graph.external_imports(graph.modules)
-        if _top(imp.target) == "pynvml" and imp.source != "stabmon.daemon.nvml"
+        if _top(imp.target) == "pynvml" and imp.source != "stabmon.hardware.nvml"
     ]
 
 
@@ -235,6 +282,79 @@ def export_never_imports_config(graph: ImportGraph) -> list[str]:
 def report_never_imports_the_http_server(graph: ImportGraph) -> list[str]:
     """``stabmon report``/``status`` read files and scrape; they never load the server."""
     return _forbidden(graph, "stabmon.report", ("stabmon.export.exporter",))
+
+
+def extension_is_a_leaf_even_for_types(graph: ImportGraph) -> list[str]:
+    """stabmon.extension names no stabmon module, not even for mypy: the ports a user's
+    plug-in implements must not drag the package's internals into its types."""
+    return [
+        _describe(imp)
+        for imp in graph.type_only.get("stabmon.extension", [])
+        if graph.internal(imp) is not None
+    ]
+
+
+def daemon_and_probes_never_import_each_other(graph: ImportGraph) -> list[str]:
+    """The two wings share only torch-free code (stabmon.hardware, stabmon.shared)."""
+    return _forbidden(graph, "stabmon.daemon", ("stabmon.probes",)) + _forbidden(
+        graph, "stabmon.probes", ("stabmon.daemon",)
+    )
+
+
+def detectors_import_neither_torch_nor_probes(graph: ImportGraph) -> list[str]:
+    """Detectors judge host values: no torch (directly or through what they import) and no
+    probe; a probe's types may be named for mypy only."""
+    problems = _forbidden(graph, "stabmon.detectors", ("stabmon.probes",))
+    for module in sorted(m for m in graph.modules if _in(m, "stabmon.detectors")):
+        reached = graph.reachable(module)
+        for imp in graph.external_imports(reached):
+            if _top(imp.target) == "torch":
+                problems.append(f"{module}: {_describe(imp)} via {_chain(reached, imp.source)}")
+    return sorted(set(problems))
+
+
+#: The one module that registers torch hooks (and keeps their handles for detach()).
+HOOKS_MODULE = "stabmon.wiring.hooks"
+
+
+def only_the_hooks_module_registers_torch_hooks(graph: ImportGraph) -> list[str]:
+    """Every torch hook is registered by stabmon.wiring.hooks, which keeps each handle, so
+    detach() removes them all and a pickled model carries none."""
+    return [
+        f"{module} (line {line}) calls {name}"
+        for module, calls in sorted(graph.hook_calls.items())
+        if module != HOOKS_MODULE
+        for name, line in calls
+    ]
+
+
+def contract_needs_no_third_party_module(graph: ImportGraph) -> list[str]:
+    """stabmon.contract (and what it imports) needs only the standard library: dashboards,
+    rule generators and other tools import it without torch or prometheus_client."""
+    reached = graph.reachable("stabmon.contract")
+    return [
+        _describe(imp)
+        for imp in graph.external_imports(reached)
+        if _top(imp.target) not in sys.stdlib_module_names and _top(imp.target) != "__future__"
+    ]
+
+
+#: What serves HTTP; loaded by the exporter when it starts, not at import.
+HTTP_SERVER_MODULES = ("http.server", "socketserver", "wsgiref")
+
+
+def monitor_import_loads_no_http_server(graph: ImportGraph) -> list[str]:
+    """``import stabmon.monitor`` runs no stabmon module that imports an HTTP server: the
+    exporter imports its server when it starts serving (prometheus_client's own import of
+    http.server is its own)."""
+    reached = graph.loaded_by("stabmon.monitor")
+    return [
+        _describe(imp)
+        for module in sorted(reached)
+        for imp in graph.explicit(module, module_level_only=True)
+        if graph.internal(imp) is None
+        and any(imp.target == m or imp.target.startswith(m + ".") for m in HTTP_SERVER_MODULES)
+    ]
 
 
 def no_import_cycles(graph: ImportGraph) -> list[str]:
@@ -285,10 +405,16 @@ RULES = [
     contract_is_a_leaf,
     leaves_import_nothing_from_stabmon,
     daemon_never_imports_torch,
-    only_daemon_nvml_imports_pynvml,
+    only_hardware_nvml_imports_pynvml,
     probes_never_import_detectors_or_export,
     export_never_imports_config,
     report_never_imports_the_http_server,
+    extension_is_a_leaf_even_for_types,
+    daemon_and_probes_never_import_each_other,
+    detectors_import_neither_torch_nor_probes,
+    only_the_hooks_module_registers_torch_hooks,
+    contract_needs_no_third_party_module,
+    monitor_import_loads_no_http_server,
     no_import_cycles,
 ]
 
@@ -320,13 +446,13 @@ def _plant(root: Path, files: dict[str, str]) -> ImportGraph:
 PLANTED = {
     "contract_is_a_leaf": {"contract.py": "from stabmon.config import Config\n"},
     "leaves_import_nothing_from_stabmon": {
-        "extension.py": "def f():\n    from stabmon.recorder import Recorder\n",
+        "extension.py": "def f():\n    from stabmon.pipeline.recorder import Recorder\n",
     },
     "daemon_never_imports_torch": {
         "daemon/app.py": "from stabmon.probes.helper import thing\n",
         "probes/helper.py": "def thing():\n    import torch.cuda\n",
     },
-    "only_daemon_nvml_imports_pynvml": {"probes/identity.py": "def f():\n    import pynvml\n"},
+    "only_hardware_nvml_imports_pynvml": {"probes/identity.py": "def f():\n    import pynvml\n"},
     "probes_never_import_detectors_or_export": {
         "probes/timing.py": "from stabmon.detectors.stall import Heartbeat\n",
     },
@@ -334,6 +460,25 @@ PLANTED = {
     "report_never_imports_the_http_server": {
         "report/status.py": "from stabmon.export import exporter\n",
         "export/exporter.py": "import http.server\n",
+    },
+    "extension_is_a_leaf_even_for_types": {
+        "extension.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+        "    from stabmon.pipeline.readings import Readings\n",
+    },
+    "daemon_and_probes_never_import_each_other": {
+        "probes/identity.py": "def f():\n    from stabmon.daemon.app import DaemonApp\n",
+    },
+    "detectors_import_neither_torch_nor_probes": {
+        "detectors/spike.py": "from stabmon.shared.math import norm\n",
+        "shared/math.py": "import torch\n",
+    },
+    "only_the_hooks_module_registers_torch_hooks": {
+        "probes/provenance.py": "def arm(module):\n    module.register_forward_hook(print)\n",
+    },
+    "contract_needs_no_third_party_module": {"contract.py": "import numpy\n"},
+    "monitor_import_loads_no_http_server": {
+        "monitor.py": "from stabmon.export import exporter\n",
+        "export/exporter.py": "from wsgiref.simple_server import make_server\n",
     },
     "no_import_cycles": {
         "__init__.py": "def __getattr__(name):\n    from stabmon import monitor\n",
@@ -354,8 +499,8 @@ def test_daemon_rule_ignores_imports_only_for_type_checking(tmp_path: Path) -> N
     graph = _plant(
         tmp_path,
         {
-            "daemon/app.py": "from stabmon.probes import devices\n",
-            "probes/devices.py": "from typing import TYPE_CHECKING\n"
+            "daemon/app.py": "from stabmon.hardware import devices\n",
+            "hardware/devices.py": "from typing import TYPE_CHECKING\n"
             "if TYPE_CHECKING:\n    import torch\n",
         },
     )

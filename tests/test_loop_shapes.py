@@ -9,8 +9,8 @@ import torch
 
 import stabmon
 from stabmon.detectors.stall import Heartbeat
+from stabmon.pipeline.readings import Readings
 from stabmon.probes.timing import LoopTimer
-from stabmon.readings import Readings
 from tests.conftest import MonitorFactory
 from tests.helpers import scrape, train_step, value
 

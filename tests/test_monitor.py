@@ -25,7 +25,7 @@ from helpers import (
 from torch.nn.utils import get_total_norm
 
 import stabmon
-import stabmon.measurements
+import stabmon.pipeline.measurements
 
 
 def _sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -308,7 +308,7 @@ def test_results_waiting_when_the_model_is_cast_keep_their_parameter_names(
 def test_at_most_max_waiting_results_wait_however_short_the_steps(
     attach: MonitorFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(stabmon.measurements, "MAX_WAITING_RESULTS", 6)
+    monkeypatch.setattr(stabmon.pipeline.measurements, "MAX_WAITING_RESULTS", 6)
     model = tiny_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     monitor = attach(model, optimizer, judge_seconds=3600)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-import stabmon.resources as resources_module
+import stabmon.wiring.resources as resources_module
 
 
 class _RecordingThread:

@@ -24,7 +24,7 @@ from helpers import scrape, value
 from torch import nn
 
 import stabmon
-from stabmon.readback import Readback
+from stabmon.pipeline.readback import Readback
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from stabmon.generated import check_fresh, stale_files
+from stabmon.shared.generated import check_fresh, stale_files
 
 KUBERNETES_DIR = Path(__file__).resolve().parent
 ROOT = KUBERNETES_DIR.parents[1]

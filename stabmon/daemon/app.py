@@ -30,13 +30,11 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from stabmon import contract
-from stabmon.background import PeriodicThread
 from stabmon.config import Config
 from stabmon.daemon import discovery, health
 from stabmon.daemon.gpu import GpuCollector, GpuPoller
 from stabmon.daemon.hang import NodeHangCollector, NodeHangJudge
 from stabmon.daemon.liveness import HostMemoryCollector, LivenessCollector
-from stabmon.daemon.nvml import NvmlReader, PynvmlReader
 from stabmon.daemon.placement import PlacementCollector
 from stabmon.daemon.processes import ProcessCollector, ProcessTable
 from stabmon.daemon.xid_events import XidWatcher
@@ -44,9 +42,11 @@ from stabmon.daemon.xid_state import XidState, XidStateCollector, state_path
 from stabmon.export.contained import ContainedCollector
 from stabmon.export.exporter import Exporter, Security
 from stabmon.export.families import family
-from stabmon.guard import Guard
-from stabmon.log import LOGGER, LogLimiter
-from stabmon.rundir import DEFAULT_RUN_DIR
+from stabmon.hardware.nvml import NvmlReader, PynvmlReader
+from stabmon.shared.background import PeriodicThread
+from stabmon.shared.guard import Guard
+from stabmon.shared.log import LOGGER, LogLimiter
+from stabmon.shared.rundir import DEFAULT_RUN_DIR
 
 __all__ = ["DaemonApp"]
 

@@ -44,7 +44,8 @@ from stabmon.contract import (
     THROTTLE_REASONS,
     MetricDef,
 )
-from stabmon.daemon.nvml import (
+from stabmon.export.families import family
+from stabmon.hardware.nvml import (
     GpuIdentity,
     GpuProcess,
     GpuReading,
@@ -52,8 +53,7 @@ from stabmon.daemon.nvml import (
     NvmlReader,
     NvmlUnavailable,
 )
-from stabmon.export.families import family
-from stabmon.log import LogLimiter
+from stabmon.shared.log import LogLimiter
 
 __all__ = ["GpuCollector", "GpuPoller", "GpuSnapshot"]
 

@@ -3,7 +3,7 @@
 Design
 ------
 Every stalled rank writes its hang evidence (state, innermost frame, collectives
-issued) into its registration record (:mod:`stabmon.stall_action`). After each
+issued) into its registration record (:mod:`stabmon.wiring.stall_action`). After each
 process poll, :meth:`NodeHangJudge.update` groups the samples the process table
 believes (the record's file owned by the uid running the process, its start time
 matching, this boot: :mod:`stabmon.daemon.processes`) by run *and* by that uid,
@@ -35,8 +35,8 @@ from stabmon.contract import NODE_HANG_VERDICT
 from stabmon.daemon.processes import ProcessSample
 from stabmon.detectors.hang import RankEvidence, Verdict, judge
 from stabmon.export.families import family
-from stabmon.log import LogLimiter
-from stabmon.node_peers import evidence_of
+from stabmon.shared.log import LogLimiter
+from stabmon.wiring.node_peers import evidence_of
 
 __all__ = ["NodeHangCollector", "NodeHangJudge"]
 

@@ -7,7 +7,7 @@ writes into the registration record with the loop phase (``eval`` gets
 ``phase_stall_seconds``, a step loop its ``stall_seconds``):
 ``stabmon_process_stall_limit_seconds``. A process that is down is labelled
 with how it ended, from its exit record: ``exception`` (an uncaught error),
-``signal`` (a signal it recorded: SIGTERM, see :mod:`stabmon.exit_signals`, or
+``signal`` (a signal it recorded: SIGTERM, see :mod:`stabmon.shared.exit_signals`, or
 Ctrl-C) or ``vanished`` (no exit record: SIGKILL, the OOM killer, a native
 crash), so the rules page a crash and only warn of a termination.
 

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import psutil
 
-from stabmon.log import LogLimiter
-from stabmon.rundir import ProcessRecord, pid_namespace
+from stabmon.shared.log import LogLimiter
+from stabmon.shared.rundir import ProcessRecord, pid_namespace
 
 __all__ = ["AMBIGUOUS", "Ambiguous", "HostPids"]
 

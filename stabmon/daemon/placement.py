@@ -3,7 +3,7 @@
 Each training process declares the physical GPUs it uses (``gpu_uuids`` in its
 registration record, from :func:`stabmon.probes.identity.torch_device_uuids`);
 a record without ``gpu_uuids`` but with ``cuda_visible_devices`` declares the
-GPUs that value makes visible (:func:`stabmon.probes.devices.resolve_visible`,
+GPUs that value makes visible (:func:`stabmon.hardware.devices.resolve_visible`,
 indices taken as NVML's: they agree with CUDA's under
 ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` and on nodes of identical GPUs).
 
@@ -35,9 +35,9 @@ from prometheus_client.registry import Collector
 from stabmon.contract import ANOMALIES, ANOMALY_KINDS, PROCESS_GPU_MEMORY
 from stabmon.daemon.processes import ProcessSample
 from stabmon.export.families import family
-from stabmon.log import LogLimiter
-from stabmon.probes.devices import PhysicalGpu, resolve_visible
-from stabmon.rundir import ProcessRecord
+from stabmon.hardware.devices import PhysicalGpu, resolve_visible
+from stabmon.shared.log import LogLimiter
+from stabmon.shared.rundir import ProcessRecord
 
 __all__ = [
     "Mismatch",

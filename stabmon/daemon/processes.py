@@ -3,7 +3,7 @@
 Design
 ------
 The daemon's poll thread calls :meth:`ProcessTable.poll`: it reads the
-registration records (:func:`stabmon.rundir.read_records`), samples each
+registration records (:func:`stabmon.shared.rundir.read_records`), samples each
 process with psutil and replaces the table's list of samples in one
 assignment. :class:`ProcessCollector` runs in the exporter's thread and reads
 that list only, so a scrape never touches psutil or the disk, and it sees one
@@ -42,7 +42,6 @@ import psutil
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from stabmon import rundir
 from stabmon.contract import (
     HEARTBEAT_AGE,
     PROCESS_CPU_SECONDS,
@@ -53,8 +52,9 @@ from stabmon.daemon import trust
 from stabmon.daemon.pidns import Ambiguous, HostPids
 from stabmon.daemon.tree import ProcessTree
 from stabmon.export.families import family
-from stabmon.log import LogLimiter
-from stabmon.rundir import OwnedRecord, ProcessRecord, RunPaths, read_owned_records
+from stabmon.shared import rundir
+from stabmon.shared.log import LogLimiter
+from stabmon.shared.rundir import OwnedRecord, ProcessRecord, RunPaths, read_owned_records
 
 __all__ = ["ProcessCollector", "ProcessSample", "ProcessTable"]
 

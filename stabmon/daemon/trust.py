@@ -26,7 +26,7 @@ import os
 import urllib.parse
 from pathlib import Path
 
-from stabmon.safefs import read_regular
+from stabmon.shared.safefs import read_regular
 
 __all__ = ["ListeningSockets", "owner_may_speak_for", "record_port"]
 

@@ -22,10 +22,10 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from stabmon.daemon.nvml import GpuIdentity, NvmlError, NvmlReader
 from stabmon.daemon.xid_state import XidState
-from stabmon.guard import Guard
-from stabmon.log import LogLimiter
+from stabmon.hardware.nvml import GpuIdentity, NvmlError, NvmlReader
+from stabmon.shared.guard import Guard
+from stabmon.shared.log import LogLimiter
 
 __all__ = ["XidWatcher"]
 

@@ -34,8 +34,8 @@ from prometheus_client.registry import Collector
 
 from stabmon.contract import GPU_XID_LAST_EVENT
 from stabmon.export.families import family
-from stabmon.log import LogLimiter
-from stabmon.rundir import write_atomic
+from stabmon.shared.log import LogLimiter
+from stabmon.shared.rundir import write_atomic
 
 __all__ = ["XidEntry", "XidState", "XidStateCollector", "state_path"]
 

@@ -5,7 +5,7 @@ its own main thread (:func:`classify`) into one of :data:`HANG_STATES`; once
 the ranks of a run stall, :func:`judge` compares their evidence and names the
 rank(s) whose state differs from the majority's, with a reason class from
 :data:`HANG_REASONS`. The same comparison runs four ways: in each rank over
-the records of its node (:mod:`stabmon.stall_action`), in the node daemon over
+the records of its node (:mod:`stabmon.wiring.stall_action`), in the node daemon over
 the same records (:mod:`stabmon.daemon.hang`), in ``stabmon status`` over
 scraped gauges, and in PromQL across nodes (the shipped
 ``StabmonTrainingStalled`` description), so no collective and no coordinator

@@ -38,7 +38,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from stabmon.probes.heartbeat import STARTUP_PHASE, Heartbeat
+from stabmon.shared.heartbeat import STARTUP_PHASE, Heartbeat
 
 __all__ = [
     "STARTUP_PHASE",

@@ -1,4 +1,5 @@
-"""Turns a process's :class:`~stabmon.readings.Readings` into metric families at scrape time.
+"""Turns a process's :class:`~stabmon.pipeline.readings.Readings` into metric families at
+scrape time.
 
 Scrape-time collection keeps prometheus-client off the training thread: hooks
 write plain numbers, and this collector, running in the exporter's thread,
@@ -22,7 +23,7 @@ from prometheus_client.registry import Collector
 from stabmon import contract as c
 from stabmon.export.families import family, histogram_family
 from stabmon.extension import Publishes
-from stabmon.readings import Histogram, Readings
+from stabmon.pipeline.readings import Histogram, Readings
 
 __all__ = ["PluginCollector", "ReadingsCollector"]
 

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from stabmon.guard import Guard
+from stabmon.shared.guard import Guard
 
 __all__ = ["ContainedCollector"]
 

@@ -4,9 +4,9 @@ Each record is one ``os.write`` of a whole line to a file opened with
 ``O_APPEND``: a process killed at any moment leaves complete lines (at worst a
 last line cut short, which readers skip). A write that fails part-way (a full
 disk) is cut back, or the next record starts a new line, so one lost record
-never corrupts the next (:func:`stabmon.safefs.append_all`). The file is opened
+never corrupts the next (:func:`stabmon.shared.safefs.append_all`). The file is opened
 without following symlinks, in a run subdirectory that must be ours: on a
-shared node another user may have pre-created either (:mod:`stabmon.safefs`).
+shared node another user may have pre-created either (:mod:`stabmon.shared.safefs`).
 Non-finite floats are written as the strings ``"nan"``, ``"inf"`` and
 ``"-inf"`` so every line is strict JSON. A full or read-only disk is contained:
 counted, logged once, training goes on.
@@ -23,9 +23,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from stabmon.guard import Guard
-from stabmon.rundir import prepare_run_directory
-from stabmon.safefs import append_all, open_append
+from stabmon.shared.guard import Guard
+from stabmon.shared.rundir import prepare_run_directory
+from stabmon.shared.safefs import append_all, open_append
 
 __all__ = ["EventLog", "to_json_safe"]
 

@@ -30,37 +30,39 @@ import base64
 import binascii
 import hmac
 import logging
-import socket
 import ssl
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from socketserver import ThreadingMixIn
-from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.metrics_core import Metric
 
+from stabmon.export.limits import (
+    BACKLOG,
+    MAX_CONNECTIONS,
+    MIN_REQUEST_SECONDS,
+    REQUEST_SECONDS,
+)
 from stabmon.export.security import Security
-from stabmon.guard import Guard
-from stabmon.log import LogLimiter
+from stabmon.shared.guard import Guard
+from stabmon.shared.log import LogLimiter
 
-__all__ = ["Exporter", "Route", "Security", "candidate_ports"]
+if TYPE_CHECKING:
+    from stabmon.export.http_server import ThreadingServer
 
-#: Requests served at once; more wait in the listen backlog.
-MAX_CONNECTIONS = 4
-#: Every request ends this long after it was accepted, however slowly its client sends.
-REQUEST_SECONDS = 10.0
-#: The listen backlog (socketserver's default is 5).
-BACKLOG = 128
-#: A connection slot is held at least this long: at most MAX_CONNECTIONS / this many
-#: requests a second are served (16), however many clients flood the port. Prometheus
-#: scrapes every few seconds; a scrape that arrives in a flood waits its turn in the backlog.
-#: Each served request costs the training thread GIL time: a shorter slot let a 50-client
-#: flood cost a loop more than its 5% budget (bench/scrape_flood.py measures it).
-MIN_REQUEST_SECONDS = 0.25
+__all__ = [
+    "BACKLOG",
+    "MAX_CONNECTIONS",
+    "MIN_REQUEST_SECONDS",
+    "REQUEST_SECONDS",
+    "Exporter",
+    "Route",
+    "Security",
+    "candidate_ports",
+]
 
 #: An extra path's handler: the WSGI environ in, (content type, body) out.
 Route = Callable[[Mapping[str, Any]], tuple[str, bytes]]
@@ -79,105 +81,6 @@ def candidate_ports(base: int, local_rank: int, local_world_size: int, attempts:
     return [
         port for port in (first + k * local_world_size for k in range(attempts)) if port < 65536
     ]
-
-
-class _ThreadingServer(ThreadingMixIn, WSGIServer):
-    """One thread per request, at most ``max_connections`` at once, each with a deadline.
-
-    At the cap, ``get_request`` does not accept: the connection waits in the
-    kernel's backlog, so a flood costs no Python work. ``service_actions`` runs
-    every poll of the serving loop and shuts down the socket of any request
-    older than ``request_seconds``, which ends its blocked read.
-    """
-
-    daemon_threads = True
-    request_queue_size = BACKLOG
-    #: Set under TLS: a client's handshake runs in its own request thread.
-    tls: ssl.SSLContext | None = None
-    request_seconds = REQUEST_SECONDS
-    min_request_seconds = MIN_REQUEST_SECONDS
-
-    def server_activate(self) -> None:
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        self._open: dict[socket.socket, float] = {}
-        self._open_lock = threading.Lock()
-        super().server_activate()
-
-    def limit(
-        self, max_connections: int, request_seconds: float, min_request_seconds: float
-    ) -> None:
-        self._slots = threading.BoundedSemaphore(max_connections)
-        self.request_seconds = request_seconds
-        self.min_request_seconds = min_request_seconds
-
-    def get_request(self) -> tuple[socket.socket, Any]:
-        if not self._slots.acquire(timeout=0.05):
-            raise OSError("every connection slot is busy")  # socketserver skips this round
-        try:
-            connection, address = super().get_request()
-            if self.tls is not None:
-                connection = self.tls.wrap_socket(
-                    connection, server_side=True, do_handshake_on_connect=False
-                )
-        except BaseException:
-            self._slots.release()
-            raise
-        with self._open_lock:
-            self._open[connection] = time.monotonic()
-        return connection, address
-
-    def service_actions(self) -> None:
-        cutoff = time.monotonic() - self.request_seconds
-        with self._open_lock:
-            late = [connection for connection, start in self._open.items() if start < cutoff]
-        for connection in late:
-            try:
-                connection.shutdown(socket.SHUT_RDWR)  # the handler's read returns; it ends
-            except OSError:
-                pass
-
-    def shutdown_request(self, request: Any) -> None:
-        try:
-            super().shutdown_request(request)
-        finally:
-            with self._open_lock:
-                accepted = self._open.pop(request, None)
-            if accepted is not None:
-                # Pace: the slot frees no sooner than min_request_seconds after accept. This
-                # thread sleeps without the GIL; a flood then costs training a bounded rate.
-                rest = accepted + self.min_request_seconds - time.monotonic()
-                if rest > 0:
-                    time.sleep(rest)
-                self._slots.release()
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        pass  # a failed handshake or a vanished client: no traceback on the user's stderr
-
-
-class _ThreadingServerV6(_ThreadingServer):
-    address_family = socket.AF_INET6
-
-
-class _QuietHandler(WSGIRequestHandler):
-    """No access log on stderr: Prometheus scrapes every few seconds for days."""
-
-    #: A connection that sends nothing is dropped after this long (its thread with it).
-    timeout = 30.0
-
-    def setup(self) -> None:
-        if isinstance(self.request, ssl.SSLSocket):
-            self.request.settimeout(self.timeout)
-            self.request.do_handshake()  # here, in the request thread, not in accept()
-        super().setup()
-
-    def handle(self) -> None:
-        try:
-            super().handle()
-        except (OSError, ssl.SSLError):
-            pass  # a client that went away, or spoke plain HTTP to HTTPS: nothing to serve
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
-        pass
 
 
 class Exporter:
@@ -226,7 +129,7 @@ class Exporter:
         self._address = address
         self._ports = list(ports)
         self._limiter = limiter
-        self._server: WSGIServer | None = None
+        self._server: ThreadingServer | None = None
         self._thread: threading.Thread | None = None
         self.port: int | None = None
 
@@ -284,11 +187,11 @@ class Exporter:
         if self._guard is not None:
             self._guard.count("exporter")
 
-    def _bind(self, port: int) -> _ThreadingServer:
-        server_class = _ThreadingServerV6 if ":" in self._address else _ThreadingServer
-        server = make_server(
-            self._address, port, self._serve, server_class=server_class, handler_class=_QuietHandler
-        )
+    def _bind(self, port: int) -> ThreadingServer:
+        # Here, not at import: a training script that never serves loads no HTTP server.
+        from stabmon.export.http_server import bind
+
+        server = bind(self._address, port, self._serve)
         server.tls = self._tls
         server.limit(self._max_connections, self._request_seconds, self._min_request_seconds)
         return server

@@ -15,7 +15,7 @@ import stat
 from dataclasses import dataclass
 from typing import Protocol
 
-from stabmon.safefs import read_regular
+from stabmon.shared.safefs import read_regular
 
 __all__ = ["Security", "SecuritySettings"]
 

@@ -21,9 +21,9 @@ import torch
 
 from stabmon.config import Config, load_config
 from stabmon.errors import StabmonError
-from stabmon.log import LOGGER
 from stabmon.monitor import Monitor
 from stabmon.probes.environment import default_run_id
+from stabmon.shared.log import LOGGER
 
 __all__ = [
     "ConfigSource", "EpochBatches", "PhaseSwitch", "load_state", "monitor_settings", "restore",

@@ -36,9 +36,9 @@ from typing import Any
 import torch
 
 from stabmon.integrations._common import ConfigSource, PhaseSwitch, monitor_settings, restore
-from stabmon.log import LOGGER
 from stabmon.monitor import Monitor
-from stabmon.throughput import batch_samples, batch_tokens
+from stabmon.pipeline.throughput import batch_samples, batch_tokens
+from stabmon.shared.log import LOGGER
 
 __all__ = ["LightningAdapter", "StepMarker"]
 

@@ -21,7 +21,7 @@ a sync) and records ``max_norm`` for the clip coefficient.
 Design
 ------
 The wrappers are process-wide (so is ``torch.nn.utils``) and reference counted
-(:class:`stabmon.wrapping.SharedWrap`): installed when the first watcher arrives,
+(:class:`stabmon.shared.wrapping.SharedWrap`): installed when the first watcher arrives,
 restored when the last one leaves, so ``detach()`` of the last Monitor leaves torch
 exactly as it found it. A wrapper that somebody else wrapped in turn cannot be taken
 out of their chain: it is left in place and, without watchers, only calls the
@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from stabmon.wrapping import Hold, Patch, SharedWrap
+from stabmon.shared.wrapping import Hold, Patch, SharedWrap
 
 __all__ = ["ClipWatch", "clipping_wrapped", "watch_clipping"]
 

@@ -10,7 +10,7 @@ the device. The training thread writes, the watchdog and exporter only read.
 Nested calls (``all_gather_object`` calls ``all_gather``) count once.
 
 The replacement is process-wide by nature: one wrapper per function
-(:class:`stabmon.wrapping.SharedWrap`) counts for every attached counter, installed
+(:class:`stabmon.shared.wrapping.SharedWrap`) counts for every attached counter, installed
 by the first ``install`` and restored by the last ``uninstall``, so two monitors in
 one process unwind in any order. DDP's gradient all-reduces are issued from C++ and are not
 counted: the loop phase (``backward``) covers them; nor are calls inside a
@@ -28,7 +28,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from stabmon.wrapping import Hold, Patch, SharedWrap
+from stabmon.shared.wrapping import Hold, Patch, SharedWrap
 
 __all__ = ["COLLECTIVE_FUNCTIONS", "CollectiveCounter"]
 

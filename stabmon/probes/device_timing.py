@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from stabmon.readings import Readings
+from stabmon.pipeline.readings import Readings
 
 __all__ = ["DeviceTimer", "recorder_for"]
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from stabmon.guard import Guard
 from stabmon.probes.identity import identify_gpus
+from stabmon.shared.guard import Guard
 
 __all__ = [
     "ProcessIdentity",

@@ -41,7 +41,7 @@ from typing import Any, NamedTuple, cast
 import numpy as np
 import torch
 
-from stabmon.log import LogLimiter
+from stabmon.shared.log import LogLimiter
 
 __all__ = [
     "GradLayout",

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from stabmon.probes.devices import UUID_PREFIXES
+from stabmon.hardware.devices import UUID_PREFIXES
 
 __all__ = [
     "DeviceIdentity",
@@ -183,11 +183,11 @@ def local_rank_problem(env: Mapping[str, str], device_count: int) -> str | None:
 def _nvml_session() -> Iterator[Any]:
     """pynvml, initialised for the block and shut down after; None where NVML cannot start.
 
-    :mod:`stabmon.daemon.nvml` is the one module that imports pynvml; without the
+    :mod:`stabmon.hardware.nvml` is the one module that imports pynvml; without the
     package installed there is no NVML index and no driver version, nothing worse.
     """
     try:
-        from stabmon.daemon.nvml import nvml_session
+        from stabmon.hardware.nvml import nvml_session
     except ImportError:  # pynvml not installed
         yield None
         return

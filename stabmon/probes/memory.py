@@ -18,8 +18,8 @@ from pathlib import Path
 import psutil
 import torch
 
-from stabmon.log import LOGGER
-from stabmon.readings import DeviceMemory, Readings
+from stabmon.pipeline.readings import DeviceMemory, Readings
+from stabmon.shared.log import LOGGER
 
 __all__ = [
     "DeviceMemorySample",

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from stabmon.log import LOGGER
+from stabmon.shared.log import LOGGER
 
 if TYPE_CHECKING:
     from stabmon.extension import Context

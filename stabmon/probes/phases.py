@@ -11,8 +11,8 @@ import logging
 import re
 
 from stabmon.contract import PHASES
-from stabmon.log import LogLimiter
-from stabmon.probes.heartbeat import STARTUP_PHASE
+from stabmon.shared.heartbeat import STARTUP_PHASE
+from stabmon.shared.log import LogLimiter
 
 __all__ = ["MAX_NAMED_PHASES", "PhaseNames"]
 

@@ -1,7 +1,7 @@
 """Where the loop's wall time goes: phases, step duration and input wait.
 
 The four hook boundaries (forward start and end on the root module, optimizer
-step start and end; see :mod:`stabmon.hooks`) cut the loop into phases; the
+step start and end; see :mod:`stabmon.wiring.hooks`) cut the loop into phases; the
 time between two boundaries goes to the phase the loop was in:
 
     step end ──data_wait──▶ forward start ──forward──▶ forward end ──backward──▶
@@ -30,8 +30,8 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
-from stabmon.probes.heartbeat import Heartbeat
-from stabmon.readings import Readings
+from stabmon.pipeline.readings import Readings
+from stabmon.shared.heartbeat import Heartbeat
 
 __all__ = ["LoopTimer", "TrackedLoader", "timed_iteration"]
 
@@ -152,7 +152,7 @@ class LoopTimer:
         elapsed = now - self._mark
         if self._state == _DATA_WAIT:
             # No forward boundary since the last step: the forward ran compiled, where the hooks
-            # are no-ops (stabmon.hooks). Only track()'s loader time is known input wait; the
+            # are no-ops (stabmon.wiring.hooks). Only track()'s loader time is known input wait; the
             # rest is forward and backward, which cannot be told apart.
             waited = min(self._loader_seconds, elapsed)
             self._readings.add_phase_time(_DATA_WAIT, waited)

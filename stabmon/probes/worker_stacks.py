@@ -27,7 +27,7 @@ was collected (a loop that builds its DataLoader each epoch) is reused. A second
 live Monitor of the same rank in one process (one run directory) names its files
 ``rank-R.monitor-K.loader-L``, K its index among the live ones.
 
-On a stall in ``data_wait`` (:mod:`stabmon.stall_action`, watchdog thread),
+On a stall in ``data_wait`` (:mod:`stabmon.wiring.stall_action`, watchdog thread),
 :meth:`WorkerStacks.capture` takes the live workers of the iterator the loop
 waits on, signals only those whose file's header names their pid (a child that
 is not reaped cannot have a reused pid), cuts each file back to its header first
@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stabmon.safefs import open_owned
+from stabmon.shared.safefs import open_owned
 
 __all__ = ["STACKS_SIGNAL", "WorkerInit", "WorkerStack", "WorkerStacks", "innermost_frame"]
 

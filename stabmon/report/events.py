@@ -1,7 +1,7 @@
 """Reading a run's event logs as they are: finished, still being written, or cut short.
 
 A run directory holds one log per process (``<run_dir>/<run_id>/rank-<rank>.events.jsonl``,
-see :mod:`stabmon.rundir`). A process killed mid-write leaves its last line
+see :mod:`stabmon.shared.rundir`). A process killed mid-write leaves its last line
 without a newline; a process still running may be in the middle of one. Such a
 line, and any line that is not a JSON object, is skipped with a note the report
 shows, never an error. Reading takes what the files hold at that moment, so a
@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from stabmon.errors import StabmonError
-from stabmon.rundir import ProcessRecord, boot_id, read_records, run_directory_name
-from stabmon.safefs import UnsafePathError
+from stabmon.shared.rundir import ProcessRecord, boot_id, read_records, run_directory_name
+from stabmon.shared.safefs import UnsafePathError
 
 __all__ = ["RankLog", "Run", "Selector", "find_run", "number", "read_log", "read_run"]
 
@@ -251,7 +251,7 @@ def _skip_line(stream: BinaryIO) -> bool:
 
 
 def _open_log(path: Path, follow_symlinks: bool) -> BinaryIO:
-    """``path`` opened for reading as :func:`stabmon.safefs.read_regular` opens it: no final
+    """``path`` opened for reading as :func:`stabmon.shared.safefs.read_regular` opens it: no final
     symlink unless ``follow_symlinks``, never blocking, a regular file of at most
     ``MAX_LOG_BYTES`` (else an error)."""
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_symlinks else os.O_NOFOLLOW)

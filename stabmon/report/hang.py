@@ -16,7 +16,8 @@ from stabmon.report.status import RankStatus
 
 __all__ = ["STALL_EXIT_CODE", "format_verdicts", "hang_findings"]
 
-#: stabmon.stall_action.STALL_EXIT_CODE, repeated: the report must not import the monitor side.
+#: stabmon.wiring.stall_action.STALL_EXIT_CODE, repeated: the report must not import the
+#: monitor side.
 STALL_EXIT_CODE = 75
 
 

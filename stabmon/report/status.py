@@ -4,7 +4,7 @@ Each URL is scraped once over HTTP, or HTTPS with ``--cafile`` and
 ``--basic-auth-file`` for exporters that serve TLS and basic auth, and parsed
 with prometheus-client's parser; metric names come from :mod:`stabmon.contract`.
 Without URLs, the exporters registered in the run directory (``metrics_url`` of
-each live process record, see :mod:`stabmon.rundir`) are scraped. A rank is
+each live process record, see :mod:`stabmon.shared.rundir`) are scraped. A rank is
 unhealthy when it is stalled, suspected of leaking memory, has seen a
 non-finite gradient or loss, or does not answer; ``stabmon status`` then exits
 1, so it serves as a health check in scripts and Kubernetes probes.
@@ -40,13 +40,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from stabmon import contract
 from stabmon.errors import StabmonError
 from stabmon.export.security import Security
-from stabmon.rundir import (
+from stabmon.shared.rundir import (
     ProcessRecord,
     boot_id,
     read_owned_records,
     run_directory_name,
 )
-from stabmon.safefs import read_regular
+from stabmon.shared.safefs import read_regular
 
 __all__ = [
     "Credentials",

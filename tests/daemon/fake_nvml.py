@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from stabmon.daemon.nvml import (
+from stabmon.hardware.nvml import (
     GpuIdentity,
     GpuProcess,
     GpuReading,

@@ -16,8 +16,8 @@ from helpers import scrape
 from stabmon import contract
 from stabmon.config import load_config
 from stabmon.daemon.app import DaemonApp
-from stabmon.daemon.nvml import GpuProcess
-from stabmon.rundir import ProcessRecord, boot_id, write_atomic
+from stabmon.hardware.nvml import GpuProcess
+from stabmon.shared.rundir import ProcessRecord, boot_id, write_atomic
 
 UUIDS = ("GPU-11111111-2222-3333-4444-555555555555", "GPU-66666666-7777-8888-9999-000000000000")
 

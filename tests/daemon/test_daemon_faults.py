@@ -13,7 +13,7 @@ from helpers import scrape, value
 
 from stabmon.config import load_config
 from stabmon.daemon.app import DaemonApp
-from stabmon.rundir import ProcessRecord, boot_id, write_atomic
+from stabmon.shared.rundir import ProcessRecord, boot_id, write_atomic
 
 
 def _register_self(run_dir: Path) -> None:

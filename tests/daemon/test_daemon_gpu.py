@@ -16,8 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from stabmon.contract import THROTTLE_REASONS
 from stabmon.daemon.gpu import GpuCollector, GpuPoller
-from stabmon.daemon.nvml import GpuProcess, GpuReading, NvmlError, NvmlReader
-from stabmon.log import LogLimiter
+from stabmon.hardware.nvml import GpuProcess, GpuReading, NvmlError, NvmlReader
+from stabmon.shared.log import LogLimiter
 
 UUID_0 = "GPU-5f2c0a4e-1b2c-3d4e-5f60-718293a4b5c6"
 UUID_1 = "GPU-8e2d7f15-5a1b-5c3d-9e4f-0a1b2c3d4e5f"

@@ -13,8 +13,8 @@ from prometheus_client import CollectorRegistry
 from stabmon.contract import NODE_HANG_VERDICT
 from stabmon.daemon.hang import MAX_RUNS, NodeHangCollector, NodeHangJudge
 from stabmon.daemon.processes import ProcessSample
-from stabmon.log import LogLimiter
-from stabmon.rundir import ProcessRecord
+from stabmon.shared.log import LogLimiter
+from stabmon.shared.rundir import ProcessRecord
 
 ALICE, MALLORY = 1000, 1001
 

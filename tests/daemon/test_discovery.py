@@ -20,7 +20,7 @@ from stabmon.config import load_config
 from stabmon.daemon.app import DaemonApp
 from stabmon.daemon.discovery import target_groups
 from stabmon.daemon.processes import ProcessSample
-from stabmon.rundir import ProcessRecord
+from stabmon.shared.rundir import ProcessRecord
 
 
 def _sample(rank: int, url: str | None, *, alive: bool = True) -> ProcessSample:

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Gauge
 from stabmon.daemon import health
 from stabmon.export.exporter import Exporter
 from stabmon.export.security import Security
-from stabmon.log import LogLimiter
+from stabmon.shared.log import LogLimiter
 
 
 @pytest.fixture

@@ -22,8 +22,8 @@ from helpers import scrape
 from stabmon.config import load_config
 from stabmon.daemon.app import DaemonApp
 from stabmon.daemon.xid_state import XidState, state_path
-from stabmon.log import LogLimiter
-from stabmon.rundir import ProcessRecord, boot_id, read_records, write_atomic
+from stabmon.shared.log import LogLimiter
+from stabmon.shared.rundir import ProcessRecord, boot_id, read_records, write_atomic
 
 UUID = "GPU-11111111-2222-3333-4444-555555555555"
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -180,7 +180,7 @@ def test_daemon_health_check_answers_without_credentials_and_reveals_nothing(
 _INTERRUPTED = """
 import sys, time
 from pathlib import Path
-from stabmon.rundir import ExitWatch, ProcessRecord, Registration
+from stabmon.shared.rundir import ExitWatch, ProcessRecord, Registration
 import psutil, os
 root = Path(sys.argv[1])
 record = ProcessRecord(pid=os.getpid(), create_time=psutil.Process().create_time(), run="job",

@@ -1,7 +1,7 @@
 """The daemon's node view of a hang: real ranks' records, judged per run and user, scraped.
 
 The ranks are real processes (``sleep``, standing in for stalled trainers), registered by
-the real record writer (:class:`stabmon.rundir.Registration`) with the hang evidence a
+the real record writer (:class:`stabmon.shared.rundir.Registration`) with the hang evidence a
 stalled rank writes; the daemon runs with a fake NVML (there is no GPU here) and is scraped
 over real HTTP. The real torchrun case is in tests/integration/test_hang_triage.py.
 """
@@ -25,8 +25,8 @@ from stabmon.config import load_config
 from stabmon.daemon.app import DaemonApp
 from stabmon.daemon.hang import NodeHangJudge
 from stabmon.daemon.processes import ProcessSample
-from stabmon.log import LogLimiter
-from stabmon.rundir import ProcessRecord, Registration, RunPaths, boot_id
+from stabmon.shared.log import LogLimiter
+from stabmon.shared.rundir import ProcessRecord, Registration, RunPaths, boot_id
 
 WHERE = {"collective": "c10d_logger.py:81 in wrapper", "data_wait": "data.py:42 in __getitem__"}
 

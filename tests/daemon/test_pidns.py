@@ -16,8 +16,8 @@ import pytest
 
 from stabmon.daemon.pidns import HostPids
 from stabmon.daemon.processes import ProcessTable
-from stabmon.log import LogLimiter
-from stabmon.rundir import ProcessRecord, pid_namespace, read_records
+from stabmon.shared.log import LogLimiter
+from stabmon.shared.rundir import ProcessRecord, pid_namespace, read_records
 
 TRAINEE = Path(__file__).resolve().parents[1] / "integration" / "trainee.py"
 UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc"]

@@ -18,8 +18,8 @@ from stabmon.daemon.placement import (
     process_gpu_memory,
 )
 from stabmon.daemon.processes import ProcessSample
-from stabmon.log import LogLimiter
-from stabmon.rundir import ProcessRecord
+from stabmon.shared.log import LogLimiter
+from stabmon.shared.rundir import ProcessRecord
 
 GPU0 = "GPU-8932f937-d72c-4106-c12f-20bd9faed9f6"
 GPU1 = "GPU-5c1a2b3d-0000-4e5f-8a9b-1c2d3e4f5a6b"

@@ -22,8 +22,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from stabmon.daemon.processes import ProcessCollector, ProcessSample, ProcessTable
-from stabmon.log import LogLimiter
-from stabmon.rundir import MAX_RECORD_BYTES, ProcessRecord, RunPaths, boot_id, write_atomic
+from stabmon.shared.log import LogLimiter
+from stabmon.shared.rundir import MAX_RECORD_BYTES, ProcessRecord, RunPaths, boot_id, write_atomic
 
 # Prepended to every child: it exits once its parent is gone, so a killed test run (or a worker
 # whose parent the test killed) never leaves an orphan behind, however long it would sleep.

@@ -13,8 +13,8 @@ from fake_nvml import FakeGpu, FakeNvml
 
 from stabmon.daemon.gpu import GpuPoller
 from stabmon.daemon.xid_events import XidWatcher
-from stabmon.guard import Guard
-from stabmon.log import LogLimiter
+from stabmon.shared.guard import Guard
+from stabmon.shared.log import LogLimiter
 
 UUID_0 = "GPU-5f2c0a4e-1b2c-3d4e-5f60-718293a4b5c6"
 UUID_1 = "GPU-8e2d7f15-5a1b-5c3d-9e4f-0a1b2c3d4e5f"

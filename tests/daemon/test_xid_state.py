@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from stabmon.contract import GPU_XID_LAST_EVENT
 from stabmon.daemon.xid_state import MAX_ENTRIES, XidEntry, XidState, XidStateCollector, state_path
-from stabmon.log import LogLimiter
+from stabmon.shared.log import LogLimiter
 
 
 def _state(path: Path | None, **kwargs: object) -> XidState:

@@ -54,7 +54,7 @@ def main(run_dir: Path) -> dict[str, Any]:
     from stabmon.cli import main as cli_main
     from stabmon.config import load_config
     from stabmon.daemon.app import DaemonApp
-    from stabmon.rundir import ProcessRecord, RunPaths, boot_id, write_atomic
+    from stabmon.shared.rundir import ProcessRecord, RunPaths, boot_id, write_atomic
 
     help_text = io.StringIO()
     with contextlib.redirect_stdout(help_text), contextlib.suppress(SystemExit):

@@ -27,7 +27,7 @@ from deploy_helpers import (
 
 from stabmon import __version__
 from stabmon.config import load_config
-from stabmon.rundir import DEFAULT_RUN_DIR
+from stabmon.shared.rundir import DEFAULT_RUN_DIR
 
 COMPOSE_DIR = ROOT / "deploy" / "compose"
 COMPOSE_FILE = COMPOSE_DIR / "docker-compose.yml"

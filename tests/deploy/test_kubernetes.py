@@ -41,7 +41,7 @@ from stabmon import __version__
 from stabmon.config import load_config
 from stabmon.daemon import health
 from stabmon.daemon.xid_state import state_path
-from stabmon.rundir import DEFAULT_RUN_DIR
+from stabmon.shared.rundir import DEFAULT_RUN_DIR
 
 KUBERNETES = DEPLOY / "kubernetes"
 EXAMPLES = KUBERNETES / "examples"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from stabmon.detectors.stall import Heartbeat, StallReport, StallWatchdog
+from stabmon.pipeline.readings import Readings
 from stabmon.probes.timing import LoopTimer
-from stabmon.readings import Readings
 from tests.conftest import MonitorFactory
 from tests.helpers import scrape, train_step, value
 

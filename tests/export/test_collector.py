@@ -19,8 +19,8 @@ from stabmon.export.collector import (
     bounded_label,
 )
 from stabmon.export.exporter import Exporter
-from stabmon.log import LogLimiter
-from stabmon.readings import DeviceMemory, Readings
+from stabmon.pipeline.readings import DeviceMemory, Readings
+from stabmon.shared.log import LogLimiter
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 LABELS = {"rank": "0", "run": "job"}

@@ -13,8 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from stabmon.export.contained import ContainedCollector
-from stabmon.guard import Guard
-from stabmon.log import LogLimiter
+from stabmon.shared.guard import Guard
+from stabmon.shared.log import LogLimiter
 
 
 class _Fixed(Collector):

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from stabmon.export.event_log import EventLog, to_json_safe
-from stabmon.guard import Guard
-from stabmon.log import LogLimiter
+from stabmon.shared.guard import Guard
+from stabmon.shared.log import LogLimiter
 
 
 def _guard() -> Guard:

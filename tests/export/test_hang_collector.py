@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 from stabmon import contract as c
 from stabmon.export.exporter import Exporter
 from stabmon.export.hang_collector import MAX_PHASES, HangCollector
-from stabmon.log import LogLimiter
+from stabmon.shared.log import LogLimiter
 
 LABELS = {"rank": "1", "run": "job"}
 

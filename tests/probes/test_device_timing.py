@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from stabmon.pipeline.readings import Readings
 from stabmon.probes.device_timing import DeviceTimer
-from stabmon.readings import Readings
 
 
 class FakeDevice:

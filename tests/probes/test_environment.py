@@ -14,8 +14,6 @@ from typing import Any
 import pytest
 import torch
 
-from stabmon.guard import Guard
-from stabmon.log import LogLimiter
 from stabmon.probes import environment
 from stabmon.probes.environment import (
     agree_run_id,
@@ -26,6 +24,8 @@ from stabmon.probes.environment import (
     format_environment,
     process_identity,
 )
+from stabmon.shared.guard import Guard
+from stabmon.shared.log import LogLimiter
 
 
 def _hash_store() -> Any:

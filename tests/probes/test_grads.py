@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch.nn.utils import get_total_norm
 
+from stabmon.pipeline.readback import Readback
 from stabmon.probes.grads import GradProbe, group_name
-from stabmon.readback import Readback
 
 
 def _named(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

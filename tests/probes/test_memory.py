@@ -18,6 +18,7 @@ import psutil
 import pytest
 import torch
 
+from stabmon.pipeline.readings import DeviceMemory, Readings
 from stabmon.probes.memory import (
     HOST,
     HostMemory,
@@ -26,7 +27,6 @@ from stabmon.probes.memory import (
     cuda_devices,
     device_label,
 )
-from stabmon.readings import DeviceMemory, Readings
 
 CUDA0 = torch.device("cuda", 0)
 

@@ -7,8 +7,8 @@ import logging
 import pytest
 
 from stabmon.contract import PHASES
-from stabmon.log import LogLimiter
 from stabmon.probes.phases import MAX_NAMED_PHASES, PhaseNames
+from stabmon.shared.log import LogLimiter
 
 
 @pytest.fixture

@@ -9,9 +9,9 @@ from collections.abc import Iterator
 import pytest
 from helpers import LoopClock
 
-from stabmon.probes.heartbeat import Heartbeat
+from stabmon.pipeline.readings import Readings
 from stabmon.probes.timing import LoopTimer, TrackedLoader, timed_iteration
-from stabmon.readings import Readings
+from stabmon.shared.heartbeat import Heartbeat
 
 
 class Loop:

@@ -13,7 +13,7 @@ import pytest
 
 from stabmon.errors import StabmonError
 from stabmon.report.events import MAX_DEPTH, find_run, number, read_log, read_run
-from stabmon.rundir import ProcessRecord, boot_id, run_directory_name
+from stabmon.shared.rundir import ProcessRecord, boot_id, run_directory_name
 
 
 def _line(event: str, **fields: Any) -> str:

@@ -14,7 +14,7 @@ from stabmon.errors import StabmonError
 from stabmon.report.events import read_run
 from stabmon.report.html import SECTION_IDS, render, write_report
 from stabmon.report.verdict import when
-from stabmon.rundir import ProcessRecord, boot_id, run_directory_name
+from stabmon.shared.rundir import ProcessRecord, boot_id, run_directory_name
 
 NOW = 1_700_000_500.0
 

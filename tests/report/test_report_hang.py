@@ -9,7 +9,7 @@ from pathlib import Path
 from stabmon.report.events import read_run
 from stabmon.report.hang import STALL_EXIT_CODE, format_verdicts, hang_findings
 from stabmon.report.status import RankStatus
-from stabmon.stall_action import STALL_EXIT_CODE as MONITOR_STALL_EXIT_CODE
+from stabmon.wiring.stall_action import STALL_EXIT_CODE as MONITOR_STALL_EXIT_CODE
 
 
 def _status(

@@ -20,12 +20,12 @@ import stabmon
 from stabmon.config import Config
 from stabmon.detectors.stall import StallReport
 from stabmon.export.event_log import EventLog
-from stabmon.guard import Guard
-from stabmon.log import LogLimiter
-from stabmon.readings import Readings
-from stabmon.recorder import Recorder
+from stabmon.pipeline.readings import Readings
+from stabmon.pipeline.recorder import Recorder
 from stabmon.report.events import read_run
 from stabmon.report.verdict import judge
+from stabmon.shared.guard import Guard
+from stabmon.shared.log import LogLimiter
 
 STEPS = 23
 NAN_AT = 7

@@ -22,9 +22,9 @@ from stabmon.config import load_config
 from stabmon.daemon.app import DaemonApp
 from stabmon.daemon.processes import ProcessTable
 from stabmon.export.exporter import Exporter
-from stabmon.guard import Guard
-from stabmon.log import LogLimiter
-from stabmon.rundir import ProcessRecord, boot_id, write_atomic
+from stabmon.shared.guard import Guard
+from stabmon.shared.log import LogLimiter
+from stabmon.shared.rundir import ProcessRecord, boot_id, write_atomic
 from tests.daemon.fake_nvml import FakeNvml
 from tests.helpers import scrape, value
 from tests.security.conftest import Hostile
@@ -212,7 +212,7 @@ def test_records_claiming_pid_1_with_every_process_as_a_child_sample_a_bounded_f
 
 
 def test_records_beyond_the_cap_are_not_read(tmp_path: Path) -> None:
-    from stabmon.rundir import MAX_RECORDS
+    from stabmon.shared.rundir import MAX_RECORDS
 
     dead = ProcessRecord(pid=2**22 - 1, create_time=1.0, run="x", rank=0, updated_unix=time.time())
     for index in range(MAX_RECORDS + 40):
@@ -242,7 +242,7 @@ def test_a_record_dated_in_the_future_is_forgotten_by_the_daemons_own_clock(
 def test_the_log_limiter_remembers_a_bounded_number_of_keys_and_bounds_each_value(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from stabmon.log import MAX_ARG_CHARS, MAX_KEYS
+    from stabmon.shared.log import MAX_ARG_CHARS, MAX_KEYS
 
     limiter = LogLimiter()
     with caplog.at_level(logging.WARNING, logger="stabmon"):

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Gauge
 
 from stabmon.export.exporter import Exporter
-from stabmon.log import LogLimiter
+from stabmon.shared.log import LogLimiter
 
 
 @pytest.fixture

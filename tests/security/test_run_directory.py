@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from stabmon import contract
-from stabmon.rundir import ProcessRecord, Registration, read_records
+from stabmon.shared.rundir import ProcessRecord, Registration, read_records
 from tests.helpers import scrape, tiny_model, train_step, value
 from tests.security.conftest import Hostile
 
@@ -48,7 +48,7 @@ def test_training_refuses_a_run_directory_pre_created_by_another_user_with_a_sym
 
 
 def test_event_log_is_never_opened_through_a_symlink_in_our_own_directory(tmp_path: Path) -> None:
-    from stabmon.safefs import UnsafePathError, open_append
+    from stabmon.shared.safefs import UnsafePathError, open_append
 
     target = tmp_path / "target"
     target.write_text("")
@@ -60,7 +60,7 @@ def test_event_log_is_never_opened_through_a_symlink_in_our_own_directory(tmp_pa
 def test_reading_a_fifo_or_a_symlink_is_refused_without_blocking(tmp_path: Path) -> None:
     import os
 
-    from stabmon.safefs import UnsafePathError, read_regular
+    from stabmon.shared.safefs import UnsafePathError, read_regular
 
     os.mkfifo(tmp_path / "fifo")
     (tmp_path / "link").symlink_to("/etc/hostname")
@@ -75,8 +75,8 @@ _FULL_DISK = textwrap.dedent(
     import json, resource, signal, sys
     from pathlib import Path
     from stabmon.export.event_log import EventLog
-    from stabmon.guard import Guard
-    from stabmon.log import LogLimiter
+    from stabmon.shared.guard import Guard
+    from stabmon.shared.log import LogLimiter
 
     path = Path(sys.argv[1])
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file-size limit then fails like a full disk
@@ -109,7 +109,7 @@ def test_a_record_cut_short_by_a_full_disk_never_swallows_the_next_one(tmp_path:
 def test_append_all_starts_a_new_line_after_a_half_line_it_could_not_cut_back(
     tmp_path: Path,
 ) -> None:
-    from stabmon.safefs import append_all, open_append
+    from stabmon.shared.safefs import append_all, open_append
 
     path = tmp_path / "log"
     path.write_bytes(b'{"event":"a"}\n{"event":"cut sh')
@@ -127,7 +127,7 @@ def test_append_all_starts_a_new_line_after_a_half_line_it_could_not_cut_back(
 def test_run_ids_that_clean_to_the_same_name_get_distinct_directories(
     first: str, second: str
 ) -> None:
-    from stabmon.rundir import run_directory_name
+    from stabmon.shared.rundir import run_directory_name
 
     assert run_directory_name(first) != run_directory_name(second)
     for name in (run_directory_name(first), run_directory_name(second)):
@@ -163,7 +163,7 @@ def test_a_registration_in_another_users_run_directory_is_refused(
     hostile: Hostile, shared: Path
 ) -> None:
     hostile.run("import os, sys; os.mkdir(os.path.join(sys.argv[1], 'theirs'), 0o777)", str(shared))
-    from stabmon.safefs import UnsafePathError
+    from stabmon.shared.safefs import UnsafePathError
 
     record = ProcessRecord(pid=1, create_time=0.0, run="theirs", rank=0)
     registration = Registration(shared, shared / "theirs" / "rank-0.json", record)

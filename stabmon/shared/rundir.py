@@ -1,0 +1,613 @@
+"""Where a run's files live, and the registration records the node daemon reads.
+
+Layout::
+
+    <run_dir>/<run_id>/rank-<rank>.json          registration + heartbeat (this module)
+    <run_dir>/<run_id>/rank-<rank>.events.jsonl  event log (stabmon.export.event_log)
+
+The default root is ``/var/tmp/stabmon``: node-wide, so the daemon finds every
+run without configuration, and, unlike ``/tmp``, kept across reboots, so an
+event log outlives a crashed machine. ``run_dir`` in the config (or
+``STABMON_DIR``) moves it.
+
+A training process writes its record at attach, rewrites it from its sampler
+thread (the heartbeat: ``last_step_unix``) and removes it at detach. Records
+are written atomically (write, then rename) so a reader sees the old record or
+the new one, never half. Run subdirectories are created by the process that
+writes in them and refused when another user owns them (:mod:`stabmon.shared.safefs`);
+nothing is opened through a symlink. Readers tolerate what a crash, a disk or a person can
+leave behind (partial, stale, malformed files, a vanished directory) and skip
+such files with a reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import sys
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from types import TracebackType
+from typing import Any, NoReturn
+
+from stabmon.shared.safefs import owned_directory, read_regular_with_owner
+from stabmon.shared.wrapping import Hold, Patch, SharedWrap
+
+__all__ = [
+    "DEFAULT_RUN_DIR",
+    "ExitWatch",
+    "MAX_RECORDS",
+    "OwnedRecord",
+    "RECORD_VERSION",
+    "RUN_ID_PATTERN",
+    "ProcessRecord",
+    "RecordProblem",
+    "Registration",
+    "RunPaths",
+    "boot_id",
+    "pid_namespace",
+    "prepare_run_directory",
+    "read_owned_records",
+    "read_records",
+    "read_run_records",
+    "run_directory_name",
+    "safe_component",
+    "write_atomic",
+]
+
+DEFAULT_RUN_DIR = Path("/var/tmp/stabmon")
+RECORD_VERSION = 1
+#: Records larger than this are not records (a person's file, a corrupted disk).
+MAX_RECORD_BYTES = 64 * 1024
+#: Records read from one run-directory root at most: the rest are problems, not records
+#: (every user of the node can write there; the daemon's memory and series stay bounded).
+MAX_RECORDS = 512
+
+#: The run ids used as directory names as they are: letters, digits, ``.``, ``_`` and ``-``,
+#: 1 to 128 characters, not starting with a dot (so never ``.`` or ``..``).
+RUN_ID_PATTERN = r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}"
+_SAFE_RUN_ID = re.compile(RUN_ID_PATTERN)
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+_UUID = re.compile(r"[A-Za-z0-9/_.:-]{1,128}")
+
+
+def safe_component(value: str) -> str:
+    """``value`` made safe as one path component (run ids come from users)."""
+    cleaned = _UNSAFE.sub("_", value)[:128].lstrip(".")
+    return cleaned or "run"
+
+
+def run_directory_name(run_id: str) -> str:
+    """The directory name of run ``run_id``: itself when it is in :data:`RUN_ID_PATTERN`.
+
+    Any other id (one from a launcher's environment: ``a/b``, ``..``) is cleaned
+    and given a hash of the original after a ``~``, a character no safe id has,
+    so two different ids never share a directory (``a/b`` and ``a_b`` differ).
+    """
+    if _SAFE_RUN_ID.fullmatch(run_id):
+        return run_id
+    digest = hashlib.sha256(run_id.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+    return f"{safe_component(run_id)[:100]}~{digest}"
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """Paths of one process's files in the run directory."""
+
+    root: Path
+    run_id: str
+    rank: int
+
+    @property
+    def run_directory(self) -> Path:
+        return self.root / run_directory_name(self.run_id)
+
+    @property
+    def events(self) -> Path:
+        return self.run_directory / f"rank-{self.rank}.events.jsonl"
+
+    @property
+    def record(self) -> Path:
+        return self.run_directory / f"rank-{self.rank}.json"
+
+
+@dataclass(frozen=True)
+class ProcessRecord:
+    """One training process, as it registers itself for the node daemon."""
+
+    pid: int
+    #: psutil's create time of ``pid``: tells a live process from a reused pid.
+    create_time: float
+    run: str
+    rank: int
+    local_rank: int = 0
+    hostname: str = ""
+    #: Physical GPUs the process declared it uses, as NVML spells them (``GPU-...``, ``MIG-...``).
+    gpu_uuids: tuple[str, ...] = ()
+    cuda_visible_devices: str | None = None
+    metrics_url: str | None = None
+    attached_unix: float = 0.0
+    #: Unix time of the last completed optimizer step (the heartbeat); None before the first.
+    last_step_unix: float | None = None
+    steps: int = 0
+    #: When the record was last written (the sampler rewrites it every ``sample_seconds``).
+    updated_unix: float = 0.0
+    #: The process's configured stall limit, for readers such as ``stabmon status``.
+    stall_seconds: float | None = None
+    #: The kernel's boot id: a record from another boot (or another host) is not this node's.
+    boot_id: str = ""
+    #: The PID namespace ``pid`` belongs to (``pid:[4026532178]``): in a container it is not
+    #: the daemon's, which maps ``pid`` to its own view (:mod:`stabmon.daemon.pidns`).
+    pid_namespace: str = ""
+    #: Set at interpreter exit: when, and "clean", "exception" (an uncaught error) or
+    #: "signal" (ended by the signal in ``exit_signal``, such as SIGINT).
+    exited_unix: float | None = None
+    exit_status: str | None = None
+    #: The loop phase at the last heartbeat (``forward``, ``eval``, ``startup``...).
+    phase: str | None = None
+    #: The stall limit that applied at the last heartbeat (the phase's): the daemon judges a
+    #: frozen process, whose watchdog cannot run, against it.
+    stall_limit_seconds: float | None = None
+    #: With ``exit_status == "signal"``: the signal's name (``SIGINT``, ``SIGTERM``).
+    exit_signal: str | None = None
+    #: While stalled: what the main thread is doing (``stabmon.contract.HANG_STATES``), where
+    #: (``loader.py:42 in fetch``) and the collectives issued, for the node's hang verdict.
+    hang_state: str | None = None
+    hang_where: str | None = None
+    collectives: int = 0
+    #: While stalled, with torch's flight recorder available: the default process group's last
+    #: enqueued, started (-1: not timed) and completed collective sequence numbers
+    #: (``stabmon.probes.flight_recorder``); else None.
+    flight: tuple[int, int, int] | None = None
+    version: int = field(default=RECORD_VERSION)
+
+    def to_json(self) -> bytes:
+        data = asdict(self)
+        data["gpu_uuids"] = list(self.gpu_uuids)
+        return json.dumps(data, separators=(",", ":"), allow_nan=False).encode()
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> ProcessRecord:
+        """Validate a parsed record; raises ValueError saying what is wrong."""
+        version = data.get("version")
+        # Newer writers only add fields: accept them, so library and daemon upgrade independently.
+        if not isinstance(version, int) or isinstance(version, bool) or version < RECORD_VERSION:
+            raise ValueError(f"unsupported record version {version!r}")
+        return cls(
+            pid=_int(data, "pid", minimum=1),
+            create_time=_number(data, "create_time"),
+            run=_text(data, "run"),
+            rank=_int(data, "rank", minimum=0),
+            local_rank=_int(data, "local_rank", minimum=0, default=0),
+            hostname=_text(data, "hostname", default=""),
+            gpu_uuids=tuple(_uuid_list(data.get("gpu_uuids", []))),
+            cuda_visible_devices=_optional_text(data, "cuda_visible_devices"),
+            metrics_url=_optional_text(data, "metrics_url"),
+            attached_unix=_number(data, "attached_unix", default=0.0),
+            last_step_unix=_optional_number(data, "last_step_unix"),
+            steps=_int(data, "steps", minimum=0, default=0),
+            updated_unix=_number(data, "updated_unix", default=0.0),
+            stall_seconds=_optional_number(data, "stall_seconds"),
+            boot_id=_text(data, "boot_id", default=""),
+            pid_namespace=_text(data, "pid_namespace", default=""),
+            exited_unix=_optional_number(data, "exited_unix"),
+            exit_status=_optional_text(data, "exit_status"),
+            phase=_optional_text(data, "phase"),
+            stall_limit_seconds=_optional_number(data, "stall_limit_seconds"),
+            exit_signal=_optional_text(data, "exit_signal"),
+            hang_state=_optional_text(data, "hang_state"),
+            hang_where=_optional_text(data, "hang_where"),
+            collectives=_int(data, "collectives", minimum=0, default=0),
+            flight=_flight(data.get("flight")),
+        )
+
+
+@dataclass(frozen=True)
+class OwnedRecord:
+    """A record as read from disk, with who wrote it: the uid that owns its file."""
+
+    record: ProcessRecord
+    path: Path
+    owner_uid: int
+
+
+@dataclass(frozen=True)
+class RecordProblem:
+    """A file in the run directory that is not a usable record, and why."""
+
+    path: Path
+    reason: str
+
+
+def boot_id() -> str:
+    """This boot's id (Linux); empty where the kernel does not say."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def pid_namespace(pid: int | str = "self", proc: Path = Path("/proc")) -> str:
+    """The PID namespace of ``pid`` (``pid:[4026531836]``); empty where it cannot be read."""
+    try:
+        return os.readlink(proc / str(pid) / "ns" / "pid")
+    except OSError:
+        return ""
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the new one, never half.
+
+    rename(2) is atomic within a filesystem, so the file is written under a
+    temporary name (unique per process and thread) beside it and renamed over
+    the target; the temporary file is removed if anything fails. The temporary
+    file is created exclusively and never through a symlink (``O_EXCL``), so a
+    name planted in advance by someone else fails rather than being written.
+    """
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(temporary, flags, 0o644)
+        with open(fd, "wb") as handle:
+            handle.write(data)
+        os.replace(temporary, path)
+    except FileExistsError:
+        raise  # not ours to remove: someone else's file of that name
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+def prepare_run_directory(run_directory: Path) -> None:
+    """Create the run's directory (and the shared root above it) and check that it is ours.
+
+    The root is created world-writable and sticky (like ``/tmp``), so every user
+    of a shared node can register under it; the run's own directory must be a
+    real directory owned by this process's user, else :class:`UnsafePathError`
+    (another user who pre-created it could read, replace or plant its files).
+    """
+    root = run_directory.parent
+    if not root.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        try:
+            os.chmod(root, 0o1777)  # shared by every user of the node, like /tmp
+        except OSError:
+            pass  # someone else created it first, or may not change it: theirs to set
+    owned_directory(run_directory)
+
+
+def read_records(root: Path) -> tuple[list[ProcessRecord], list[RecordProblem]]:
+    """Every record under ``root`` (``<run>/rank-*.json``), and the files that are not records.
+
+    Never raises for what is on disk: a missing root is no records; an
+    unreadable, oversized, partial or malformed file is a problem, not an error.
+    """
+    owned, problems = read_owned_records(root)
+    return [entry.record for entry in owned], problems
+
+
+def read_owned_records(root: Path) -> tuple[list[OwnedRecord], list[RecordProblem]]:
+    """:func:`read_records`, each record with its file's path and owner uid.
+
+    At most :data:`MAX_RECORDS` records are read; run directories that are
+    symlinks are not entered, and record files are opened without following
+    symlinks or blocking (a FIFO or ``/dev/zero`` under a record's name is a
+    problem, never a hang).
+    """
+    records: list[OwnedRecord] = []
+    problems: list[RecordProblem] = []
+    for path in _record_paths(root):
+        if len(records) >= MAX_RECORDS:
+            problems.append(RecordProblem(path, f"more than {MAX_RECORDS} records; not read"))
+            break
+        _read_one(path, records, problems)
+    return records, problems
+
+
+def read_run_records(run_directory: Path) -> tuple[list[OwnedRecord], list[RecordProblem]]:
+    """:func:`read_owned_records` of one run's directory only (not entered through a symlink)."""
+    records: list[OwnedRecord] = []
+    problems: list[RecordProblem] = []
+    if run_directory.is_symlink() or not run_directory.is_dir():
+        return records, problems
+    try:
+        paths = sorted(run_directory.glob("rank-*.json"))
+    except OSError:
+        return records, problems
+    for path in paths[:MAX_RECORDS]:
+        _read_one(path, records, problems)
+    return records, problems
+
+
+def _read_one(path: Path, records: list[OwnedRecord], problems: list[RecordProblem]) -> None:
+    try:
+        raw, owner = read_regular_with_owner(path, MAX_RECORD_BYTES)
+        data = json.loads(raw)
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+        records.append(OwnedRecord(ProcessRecord.from_mapping(data), path, owner))
+    except FileNotFoundError:
+        pass  # removed at detach between listing and reading: not a problem
+    except (OSError, ValueError, RecursionError) as error:
+        problems.append(RecordProblem(path, f"{type(error).__name__}: {_short(error)}"))
+
+
+def _short(error: BaseException) -> str:
+    """An error's message cut to a line: a hostile file must not fill the log."""
+    text = str(error)
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _record_paths(root: Path) -> Iterator[Path]:
+    try:
+        # Not entry.is_dir(), which follows a symlink to a directory anywhere on the node.
+        runs = [entry for entry in root.iterdir() if entry.is_dir() and not entry.is_symlink()]
+    except OSError:
+        return
+    for run in sorted(runs):
+        try:
+            yield from sorted(run.glob("rank-*.json"))
+        except OSError:
+            continue
+
+
+def _int(data: Mapping[str, Any], key: str, *, minimum: int, default: int | None = None) -> int:
+    value = data.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{key} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _number(data: Mapping[str, Any], key: str, *, default: float | None = None) -> float:
+    value = data.get(key, default)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise ValueError(f"{key} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _optional_number(data: Mapping[str, Any], key: str) -> float | None:
+    return None if data.get(key) is None else _number(data, key)
+
+
+def _text(data: Mapping[str, Any], key: str, *, default: str | None = None) -> str:
+    value = data.get(key, default)
+    if not isinstance(value, str) or len(value) > 256 or not _printable_utf8(value):
+        shown = repr(value)[:80]
+        raise ValueError(f"{key} must be printable UTF-8 of at most 256 characters, got {shown}")
+    return value
+
+
+def _printable_utf8(value: str) -> bool:
+    """Encodable as UTF-8 (no lone surrogate, which breaks every exposition) and no controls."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return not any(ord(character) < 32 or ord(character) == 127 for character in value)
+
+
+def _flight(value: object) -> tuple[int, int, int] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != 3:
+        raise ValueError(f"flight: expected three sequence numbers, got {value!r:.80}")
+    numbers = []
+    for item in value:
+        if not isinstance(item, int) or isinstance(item, bool) or not -1 <= item < 2**63:
+            raise ValueError(f"flight: expected sequence numbers >= -1, got {item!r:.40}")
+        numbers.append(item)
+    return numbers[0], numbers[1], numbers[2]
+
+
+def _optional_text(data: Mapping[str, Any], key: str) -> str | None:
+    return None if data.get(key) is None else _text(data, key)
+
+
+def _uuid_list(value: object) -> list[str]:
+    if not isinstance(value, list) or len(value) > 64:
+        raise ValueError(f"gpu_uuids must be a list of at most 64 strings, got {value!r:.80}")
+    uuids = []
+    for item in value:
+        if not isinstance(item, str) or len(item) > 128 or not _UUID.fullmatch(item):
+            raise ValueError(f"gpu_uuids holds {item!r:.80}, not a UUID string")
+        uuids.append(item)
+    return uuids
+
+
+class Registration:
+    """Keeps one process's record current: written at attach, refreshed, finished, removed.
+
+    ``write`` runs on the monitor's heartbeat thread, ``exited`` at interpreter
+    exit and ``remove`` at detach; a lock and a closed flag keep a late
+    heartbeat from resurrecting a record that was already removed. The run
+    directory's root is created world-writable and sticky (like ``/tmp``), so
+    every user of a shared node can register under it.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        path: Path,
+        record: ProcessRecord,
+        *,
+        on_duplicate: Callable[[ProcessRecord], None] | None = None,
+    ) -> None:
+        self.root = root
+        self.path = path
+        self._record = record
+        self._lock = threading.Lock()
+        self._closed = False
+        #: Told, before the first write, about a live process that already holds this
+        #: run id and rank (two processes would overwrite one record and share one log).
+        self._on_duplicate = on_duplicate
+        self._checked_duplicate = False
+
+    def write(
+        self,
+        *,
+        last_step_unix: float | None,
+        steps: int,
+        now: float,
+        phase: str | None = None,
+        stall_limit_seconds: float | None = None,
+    ) -> None:
+        """Write the record with the latest heartbeat (creating the directories if needed).
+
+        ``phase`` and ``stall_limit_seconds`` (the watchdog's current limit) let the daemon
+        judge a process too frozen to run its own watchdog; None keeps the last ones written.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._record = replace(
+                self._record,
+                last_step_unix=last_step_unix,
+                steps=steps,
+                updated_unix=now,
+                phase=phase if phase is not None else self._record.phase,
+                stall_limit_seconds=(
+                    stall_limit_seconds
+                    if stall_limit_seconds is not None
+                    else self._record.stall_limit_seconds
+                ),
+            )
+            self._write()
+
+    def hang(
+        self,
+        *,
+        state: str | None,
+        where: str | None,
+        collectives: int,
+        now: float,
+        flight: tuple[int, int, int] | None = None,
+    ) -> None:
+        """Write the hang evidence (None: not stalled) at once, for the other ranks' verdict."""
+        with self._lock:
+            if self._closed:
+                return
+            self._record = replace(
+                self._record,
+                hang_state=state,
+                hang_where=where,
+                collectives=collectives,
+                flight=flight,
+                updated_unix=now,
+            )
+            self._write()
+
+    def exited(self, status: str, now: float, *, signal_name: str | None = None) -> None:
+        """Record how the process ended ("clean", "exception" or "signal"); the last write.
+
+        Only in the process the record describes: a forked child that exits is not the run.
+        """
+        with self._lock:
+            if self._closed or self._record.pid != os.getpid():
+                return
+            self._record = replace(
+                self._record, exited_unix=now, exit_status=status, exit_signal=signal_name
+            )
+            self._write()
+            self._closed = True
+
+    def remove(self) -> None:
+        """Deregister: a detached process is no longer monitored (the daemon drops it)."""
+        with self._lock:
+            self._closed = True
+            # Only our own record: a forked child or a late finalizer must not remove another's.
+            if self._record.pid == os.getpid():
+                self.path.unlink(missing_ok=True)
+
+    def _write(self) -> None:
+        prepare_run_directory(self.path.parent)
+        if not self._checked_duplicate:
+            self._checked_duplicate = True
+            other = _live_holder(self.path, self._record)
+            if other is not None and self._on_duplicate is not None:
+                self._on_duplicate(other)
+        write_atomic(self.path, self._record.to_json())
+
+
+def _live_holder(path: Path, mine: ProcessRecord) -> ProcessRecord | None:
+    """The record at ``path`` when it names another process that is still running."""
+    try:
+        data = json.loads(read_regular_with_owner(path, MAX_RECORD_BYTES)[0])
+        other = ProcessRecord.from_mapping(data) if isinstance(data, dict) else None
+    except (OSError, ValueError, RecursionError):
+        return None
+    if other is None or other.pid == mine.pid or other.exited_unix is not None:
+        return None
+    if other.boot_id and mine.boot_id and other.boot_id != mine.boot_id:
+        return None
+    try:
+        os.kill(other.pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass  # another user's live process
+    return other
+
+
+class ExitWatch:
+    """Tells a clean interpreter exit from one caused by an uncaught exception or a failed
+    ``sys.exit()``.
+
+    Python calls ``sys.excepthook`` for an uncaught exception before it runs
+    ``atexit`` handlers, so a chained hook that notes it is all it takes. ``SystemExit``
+    never reaches that hook and no API gives ``atexit`` the exit code, so ``sys.exit`` is
+    wrapped too: a call from the main thread with a failure status (a non-zero code, a
+    message) is noted, the last call winning. ``raise SystemExit(1)`` written out is not
+    seen. Both hooks are process-wide by nature and only observe: installed by the first
+    attached Monitor's :meth:`install`, restored when the last releases its hold
+    (:class:`stabmon.shared.wrapping.SharedWrap`).
+    """
+
+    _uncaught = False
+    _interrupted = False
+    _failed_exit = False
+
+    @classmethod
+    def install(cls) -> Hold[object]:
+        """Observe exits until the returned hold is released (at detach)."""
+        return _EXIT_WRAP.attach(object())
+
+    @classmethod
+    def _patches(cls, wrap: SharedWrap[object]) -> list[Patch]:
+        previous = sys.excepthook
+
+        def note_uncaught(
+            kind: type[BaseException], error: BaseException, trace: TracebackType | None
+        ) -> None:
+            cls._uncaught = True  # sys.exit() never gets here; Ctrl-C does, and is no clean end
+            # SIGINT's default handler raises KeyboardInterrupt: a person or a scheduler
+            # stopped the run, which is not a crash.
+            cls._interrupted = issubclass(kind, KeyboardInterrupt)
+            previous(kind, error, trace)
+
+        previous_exit = sys.exit
+
+        def note_exit(status: object = None) -> NoReturn:
+            if threading.current_thread() is threading.main_thread():
+                cls._failed_exit = status is not None and status != 0  # 1, "message", True
+            previous_exit(status)  # type: ignore[arg-type]  # whatever it was given, as before
+
+        return [Patch(sys, "excepthook", note_uncaught), Patch(sys, "exit", note_exit)]
+
+    @classmethod
+    def status(cls) -> str:
+        if cls._interrupted:
+            return "signal"
+        return "exception" if cls._uncaught or cls._failed_exit else "clean"
+
+    @classmethod
+    def signal_name(cls) -> str | None:
+        """The signal that ended the process, where it was seen (SIGINT); else None."""
+        return "SIGINT" if cls._interrupted else None
+
+
+_EXIT_WRAP: SharedWrap[object] = SharedWrap(ExitWatch._patches)

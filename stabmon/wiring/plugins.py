@@ -1,0 +1,260 @@
+"""Every plug-in of a Monitor: the built-in list, and the per-hook tuples the pipeline calls.
+
+Adding a probe is one class (see :mod:`stabmon.extension` for the hooks) and one line in
+:data:`PLUGINS`, or, outside stabmon, ``attach(..., plugins=[MyProbe])``; a metric it
+publishes is one more row in :mod:`stabmon.contract`. docs/architecture.md ("Adding a
+probe") shows the whole diff of a device-side probe.
+
+Design
+------
+At attach :class:`Plugged` sorts the plug-ins into one tuple per hook, so the pipeline
+never asks a plug-in whether it has something to do: the training thread's step end
+compares one integer (:attr:`Plugged.next_step`, the smallest ``next_step`` of the
+``step_end`` plug-ins) and calls into this module only when one is due; the device-side
+hooks cost one truth test of an empty tuple a step when no plug-in measures. Each call
+is contained by the guard, under the plug-in's ``component``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from stabmon.detectors.amp import AmpScale
+from stabmon.detectors.clip import ClipCoefficient
+from stabmon.detectors.dead import DeadGradientJudge
+from stabmon.detectors.leak_rules import MemoryLeaks
+from stabmon.detectors.nonfinite import NonfiniteGrads, NonfiniteLoss
+from stabmon.detectors.spike import GradSpikes, LossSpikes
+from stabmon.errors import StabmonError
+from stabmon.extension import (
+    RESERVED_STATE_KEYS,
+    ClipJudged,
+    Context,
+    Detaches,
+    EpochEnd,
+    EpochMemory,
+    Factory,
+    Finishes,
+    GradsJudged,
+    LossJudged,
+    MeasuresOnDevice,
+    Publishes,
+    ScaleJudged,
+    Stateful,
+    StepEnd,
+)
+from stabmon.probes.grads import GradSummary
+from stabmon.probes.memory_snapshot import AllocatorSnapshots
+from stabmon.shared.guard import Guard
+
+__all__ = ["PLUGINS", "DeviceJudge", "Plugged"]
+
+#: Every built-in plug-in of every Monitor, in the order each hook calls them. Order
+#: matters where verdicts build on each other: a non-finite episode's end is recorded
+#: before a spike of the same step, and the clip's limit is known to the spike rule.
+PLUGINS: tuple[Factory, ...] = (
+    NonfiniteGrads,
+    NonfiniteLoss,
+    ClipCoefficient,
+    GradSpikes,
+    LossSpikes,
+    AmpScale,
+    MemoryLeaks,
+    AllocatorSnapshots,
+    DeadGradientJudge,
+)
+
+#: Submits a device result to the readback queue: (judge, step, tensor).
+Submit = Callable[["DeviceJudge", int, torch.Tensor], None]
+
+
+class DeviceJudge:
+    """Hands one device plug-in's read-back values to its ``judge``, contained.
+
+    Built once per plug-in at attach and carried in each result's tag, so the readback's
+    consumer calls every result the same way, whatever measured it.
+    """
+
+    __slots__ = ("_guard", "_plugin")
+
+    def __init__(self, plugin: MeasuresOnDevice, guard: Guard) -> None:
+        self._plugin, self._guard = plugin, guard
+
+    def __call__(self, step: int, values: list[float], extra: object) -> None:
+        try:
+            self._plugin.judge(step, values)
+        except Exception as error:
+            self._guard.record(self._plugin.component, error)
+
+
+class Plugged:
+    """The plug-ins of one Monitor, sorted by hook at attach."""
+
+    def __init__(self, guard: Guard) -> None:
+        self._guard = guard
+        self.plugins: tuple[Any, ...] = ()
+        self._before_step: tuple[tuple[MeasuresOnDevice, DeviceJudge], ...] = ()
+        self._after_step: tuple[tuple[MeasuresOnDevice, DeviceJudge], ...] = ()
+        self._grads_judged: tuple[GradsJudged, ...] = ()
+        self._loss_judged: tuple[LossJudged, ...] = ()
+        self._clip_judged: tuple[ClipJudged, ...] = ()
+        self._scale_judged: tuple[ScaleJudged, ...] = ()
+        self._step_end: tuple[StepEnd, ...] = ()
+        self._epoch_end: tuple[EpochEnd, ...] = ()
+        self._epoch_memory: tuple[EpochMemory, ...] = ()
+        self._stateful: tuple[Stateful, ...] = ()
+        self._finish: tuple[Finishes, ...] = ()
+        self._detach: tuple[Detaches, ...] = ()
+        #: The plug-ins that publish metrics (each gets a collector in the registry).
+        self.publishing: tuple[Publishes, ...] = ()
+        #: Whether a plug-in measures on the device before / after each optimizer step.
+        self.measures_before = self.measures_after = False
+        #: Steps completed at which a step_end plug-in is next due (read every step).
+        self.next_step = sys.maxsize
+
+    def plug(
+        self,
+        context: Context,
+        factories: Sequence[Factory] | None = None,
+        *,
+        extra: Sequence[Factory] = (),
+    ) -> None:
+        """Build every plug-in of ``factories`` (default :data:`PLUGINS`) and then ``extra``
+        (the user's), and sort them by hook; one that fails to build is left out, counted."""
+        plugins = []
+        for factory in (*(PLUGINS if factories is None else factories), *extra):
+            with self._guard.contain("hooks"):
+                plugin = factory(context)
+                if plugin is not None:
+                    plugins.append(plugin)
+        self.plugins = tuple(plugins)
+        self._sort(plugins)
+
+    def _sort(self, plugins: list[Any]) -> None:
+        device = [p for p in plugins if isinstance(p, MeasuresOnDevice)]
+        self._before_step = tuple(
+            (p, DeviceJudge(p, self._guard)) for p in device if p.measure_at == "before_step"
+        )
+        self._after_step = tuple(
+            (p, DeviceJudge(p, self._guard)) for p in device if p.measure_at != "before_step"
+        )
+        self.measures_before, self.measures_after = bool(self._before_step), bool(self._after_step)
+        self._grads_judged = tuple(p for p in plugins if isinstance(p, GradsJudged))
+        self._loss_judged = tuple(p for p in plugins if isinstance(p, LossJudged))
+        self._clip_judged = tuple(p for p in plugins if isinstance(p, ClipJudged))
+        self._scale_judged = tuple(p for p in plugins if isinstance(p, ScaleJudged))
+        self._step_end = tuple(p for p in plugins if isinstance(p, StepEnd))
+        self._epoch_end = tuple(p for p in plugins if isinstance(p, EpochEnd))
+        self._epoch_memory = tuple(p for p in plugins if isinstance(p, EpochMemory))
+        self._stateful = tuple(p for p in plugins if isinstance(p, Stateful))
+        self._finish = tuple(p for p in plugins if isinstance(p, Finishes))
+        self._detach = tuple(p for p in plugins if isinstance(p, Detaches))
+        self.publishing = tuple(p for p in plugins if isinstance(p, Publishes))
+        self.next_step = self._next_step()
+        keys = [p.state_key for p in self._stateful]
+        clashes = sorted({k for k in keys if keys.count(k) > 1 or k in RESERVED_STATE_KEYS})
+        if clashes:
+            raise StabmonError(
+                f"plug-ins share the state key(s) {', '.join(clashes)} (or use one the Monitor "
+                f"reserves: {', '.join(RESERVED_STATE_KEYS)}); give each plug-in its own "
+                "state_key"
+            )
+
+    # --- the training thread ------------------------------------------------------------------
+
+    def measure_before(self, step: int, submit: Submit) -> None:
+        self._measure(self._before_step, step, submit)
+
+    def measure_after(self, step: int, submit: Submit) -> None:
+        self._measure(self._after_step, step, submit)
+
+    def _measure(
+        self, plugins: tuple[tuple[MeasuresOnDevice, DeviceJudge], ...], step: int, submit: Submit
+    ) -> None:
+        for plugin, judge in plugins:
+            try:
+                values = plugin.measure(step)
+                if values is not None:
+                    submit(judge, step, values)
+            except Exception as error:
+                self._guard.record(plugin.component, error)
+
+    def step_end(self, steps: int) -> None:
+        for plugin in self._step_end:
+            if steps >= plugin.next_step:
+                try:
+                    plugin.step_end(steps)
+                except Exception as error:
+                    self._guard.record(plugin.component, error)
+        self.next_step = self._next_step()
+
+    def epoch_memory(self, samples: Mapping[str, float]) -> dict[str, float | None]:
+        """The epoch-end memory samples to each judge; the drift by label they return."""
+        drift: dict[str, float | None] = {}
+        for plugin in self._epoch_memory:
+            try:
+                drift.update(plugin.epoch_memory(samples))
+            except Exception as error:
+                self._guard.record(plugin.component, error)
+        return drift
+
+    def epoch_end(self, step: int | None) -> None:
+        self._each(self._epoch_end, "epoch_end", step)
+        self.next_step = self._next_step()
+
+    # --- under the judging lock ---------------------------------------------------------------
+
+    def grads_judged(self, step: int, summary: GradSummary) -> None:
+        self._each(self._grads_judged, "grads_judged", step, summary)
+
+    def loss_judged(self, step: int, value: float) -> None:
+        self._each(self._loss_judged, "loss_judged", step, value)
+
+    def clip_judged(self, step: int, max_norm: float) -> None:
+        self._each(self._clip_judged, "clip_judged", step, max_norm)
+
+    def scale_judged(self, step: int, scale: float) -> None:
+        self._each(self._scale_judged, "scale_judged", step, scale)
+
+    def finish(self) -> None:
+        self._each(self._finish, "finish")
+
+    def detach(self) -> None:
+        self._each(self._detach, "detach")
+
+    # --- resume ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {plugin.state_key: plugin.state_dict() for plugin in self._stateful}
+
+    @property
+    def state_keys(self) -> tuple[str, ...]:
+        """The keys the plug-ins' states take in Monitor.state_dict()."""
+        return tuple(plugin.state_key for plugin in self._stateful)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore each plug-in's state; when one refuses its state (``TypeError`` or
+        ``ValueError``), the ones restored before it are put back and the error raised."""
+        before = [(plugin, plugin.state_dict()) for plugin in self._stateful]
+        try:
+            for plugin in self._stateful:
+                plugin.load_state_dict(state[plugin.state_key])
+        except (TypeError, ValueError):
+            for plugin, saved in before:
+                plugin.load_state_dict(saved)
+            raise
+
+    def _each(self, plugins: Sequence[Any], hook: str, *args: object) -> None:
+        """Call ``hook`` of each of ``plugins``, each call contained under its component."""
+        for plugin in plugins:
+            try:
+                getattr(plugin, hook)(*args)
+            except Exception as error:
+                self._guard.record(plugin.component, error)
+
+    def _next_step(self) -> int:
+        return min((plugin.next_step for plugin in self._step_end), default=sys.maxsize)
