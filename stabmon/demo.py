@@ -81,6 +81,28 @@ def run_demo(
         torch.nn.Linear(128, 1),
     )  # fmt: skip
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    clock = _SimulatedClock() if plan.simulated_clock else None
+    with Monitor(model, optimizer, clock=clock, **_overrides(plan, port, run_dir)) as monitor:
+        print(f"stabmon demo: metrics at {monitor.metrics_url or '(no exporter)'}", file=out)
+        print(f"stabmon demo: event log {monitor.event_log_path}", file=out)
+        print(_plan_text(plan), file=out)
+        _train(plan, model, optimizer, monitor, clock, out)
+        if serve_seconds > 0 and monitor.metrics_url:
+            print(f"serving {monitor.metrics_url} for {serve_seconds:.0f} s more", file=out)
+            # Idle on purpose, in a named phase as a real loop's eval or checkpoint would be:
+            # its stall limit is phase_stall_seconds, so the wait is not reported as a stall.
+            with monitor.phase("serve"):
+                if clock is not None:
+                    clock.advance(serve_seconds)
+                time.sleep(serve_seconds)
+        events_path = monitor.event_log_path
+    detected = read_anomalies(events_path)
+    print(_summary(plan, detected, events_path), file=out)
+    return detected
+
+
+def _overrides(plan: DemoPlan, port: int, run_dir: str | None) -> dict[str, Any]:
+    """The demo's config: short warm-ups and leak windows, so a few minutes show every fault."""
     overrides: dict[str, Any] = {
         "port": port,
         "run_id": f"demo-{time.strftime('%Y%m%d-%H%M%S')}",
@@ -95,51 +117,46 @@ def run_demo(
     }
     if run_dir is not None:
         overrides["run_dir"] = run_dir
+    return overrides
+
+
+def _train(
+    plan: DemoPlan,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    monitor: Monitor,
+    clock: _SimulatedClock | None,
+    out: TextIO,
+) -> None:
+    """The training loop, with the plan's faults injected at their steps."""
     teacher = torch.nn.Linear(32, 1)
     leaked: list[torch.Tensor] = []
-    clock = _SimulatedClock() if plan.simulated_clock else None
-    with Monitor(model, optimizer, clock=clock, **overrides) as monitor:
-        print(f"stabmon demo: metrics at {monitor.metrics_url or '(no exporter)'}", file=out)
-        print(f"stabmon demo: event log {monitor.event_log_path}", file=out)
-        print(_plan_text(plan), file=out)
-        step = 0
-        for epoch in range(plan.epochs):
-            for inputs in monitor.track(_batches(plan, epoch, clock)):
-                targets = teacher(inputs).detach()
-                if step == plan.spike_step:
-                    targets = targets * 200.0  # a corrupt batch: the loss and gradients spike
-                if clock is not None:
-                    clock.advance(plan.step_seconds)
-                loss = torch.nn.functional.mse_loss(model(inputs), targets)
-                loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
-                if step == plan.nan_step:
-                    nan_step(model, optimizer)
-                else:
-                    optimizer.step()
-                optimizer.zero_grad()
-                monitor.observe(loss=loss)
-                if step == plan.stall_step:  # a hung collective, a dead NFS mount
-                    _stall(monitor, plan.stall_seconds, clock)
-                step += 1
-            if epoch >= plan.leak_from_epoch:
-                leaked.append(torch.ones(plan.leak_bytes_per_epoch // 4))  # a history list, kept
-            print(
-                f"epoch {epoch:2d}  steps {step:5d}  loss {float(loss.detach()):9.4f}  "
-                f"anomalies {_anomaly_count(monitor)}",
-                file=out,
-            )
-        if serve_seconds > 0 and monitor.metrics_url:
-            print(f"serving {monitor.metrics_url} for {serve_seconds:.0f} s more", file=out)
-            # Idle on purpose, in a named phase as a real loop's eval or checkpoint would be:
-            # its stall limit is phase_stall_seconds, so the wait is not reported as a stall.
-            with monitor.phase("serve"):
-                if clock is not None:
-                    clock.advance(serve_seconds)
-                time.sleep(serve_seconds)
-        events_path = monitor.event_log_path
-    detected = read_anomalies(events_path)
-    print(_summary(plan, detected, events_path), file=out)
-    return detected
+    step = 0
+    for epoch in range(plan.epochs):
+        for inputs in monitor.track(_batches(plan, epoch, clock)):
+            targets = teacher(inputs).detach()
+            if step == plan.spike_step:
+                targets = targets * 200.0  # a corrupt batch: the loss and gradients spike
+            if clock is not None:
+                clock.advance(plan.step_seconds)
+            loss = torch.nn.functional.mse_loss(model(inputs), targets)
+            loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
+            if step == plan.nan_step:
+                nan_step(model, optimizer)
+            else:
+                optimizer.step()
+            optimizer.zero_grad()
+            monitor.observe(loss=loss)
+            if step == plan.stall_step:  # a hung collective, a dead NFS mount
+                _stall(monitor, plan.stall_seconds, clock)
+            step += 1
+        if epoch >= plan.leak_from_epoch:
+            leaked.append(torch.ones(plan.leak_bytes_per_epoch // 4))  # a history list, kept
+        print(
+            f"epoch {epoch:2d}  steps {step:5d}  loss {float(loss.detach()):9.4f}  "
+            f"anomalies {_anomaly_count(monitor)}",
+            file=out,
+        )
 
 
 class _SimulatedClock:

@@ -51,7 +51,8 @@ from stabmon.probes.worker_stacks import WorkerStacks
 from stabmon.shared.background import PeriodicThread
 from stabmon.shared.guard import Guard
 from stabmon.shared.log import LOGGER, LogLimiter
-from stabmon.shared.rundir import DEFAULT_RUN_DIR, Registration, RunPaths
+from stabmon.shared.own_record import Registration
+from stabmon.shared.rundir import DEFAULT_RUN_DIR, RunPaths
 from stabmon.wiring.context import PluginContext
 from stabmon.wiring.hooks import unwrap_model
 from stabmon.wiring.plugins import Plugged

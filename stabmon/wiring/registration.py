@@ -31,14 +31,8 @@ from stabmon.probes.placement import Misplaced
 from stabmon.shared.exit_signals import SigtermRecorder
 from stabmon.shared.guard import Guard
 from stabmon.shared.log import LogLimiter
-from stabmon.shared.rundir import (
-    ExitWatch,
-    ProcessRecord,
-    Registration,
-    RunPaths,
-    boot_id,
-    pid_namespace,
-)
+from stabmon.shared.own_record import ExitWatch, Registration
+from stabmon.shared.rundir import ProcessRecord, RunPaths, boot_id, pid_namespace
 from stabmon.wiring.resources import Resources
 
 __all__ = ["check_local_rank", "register", "report_misplaced"]

@@ -18,7 +18,7 @@ from stabmon.probes.collectives import CollectiveCounter
 from stabmon.probes.worker_stacks import WorkerStacks
 from stabmon.shared.background import PeriodicThread
 from stabmon.shared.exit_signals import SigtermRecorder
-from stabmon.shared.rundir import Registration
+from stabmon.shared.own_record import Registration
 from stabmon.shared.wrapping import Hold
 from stabmon.wiring.hooks import HookSet
 

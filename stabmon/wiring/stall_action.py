@@ -46,7 +46,8 @@ from stabmon.probes.collectives import CollectiveCounter
 from stabmon.probes.flight_recorder import FlightRecorder
 from stabmon.probes.loader import WorkerWatch
 from stabmon.probes.worker_stacks import WorkerStack, WorkerStacks
-from stabmon.shared.rundir import Registration, write_atomic
+from stabmon.shared.own_record import Registration
+from stabmon.shared.rundir import write_atomic
 from stabmon.wiring.node_peers import NodePeers
 
 __all__ = ["STALL_ACTIONS", "STALL_EXIT_CODE", "StallResponder"]

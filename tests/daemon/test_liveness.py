@@ -180,7 +180,8 @@ def test_daemon_health_check_answers_without_credentials_and_reveals_nothing(
 _INTERRUPTED = """
 import sys, time
 from pathlib import Path
-from stabmon.shared.rundir import ExitWatch, ProcessRecord, Registration
+from stabmon.shared.rundir import ProcessRecord
+from stabmon.shared.own_record import ExitWatch, Registration
 import psutil, os
 root = Path(sys.argv[1])
 record = ProcessRecord(pid=os.getpid(), create_time=psutil.Process().create_time(), run="job",

@@ -26,7 +26,8 @@ from stabmon.daemon.app import DaemonApp
 from stabmon.daemon.hang import NodeHangJudge
 from stabmon.daemon.processes import ProcessSample
 from stabmon.shared.log import LogLimiter
-from stabmon.shared.rundir import ProcessRecord, Registration, RunPaths, boot_id
+from stabmon.shared.own_record import Registration
+from stabmon.shared.rundir import ProcessRecord, RunPaths, boot_id
 
 WHERE = {"collective": "c10d_logger.py:81 in wrapper", "data_wait": "data.py:42 in __getitem__"}
 

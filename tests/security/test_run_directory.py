@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from stabmon import contract
-from stabmon.shared.rundir import ProcessRecord, Registration, read_records
+from stabmon.shared.own_record import Registration
+from stabmon.shared.rundir import ProcessRecord, read_records
 from tests.helpers import scrape, tiny_model, train_step, value
 from tests.security.conftest import Hostile
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from conftest import MonitorFactory
 
-from stabmon.shared.rundir import ExitWatch
+from stabmon.shared.own_record import ExitWatch
 from stabmon.shared.wrapping import Patch, SharedWrap
 
 

@@ -23,7 +23,8 @@ from stabmon.pipeline.recorder import Recorder
 from stabmon.probes.placement import Misplaced
 from stabmon.shared.guard import Guard
 from stabmon.shared.log import LogLimiter
-from stabmon.shared.rundir import ExitWatch, ProcessRecord, RunPaths, boot_id, read_records
+from stabmon.shared.own_record import ExitWatch
+from stabmon.shared.rundir import ProcessRecord, RunPaths, boot_id, read_records
 from stabmon.wiring.registration import check_local_rank, register, report_misplaced
 from stabmon.wiring.resources import Resources
 

@@ -21,7 +21,8 @@ from stabmon.export.exporter import Exporter
 from stabmon.shared.background import PeriodicThread
 from stabmon.shared.guard import Guard
 from stabmon.shared.log import LogLimiter
-from stabmon.shared.rundir import ProcessRecord, Registration
+from stabmon.shared.own_record import Registration
+from stabmon.shared.rundir import ProcessRecord
 from stabmon.wiring import resources as resources_module
 from stabmon.wiring.resources import SHUTDOWN_SECONDS, Resources
 

@@ -19,7 +19,8 @@ from stabmon.probes.collectives import CollectiveCounter
 from stabmon.probes.flight_recorder import FlightRecorder
 from stabmon.shared.guard import Guard
 from stabmon.shared.log import LogLimiter
-from stabmon.shared.rundir import ProcessRecord, Registration, RunPaths, write_atomic
+from stabmon.shared.own_record import Registration
+from stabmon.shared.rundir import ProcessRecord, RunPaths, write_atomic
 from stabmon.wiring.stall_action import STALL_EXIT_CODE, StallResponder
 
 
