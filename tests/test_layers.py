@@ -239,15 +239,20 @@ def leaves_import_nothing_from_stabmon(graph: ImportGraph) -> list[str]:
     ]
 
 
-def daemon_never_imports_torch(graph: ImportGraph) -> list[str]:
-    """No daemon module imports torch, directly or through the stabmon modules it imports."""
+def _reaching_torch(graph: ImportGraph, package: str) -> list[str]:
+    """Modules of ``package`` that import torch, directly or through stabmon modules."""
     problems: list[str] = []
-    for module in sorted(m for m in graph.modules if _in(m, "stabmon.daemon")):
+    for module in sorted(m for m in graph.modules if _in(m, package)):
         reached = graph.reachable(module)
         for imp in graph.external_imports(reached):
             if _top(imp.target) == "torch":
                 problems.append(f"{module}: {_describe(imp)} via {_chain(reached, imp.source)}")
     return sorted(set(problems))
+
+
+def daemon_never_imports_torch(graph: ImportGraph) -> list[str]:
+    """No daemon module imports torch, directly or through the stabmon modules it imports."""
+    return _reaching_torch(graph, "stabmon.daemon")
 
 
 def only_hardware_nvml_imports_pynvml(graph: ImportGraph) -> list[str]:
@@ -304,13 +309,8 @@ def daemon_and_probes_never_import_each_other(graph: ImportGraph) -> list[str]:
 def detectors_import_neither_torch_nor_probes(graph: ImportGraph) -> list[str]:
     """Detectors judge host values: no torch (directly or through what they import) and no
     probe; a probe's types may be named for mypy only."""
-    problems = _forbidden(graph, "stabmon.detectors", ("stabmon.probes",))
-    for module in sorted(m for m in graph.modules if _in(m, "stabmon.detectors")):
-        reached = graph.reachable(module)
-        for imp in graph.external_imports(reached):
-            if _top(imp.target) == "torch":
-                problems.append(f"{module}: {_describe(imp)} via {_chain(reached, imp.source)}")
-    return sorted(set(problems))
+    forbidden = _forbidden(graph, "stabmon.detectors", ("stabmon.probes",))
+    return forbidden + _reaching_torch(graph, "stabmon.detectors")
 
 
 #: The one module that registers torch hooks (and keeps their handles for detach()).
