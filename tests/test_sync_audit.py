@@ -6,7 +6,8 @@ stack, on any thread; the CUDA runtime pieces stabmon uses are small fakes. What
 real and what is stood in for is listed in ``tests/fake_cuda.py``. The loop goes through
 steady-state steps, the step that rebuilds the gradient layout (a new param group), a
 non-finite step, a step GradScaler skips, an epoch end and a real HTTP scrape, with
-forward, clipping, optimizer and GradScaler steps, every probe on. On a GPU,
+forward, clipping, optimizer and GradScaler steps, every probe on, and a plug-in measuring
+on the device through the extension point's device-side port. On a GPU,
 ``tests/test_gpu.py`` runs real steps under ``torch.cuda.set_sync_debug_mode("error")``.
 """
 
@@ -59,6 +60,26 @@ def _step(cuda: FakeCuda, model: _Net, optimizer: torch.optim.Optimizer,
     monitor.observe(loss=loss)
 
 
+class _ParameterNorm:
+    """A device-side plug-in (stabmon.extension): the parameters' norm after each step,
+    measured on the device and read back with the Monitor's other results."""
+
+    component = "grads"
+    measure_at = "after_step"
+    judged: list[int] = []
+
+    def __init__(self, context: Any) -> None:
+        self._params = list(context.model.parameters())
+        _ParameterNorm.judged = []
+
+    def measure(self, step: int) -> torch.Tensor:
+        norms = torch._foreach_norm([p.detach() for p in self._params])
+        return torch.linalg.vector_norm(torch.stack(norms)).reshape(1)
+
+    def judge(self, step: int, values: list[float]) -> None:
+        _ParameterNorm.judged.append(step)
+
+
 def run_audited_loop(cuda: FakeCuda, run_dir: Path) -> Samples:
     """Every phase of a run, once, ending with a real scrape; returns the scraped samples."""
     model = _Net()
@@ -67,6 +88,7 @@ def run_audited_loop(cuda: FakeCuda, run_dir: Path) -> Samples:
     monitor = stabmon.attach(
         model, optimizer, scaler=scaler, port=0, address="127.0.0.1", run_dir=str(run_dir),
         run_id="sync-audit", measure_every=1, sample_every=1, device_check="warn",
+        plugins=[_ParameterNorm],
     )  # fmt: skip
     try:
         device = cuda.device
@@ -123,6 +145,7 @@ def test_monitored_cuda_loop_never_waits_for_the_device(audited: FakeCuda, tmp_p
     assert value(samples, "stabmon_epoch") == 2
     assert value(samples, "stabmon_device_phase_seconds_total", phase="forward") > 0
     assert audited.device.copies > 0  # results came back through pinned buffers
+    assert _ParameterNorm.judged[:3] == [0, 1, 2]  # the device-side port, read back in order
 
 
 def _plant_in_submit(plant: Callable[[torch.Tensor], Any]) -> Callable[..., int]:
