@@ -175,6 +175,19 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
+    """``stabmon compare``: exit 0, 1 when B regressed (CI gates on it), 2 on any error."""
+    try:
+        return _compare_runs(args)
+    except (StabmonError, KeyboardInterrupt):
+        raise
+    except Exception as error:  # a run directory holds anything: never a traceback, never 1
+        raise StabmonError(
+            f"compare failed on what the runs hold ({type(error).__name__}: {error}); "
+            "please report it with the two run directories"
+        ) from None
+
+
+def _compare_runs(args: argparse.Namespace) -> int:
     import json
 
     from stabmon.report.compare import compare_runs, read_for_compare
@@ -204,12 +217,23 @@ def _compare(args: argparse.Namespace) -> int:
                 "name a file in a folder you can write to with -o"
             ) from None
     if args.json:
-        print(json.dumps(comparison.to_json(), indent=2, allow_nan=False))
+        text = json.dumps(comparison.to_json(), indent=2, allow_nan=False)
     else:
-        print(format_comparison(comparison))
-        if output is not None:
-            print(f"\nstabmon compare: {output}")
+        text = format_comparison(comparison)
+        text += f"\n\nstabmon compare: {output}" if output is not None else ""
+    _print_to_pipe(text)
     return 1 if comparison.verdict.regressed else 0
+
+
+def _print_to_pipe(text: str) -> None:
+    """Print ``text``; a reader that stopped early (``| head -1``) is no error."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        # Python flushes stdout again at exit: point it at /dev/null so that says nothing.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 def _status(args: argparse.Namespace) -> int:

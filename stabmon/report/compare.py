@@ -7,9 +7,11 @@ and records only, no live process) and set side by side:
 - step time per phase on a common footing (:mod:`stabmon.report.steptime`);
 - throughput, memory, AMP, anomalies by kind with their steps, and goodput shares.
 
-The verdict says what moved. It *regressed* (exit code 1, for CI) when B's step time
-or a phase of it is 10% or more slower than A's, when B has an anomaly kind A has not,
-or when B is suspected of leaking memory where A is not. The JSON form
+The verdict says what moved. It *regressed* (exit code 1, for CI) when B's step time is
+10% or more slower than A's (a phase that moved while the step time did not is time
+shifted between phases: a change, not a regression), when B has an anomaly kind A has
+not in the steps both runs reached, or when B is suspected of leaking memory where A is
+not. The JSON form
 (:meth:`Comparison.to_json`) is documented in docs/compare.md; bump ``SCHEMA`` when a
 field changes meaning. Needs no torch.
 """
@@ -24,6 +26,7 @@ from typing import Any
 from stabmon.errors import StabmonError
 from stabmon.report.compare_rows import (
     amp_rows,
+    anomalies_past,
     anomaly_rows,
     environment_rows,
     goodput_rows,
@@ -66,6 +69,8 @@ class Comparison:
     anomalies: list[dict[str, Any]]
     goodput: list[dict[str, Any]]
     verdict: Verdict
+    #: What the comparison itself left out or could not match (ranks, steps).
+    notes: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         """The comparison as docs/compare.md's schema describes it (strict JSON values)."""
@@ -87,7 +92,7 @@ class Comparison:
                 "amp": self.amp,
                 "anomalies": self.anomalies,
                 "goodput": self.goodput,
-                "notes": {"a": self.a.notes, "b": self.b.notes},
+                "notes": {"a": self.a.notes, "b": self.b.notes, "compare": list(self.notes)},
             }
         )
         return found
@@ -133,10 +138,11 @@ def compare_runs(a: RunDigest, b: RunDigest, rank: int | None = None) -> Compari
     """Compare run ``b`` with run ``a`` (the reference), over every rank or only ``rank``."""
     a_ranks, b_ranks = _selected(a, rank, "A"), _selected(b, rank, "B")
     step_time = compare_step_time(a, b, a_ranks, b_ranks)
-    anomalies = anomaly_rows(a_ranks, b_ranks)
+    anomalies = anomaly_rows(a_ranks, b_ranks, step_time.last_step)
     memory = memory_rows(a_ranks, b_ranks, step_time.first_step)
     environment = environment_rows(a, b, a_ranks, b_ranks)
     verdict = _verdict(step_time, anomalies, memory)
+    notes = _notes(a, b, a_ranks, b_ranks, step_time.last_step)
     return Comparison(
         a,
         b,
@@ -149,7 +155,36 @@ def compare_runs(a: RunDigest, b: RunDigest, rank: int | None = None) -> Compari
         anomalies,
         goodput_rows(a_ranks, b_ranks),
         verdict,
+        tuple(notes),
     )
+
+
+def _notes(
+    a: RunDigest, b: RunDigest, a_ranks: list[RankDigest], b_ranks: list[RankDigest], last: int
+) -> list[str]:
+    """What the comparison left out: ranks only one run has, anomalies past ``last``."""
+    notes = []
+    have_a, have_b = {r.rank for r in a_ranks}, {r.rank for r in b_ranks}
+    if have_a != have_b and a.world_size() == b.world_size():
+        common = ", ".join(map(str, sorted(have_a & have_b))) or "none"
+        notes.append(
+            f"the runs' ranks differ (A {_ranks(have_a)}, B {_ranks(have_b)}) though both have "
+            f"world size {a.world_size()}: a rank's log is missing. Step time "
+            f"is compared over the ranks both have ({common}); throughput, memory and goodput "
+            "cover the ranks each run has"
+        )
+    past = {name: anomalies_past(ranks, last) for name, ranks in (("A", a_ranks), ("B", b_ranks))}
+    if any(past.values()):
+        left = ", ".join(f"{count} in {name}" for name, count in past.items() if count)
+        notes.append(
+            f"anomalies are counted up to step {last}, the last step both runs reached; "
+            f"{left} after it left out"
+        )
+    return notes
+
+
+def _ranks(ranks: set[int]) -> str:
+    return ", ".join(map(str, sorted(ranks))) or "none"
 
 
 def _selected(run: RunDigest, rank: int | None, name: str) -> list[RankDigest]:
@@ -168,26 +203,26 @@ def _selected(run: RunDigest, rank: int | None, name: str) -> list[RankDigest]:
 def _verdict(
     step_time: StepTime, anomalies: list[dict[str, Any]], memory: list[dict[str, Any]]
 ) -> Verdict:
-    slower, faster = _timing_lines(step_time)
+    regressions, changes = _timing_lines(step_time)
     for row in anomalies:
         count_a, count_b = row["a"]["count"], row["b"]["count"]
         if count_b and not count_a:
-            slower.append(
+            regressions.append(
                 f"new in B: {row['kind']} x{count_b} (step(s) {_steps(row['b']['steps'], count_b)})"
             )
         elif count_a and not count_b:
-            faster.append(f"gone in B: {row['kind']} (A had {count_a})")
+            changes.append(f"gone in B: {row['kind']} (A had {count_a})")
     for row in memory:
         if (row["b"] or {}).get("leak") and not (row["a"] or {}).get("leak"):
-            slower.append(
+            regressions.append(
                 f"memory leak suspected in B on {row['device']} (rank {row['rank']}), not in A"
             )
-    lines = slower + faster
+    lines = regressions + changes
     if not step_time.comparable:
         lines.append(f"step time inconclusive: {'; '.join(step_time.reasons)}")
-    if slower:
+    if regressions:
         return Verdict("regressed", tuple(lines))
-    if faster:
+    if changes:
         return Verdict("changed", tuple(lines))
     if not step_time.comparable:
         return Verdict("inconclusive", tuple(lines))
@@ -195,24 +230,30 @@ def _verdict(
 
 
 def _timing_lines(step_time: StepTime) -> tuple[list[str], list[str]]:
-    """(lines for what got slower, lines for what got faster), whole run first."""
-    slower: list[str] = []
-    faster: list[str] = []
+    """(regressions: step times that got slower, changes: step times that got faster and
+    the whole run's phases that moved), whole run first. Only a step time regresses: a
+    phase that moved while the step did not is time shifted between phases."""
+    regressions: list[str] = []
+    changes: list[str] = []
     if not step_time.comparable:
-        return slower, faster
+        return regressions, changes
     span = f"steps {step_time.first_step}-{step_time.last_step}"
+    step_moved = any(r.moved for r in step_time.whole() if r.phase == "step")
     for row in step_time.rows:
         if row.moved is None or (row.rank is not None and row.phase != "step"):
             continue
         where = "" if row.rank is None else f" on rank {row.rank}"
         line = f"{row.phase} {_percent(row.change)}{where}: {_ms(row.a)} -> {_ms(row.b)} per step"
-        if row.phase == "step":
-            line += f" ({span})" if row.rank is None else ""
-            most = step_time.moved_most(row.rank)
-            if most is not None:
-                line += f"; the phase that moved most: {most.phase} ({_ms_delta(most.delta)})"
-        (slower if row.moved == "slower" else faster).append(line)
-    return slower, faster
+        if row.phase != "step":
+            shifted = "" if step_moved else " (time shifted between phases: the step did not move)"
+            changes.append(line + shifted)
+            continue
+        line += f" ({span})" if row.rank is None else ""
+        most = step_time.moved_most(row.rank)
+        if most is not None:
+            line += f"; the phase that moved most: {most.phase} ({_ms_delta(most.delta)})"
+        (regressions if row.moved == "slower" else changes).append(line)
+    return regressions, changes
 
 
 def _percent(change: float | None) -> str:

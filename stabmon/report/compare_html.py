@@ -18,16 +18,16 @@ from stabmon.report.compare import Comparison
 from stabmon.report.compare_text import Table, all_notes, run_lines, tables
 from stabmon.report.digest import RankDigest, RunDigest
 
-# The report's figure helpers, so both pages look alike.
-from stabmon.report.html import STYLE
+# The report's style and figure helpers, so both pages look alike.
+from stabmon.report.html import STYLE, write_page_atomically
 from stabmon.report.plots import (
     KIND_COLORS,
-    _figure,
-    _finish,
-    _line,
-    _rank_color,
-    _svg,
+    draw_line,
+    finish_axes,
+    new_figure,
+    rank_color,
     require_matplotlib,
+    to_svg,
 )
 from stabmon.report.verdict import when
 
@@ -53,9 +53,7 @@ _STYLES = {"a": "-", "b": "--"}
 def write_page(comparison: Comparison, output: Path) -> None:
     """Write the page to ``output`` atomically (a browser reloading it never sees half)."""
     require_matplotlib()
-    temporary = output.with_name(f".{output.name}.tmp")
-    temporary.write_text(render_page(comparison), encoding="utf-8")
-    temporary.replace(output)
+    write_page_atomically(output, render_page(comparison))
 
 
 def render_page(comparison: Comparison, *, now: float | None = None) -> str:
@@ -118,12 +116,12 @@ def _sides(c: Comparison) -> list[tuple[str, RunDigest, list[RankDigest]]]:
 
 def _step_time_plot(c: Comparison) -> str | None:
     """Each block's step time at its last step, both runs, with the compared steps shaded."""
-    figure, axes = _figure()
+    figure, axes = new_figure()
     drawn = False
     for name, _, ranks in _sides(c):
         for rank in ranks:
             points = [(float(b.last_step), b.step_seconds * 1e3) for b in rank.blocks()]
-            _line(axes, points, _rank_color(rank.rank), f"{name.upper()}, rank {rank.rank}",
+            draw_line(axes, points, rank_color(rank.rank), f"{name.upper()}, rank {rank.rank}",
                   style=_STYLES[name])  # fmt: skip
             drawn = drawn or bool(points)
     if not drawn:
@@ -131,8 +129,8 @@ def _step_time_plot(c: Comparison) -> str | None:
     axes.axvspan(c.step_time.first_step, c.step_time.last_step, color="#edf2f7", zorder=0,
                  label="steps compared")  # fmt: skip
     _mark_anomalies(c, axes)
-    _finish(axes, "ms per step (block mean)", "step time: A solid, B dashed")
-    return _svg(figure)
+    finish_axes(axes, "ms per step (block mean)", "step time: A solid, B dashed")
+    return to_svg(figure)
 
 
 def _phase_plot(c: Comparison) -> str | None:
@@ -140,7 +138,7 @@ def _phase_plot(c: Comparison) -> str | None:
     rows = [row for row in c.step_time.whole() if row.a is not None or row.b is not None]
     if not rows:
         return None
-    figure, axes = _figure(height=0.5 * len(rows) + 1.2)
+    figure, axes = new_figure(height=0.5 * len(rows) + 1.2)
     positions = range(len(rows))
     for offset, name in ((-0.2, "a"), (0.2, "b")):
         medians = [(getattr(row, name).median * 1e3 if getattr(row, name) else 0.0) for row in rows]
@@ -148,41 +146,41 @@ def _phase_plot(c: Comparison) -> str | None:
                   color="#2b6cb0" if name == "a" else "#c05621")  # fmt: skip
     axes.set_yticks(list(positions), [row.phase for row in rows])
     axes.invert_yaxis()
-    _finish(axes, "", "median ms per step, by phase", xlabel="ms per step")
-    return _svg(figure)
+    finish_axes(axes, "", "median ms per step, by phase", xlabel="ms per step")
+    return to_svg(figure)
 
 
 def _memory_plot(c: Comparison) -> str | None:
-    figure, axes = _figure()
+    figure, axes = new_figure()
     drawn = False
     for name, _, ranks in _sides(c):
         for rank in ranks:
             for index, (device, points) in enumerate(sorted(rank.memory().items())):
                 color = f"C{(rank.rank * 3 + index) % 10}"
                 scaled = [(float(step), value / 2**20) for step, value in points]
-                _line(axes, scaled, color, f"{name.upper()}, {device}, rank {rank.rank}",
+                draw_line(axes, scaled, color, f"{name.upper()}, {device}, rank {rank.rank}",
                       style=_STYLES[name], marker="o")  # fmt: skip
                 drawn = drawn or bool(points)
     if not drawn:
         return None
-    _finish(axes, "MiB", "memory: A solid, B dashed")
-    return _svg(figure)
+    finish_axes(axes, "MiB", "memory: A solid, B dashed")
+    return to_svg(figure)
 
 
 def _scale_plot(c: Comparison) -> str | None:
-    figure, axes = _figure()
+    figure, axes = new_figure()
     drawn = False
     for name, _, ranks in _sides(c):
         for rank in ranks:
             points = [(float(s.step), s.loss_scale) for s in rank.samples if s.loss_scale]
-            _line(axes, [(x, y) for x, y in points if y is not None], _rank_color(rank.rank),
+            draw_line(axes, [(x, y) for x, y in points if y is not None], rank_color(rank.rank),
                   f"{name.upper()}, rank {rank.rank}", style=_STYLES[name])  # fmt: skip
             drawn = drawn or bool(points)
     if not drawn:
         return None
     axes.set_yscale("log")
-    _finish(axes, "loss scale (log)", "GradScaler loss scale: A solid, B dashed")
-    return _svg(figure)
+    finish_axes(axes, "loss scale (log)", "GradScaler loss scale: A solid, B dashed")
+    return to_svg(figure)
 
 
 def _mark_anomalies(c: Comparison, axes: Axes) -> None:

@@ -15,6 +15,7 @@ from stabmon.report.goodput import TRAINING_PHASES, RankGoodput
 __all__ = [
     "MAX_STEPS_SHOWN",
     "amp_rows",
+    "anomalies_past",
     "anomaly_rows",
     "environment_rows",
     "goodput_rows",
@@ -58,12 +59,15 @@ def _fact_order(key: str) -> tuple[int, str]:
     return (1 if key.isupper() or key[:1].isupper() else 0, key)
 
 
-def anomaly_rows(a: list[RankDigest], b: list[RankDigest]) -> list[dict[str, Any]]:
-    """Per kind: how many in each run, at which steps and on which ranks."""
+def anomaly_rows(a: list[RankDigest], b: list[RankDigest], last: int) -> list[dict[str, Any]]:
+    """Per kind: how many in each run up to step ``last`` (the last both runs reached), at
+    which steps and on which ranks. An anomaly without a step is counted."""
     found: dict[str, dict[str, dict[str, Any]]] = {}
     for name, ranks in (("a", a), ("b", b)):
         for rank in ranks:
             for kind, step in rank.anomalies():
+                if step is not None and step > last:
+                    continue
                 side = found.setdefault(kind, {}).setdefault(
                     name, {"count": 0, "steps": [], "ranks": []}
                 )
@@ -79,34 +83,48 @@ def anomaly_rows(a: list[RankDigest], b: list[RankDigest]) -> list[dict[str, Any
     ]
 
 
+def anomalies_past(ranks: list[RankDigest], last: int) -> int:
+    """How many of ``ranks``' anomalies fall after step ``last`` (left out of the rows)."""
+    return sum(1 for r in ranks for _, step in r.anomalies() if step is not None and step > last)
+
+
 def memory_rows(a: list[RankDigest], b: list[RankDigest], warmup: int) -> list[dict[str, Any]]:
     """Per rank and device: peak bytes, slope after warm-up (bytes per step), leak verdict."""
     rows = []
     for rank in sorted({r.rank for r in (*a, *b)}):
-        sides = {
-            name: next((r for r in ranks if r.rank == rank), None)
-            for name, ranks in (("a", a), ("b", b))
-        }
-        devices = sorted({d for r in sides.values() if r for d in r.peaks()})
+        sides: dict[str, _Memory | None] = {}
+        for name, ranks in (("a", a), ("b", b)):
+            digest = next((r for r in ranks if r.rank == rank), None)
+            sides[name] = None if digest is None else _Memory(digest, warmup)
+        devices = sorted({d for side in sides.values() if side for d in side.peaks})
         for device in devices:
             row: dict[str, Any] = {"rank": rank, "device": device}
-            for name, digest in sides.items():
-                row[name] = None if digest is None else _memory_side(digest, device, warmup)
+            for name, side in sides.items():
+                row[name] = None if side is None else side.of(device)
             rows.append(row)
     return rows
 
 
-def _memory_side(rank: RankDigest, device: str, warmup: int) -> dict[str, Any] | None:
-    points = rank.memory().get(device, [])
-    peak = rank.peaks().get(device)
-    if peak is None and not points:
-        return None
-    settled = [p for p in points if p[0] >= warmup]
-    return {
-        "peak_bytes": peak,
-        "slope_bytes_per_step": _slope(settled if len(settled) > 1 else points),
-        "leak": device in rank.leaks(),
-    }
+class _Memory:
+    """One rank's memory figures, read once (each reading walks the rank's records)."""
+
+    def __init__(self, rank: RankDigest, warmup: int) -> None:
+        self.series = rank.memory()
+        self.peaks = rank.peaks()
+        self.leaks = rank.leaks()
+        self.warmup = warmup
+
+    def of(self, device: str) -> dict[str, Any] | None:
+        points = self.series.get(device, [])
+        peak = self.peaks.get(device)
+        if peak is None and not points:
+            return None
+        settled = [p for p in points if p[0] >= self.warmup]
+        return {
+            "peak_bytes": peak,
+            "slope_bytes_per_step": _slope(settled if len(settled) > 1 else points),
+            "leak": device in self.leaks,
+        }
 
 
 def _slope(points: list[tuple[int, float]]) -> float | None:

@@ -55,7 +55,7 @@ def all_notes(comparison: Comparison) -> list[str]:
     """What the readers noted (lines skipped, too few blocks), each with its run."""
     c = comparison
     notes = [f"A: {note}" for note in c.a.notes] + [f"B: {note}" for note in c.b.notes]
-    return notes + list(c.step_time.notes)
+    return notes + list(c.step_time.notes) + list(c.notes)
 
 
 def tables(comparison: Comparison) -> list[Table]:

@@ -4,9 +4,13 @@ The logs are read by :func:`stabmon.report.events.read_run`, a line at a time, n
 following a symlink (the run directory is on a shared node). Step samples, the bulk of a
 long run's log, are folded into a few numbers each as they are read; past
 ``MAX_SAMPLES`` per rank every other one is dropped, so a month-long run keeps an even
-sample of its steps. Other records are kept without their bulky fields (a stall's
-stacks, per-module norms) and without NaN or Inf figures, at most ``MAX_RECORDS`` per
-rank. Every record is untrusted: a field of the wrong type reads as absent.
+sample of its steps. Other records are kept with only the fields compare reads
+(``_FIELDS``), each mapping of figures (phase seconds, memory by device) cut to
+``MAX_ENTRIES`` finite numbers, at most ``MAX_RECORDS`` per rank: a kept record is a few
+hundred bytes however long its line was. The first attach record of each rank is kept
+whole (its environment); later ones keep their time and throughput config. A record
+whose step is negative is dropped (steps count from 0). Every record is untrusted: a
+field of the wrong type reads as absent.
 
 Needs no torch; reuses :mod:`stabmon.report.goodput` for throughput and goodput.
 """
@@ -19,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stabmon.report.events import RankLog, Run, number, read_run
+from stabmon.report.events import RankLog, Run, count, number, read_run
 from stabmon.report.goodput import RankGoodput, rank_goodput
 
 __all__ = ["Block", "RankDigest", "RunDigest", "Sample", "read_digest"]
@@ -28,7 +32,19 @@ __all__ = ["Block", "RankDigest", "RunDigest", "Sample", "read_digest"]
 MAX_SAMPLES = 20_000
 #: Records other than step samples kept per rank (a throughput record a minute: 70 days).
 MAX_RECORDS = 100_000
-_BULKY = ("stacks", "module_grad_norms")
+#: Entries kept of each mapping of figures in a kept record (devices, phases).
+MAX_ENTRIES = 64
+_COMMON = ("event", "time", "step", "run", "rank")
+#: The fields compare reads, by event; other events keep only the common fields.
+_FIELDS: dict[str, tuple[str, ...]] = {
+    "throughput": ("steps", "samples", "tokens", "uptime_seconds", "mfu", "flops_per_step"),
+    "epoch": (),
+    "anomaly": ("kind", "device", "phase", "silent_seconds"),
+    "stall_end": ("stalled_seconds", "completed"),
+    "flops": ("flops_per_step",),
+}
+#: Mappings of figures (name to number or flag), cut to ``MAX_ENTRIES``.
+_FIGURES = ("phase_seconds", "memory", "peak", "leak_suspected")
 #: Variables that name one launch or one process, not the environment: they differ every run.
 LAUNCH_VARIABLES = frozenset(
     {
@@ -66,6 +82,13 @@ class Block:
     first_step: int
     last_step: int
     per_step: dict[str, float]
+    #: Samples and tokens counted over the block's steps (None where not counted).
+    samples: int | None = None
+    tokens: int | None = None
+
+    @property
+    def steps(self) -> int:
+        return self.last_step - self.first_step + 1
 
     @property
     def step_seconds(self) -> float:
@@ -90,29 +113,24 @@ class RankDigest:
     def blocks(self) -> list[Block]:
         """Every interval between two throughput records of one process (the first from attach)."""
         blocks: list[Block] = []
-        before: dict[str, float] = {}
-        steps_before = 0
+        before = _Totals({}, 0, None, None)
         for record in self.log.records:
             event = record.get("event")
             if event == "attach":
-                before, steps_before = {}, 0
+                before = _Totals({}, 0, None, None)
             if event != "throughput" or not isinstance(record.get("step"), int):
                 continue
-            steps = int(number(record.get("steps")) or 0)
-            totals = {
-                str(name): seconds
-                for name, value in _mapping(record.get("phase_seconds")).items()
-                if (seconds := number(value)) is not None and math.isfinite(seconds)
-            }
-            done = steps - steps_before
-            if done > 0:
+            now = _Totals.of(record)
+            done = now.steps - before.steps
+            first = record["step"] - done + 1
+            if done > 0 and first >= 0:
                 per_step = {
-                    phase: max(0.0, seconds - before.get(phase, 0.0)) / done
-                    for phase, seconds in totals.items()
+                    phase: max(0.0, seconds - before.phases.get(phase, 0.0)) / done
+                    for phase, seconds in now.phases.items()
                 }
-                last = record["step"]
-                blocks.append(Block(last - done + 1, last, per_step))
-            before, steps_before = totals, max(steps, steps_before)
+                samples, tokens = now.done(before)
+                blocks.append(Block(first, record["step"], per_step, samples, tokens))
+            before = now if now.steps >= before.steps else before
         return blocks
 
     def environment(self) -> dict[str, str]:
@@ -152,14 +170,6 @@ class RankDigest:
             return self.goodput.flops_per_step
         counted = [number(r.get("flops_per_step")) for r in self.log.of("flops")]
         return next((value for value in reversed(counted) if value is not None), None)
-
-    def per_step(self, what: str) -> float | None:
-        """Samples or tokens per step (``what``), when the run counted them."""
-        figures = self.goodput
-        if figures is None or not figures.steps:
-            return None
-        count = figures.samples if what == "samples" else figures.tokens
-        return count / figures.steps if count else None
 
     def memory(self) -> dict[str, list[tuple[int, float]]]:
         """(step, bytes) per device label: epoch-end samples; for ``host``, the step samples'
@@ -204,8 +214,9 @@ class RankDigest:
     def anomalies(self) -> list[tuple[str, int | None]]:
         """(kind, step) of each anomaly, in log order."""
         return [
-            (str(r.get("kind")), r["step"] if isinstance(r.get("step"), int) else None)
+            (r["kind"], r["step"] if isinstance(r.get("step"), int) else None)
             for r in self.log.of("anomaly")
+            if isinstance(r.get("kind"), str) and r["kind"]  # no kind: not a stabmon anomaly
         ]
 
 
@@ -249,6 +260,43 @@ class RunDigest:
         return max(hosts.values(), default=0)
 
 
+@dataclass(frozen=True)
+class _Totals:
+    """A throughput record's running totals: seconds per phase, steps, samples, tokens."""
+
+    phases: dict[str, float]
+    steps: int
+    samples: int | None
+    tokens: int | None
+
+    @classmethod
+    def of(cls, record: Mapping[str, Any]) -> _Totals:
+        phases = {
+            str(name): seconds
+            for name, value in _mapping(record.get("phase_seconds")).items()
+            if (seconds := number(value)) is not None and math.isfinite(seconds)
+        }
+        return cls(
+            phases,
+            count(record.get("steps")) or 0,
+            count(record.get("samples")),
+            count(record.get("tokens")),
+        )
+
+    def done(self, before: _Totals) -> tuple[int | None, int | None]:
+        """(samples, tokens) counted since ``before``; None where either did not count them."""
+        return (
+            _since(self.samples, before.samples if before.steps else 0),
+            _since(self.tokens, before.tokens if before.steps else 0),
+        )
+
+
+def _since(now: int | None, before: int | None) -> int | None:
+    if not now or before is None or now < before:
+        return None
+    return now - before
+
+
 class _Fold:
     """The ``select`` of :func:`read_run`: samples folded into :class:`Sample`, the rest slimmed."""
 
@@ -258,24 +306,31 @@ class _Fold:
         self._seen: dict[int, int] = {}
         self._kept: dict[int, int] = {}
         self.dropped: dict[int, int] = {}
+        self.negative: dict[int, int] = {}
+        self._attached: set[int] = set()
 
     def __call__(self, rank: int, record: dict[str, Any]) -> dict[str, Any] | None:
         if record.get("event") == "step_sample":
             self._sample(rank, record)
             return None
+        step = record.get("step")
+        if isinstance(step, int) and step < 0:
+            self.negative[rank] = self.negative.get(rank, 0) + 1
+            return None
         if self._kept.get(rank, 0) >= MAX_RECORDS:
             self.dropped[rank] = self.dropped.get(rank, 0) + 1
             return None
         self._kept[rank] = self._kept.get(rank, 0) + 1
-        # No figure compare reads may be NaN or Inf (a hostile "steps": "nan" would stop it).
-        return {key: _finite_only(value) for key, value in record.items()
-                if key not in _BULKY and not _non_finite(value)}  # fmt: skip
+        if record.get("event") == "attach" and rank not in self._attached:
+            self._attached.add(rank)  # the environment fingerprint: one record, kept whole
+            return record
+        return _slim(record)
 
     def _sample(self, rank: int, record: Mapping[str, Any]) -> None:
         step = record.get("step")
         seen = self._seen[rank] = self._seen.get(rank, 0) + 1
         stride = self._stride.get(rank, 1)
-        if not isinstance(step, int) or (seen - 1) % stride:
+        if not isinstance(step, int) or step < 0 or (seen - 1) % stride:
             return
         kept = self.samples.setdefault(rank, [])
         kept.append(
@@ -296,24 +351,50 @@ def read_digest(path: Path) -> RunDigest:
     """Read the run directory ``path`` for comparison (see the module's docstring)."""
     fold = _Fold()
     run = read_run(path, select=fold, follow_symlinks=False)
-    for rank, count in sorted(fold.dropped.items()):
-        run.notes.append(f"rank {rank}: {count} records past the first {MAX_RECORDS} not read")
+    for rank, dropped in sorted(fold.dropped.items()):
+        run.notes.append(f"rank {rank}: {dropped} records past the first {MAX_RECORDS} not read")
+    for rank, negative in sorted(fold.negative.items()):
+        run.notes.append(f"rank {rank}: {negative} records with a negative step not read")
     ranks = [
         RankDigest(log, fold.samples.get(log.rank, []), rank_goodput(log)) for log in run.ranks
     ]
     return RunDigest(run, ranks)
 
 
+def _slim(record: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields of ``record`` compare reads: plain values, and finite figures only (a
+    hostile "steps": "nan" reads as absent)."""
+    event = record.get("event")
+    slim: dict[str, Any] = {}
+    fields = _FIELDS.get(event, ()) if isinstance(event, str) else ()
+    for key in (*_COMMON, *fields):
+        value = record.get(key)
+        if isinstance(value, (str, bool, int, float)) and not _non_finite(value):
+            slim[key] = value
+    for key in _FIGURES:
+        if isinstance(record.get(key), Mapping):
+            slim[key] = _figures(record[key])
+    if event == "attach":  # a later process's: what steptime reads of its config
+        throughput = _mapping(_mapping(record.get("config")).get("throughput"))
+        slim["config"] = {"throughput": _figures(throughput)}
+    return slim
+
+
 def _non_finite(value: object) -> bool:
+    """NaN or Inf, as a float or as the strings the log writes for them."""
     found = number(value)
     return found is not None and not math.isfinite(found)
 
 
-def _finite_only(value: object) -> object:
-    """A mapping without its non-finite numbers (phase seconds, memory by device)."""
-    if isinstance(value, Mapping):
-        return {key: item for key, item in value.items() if not _non_finite(item)}
-    return value
+def _figures(value: Mapping[str, Any]) -> dict[str, Any]:
+    """The first ``MAX_ENTRIES`` finite numbers and flags of a mapping of figures."""
+    kept: dict[str, Any] = {}
+    for key, item in value.items():
+        if len(kept) >= MAX_ENTRIES:
+            break
+        if isinstance(item, bool) or ((found := number(item)) is not None and math.isfinite(found)):
+            kept[str(key)] = item
+    return kept
 
 
 def _seconds(value: object) -> float | None:

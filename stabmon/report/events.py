@@ -24,7 +24,7 @@ from stabmon.errors import StabmonError
 from stabmon.shared.rundir import ProcessRecord, boot_id, read_records, run_directory_name
 from stabmon.shared.safefs import UnsafePathError
 
-__all__ = ["RankLog", "Run", "Selector", "find_run", "number", "read_log", "read_run"]
+__all__ = ["RankLog", "Run", "Selector", "count", "find_run", "number", "read_log", "read_run"]
 
 _LOG_NAME = re.compile(r"^rank-(\d+)\.events\.jsonl$")
 #: Records nest a few levels (environment, config); deeper is not a stabmon record.
@@ -335,6 +335,19 @@ def number(value: object) -> float | None:
     if isinstance(value, str) and value in ("nan", "inf", "-inf"):
         return float(value)
     return None
+
+
+#: Counts beyond this are not exact as floats; a record claiming more is hostile or corrupt.
+MAX_COUNT = 2**53
+
+
+def count(value: object) -> int | None:
+    """A record's count (steps, samples, tokens): a whole number from 0 to ``MAX_COUNT``,
+    else None, so that sums and ratios of counts never overflow a float."""
+    found = number(value)
+    if found is None or not 0 <= found <= MAX_COUNT or not found.is_integer():
+        return None
+    return int(found)
 
 
 def _logs_in(directory: Path) -> list[Path]:

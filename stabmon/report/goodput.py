@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from html import escape
 from typing import Any
 
-from stabmon.report.events import RankLog, Run, number
+from stabmon.report.events import RankLog, Run, count, number
 
 __all__ = ["RankGoodput", "goodput_section", "rank_goodput", "run_goodput"]
 
@@ -124,7 +124,7 @@ def rank_goodput(log: RankLog) -> RankGoodput | None:
         if stalled:
             spent["stalled"] = spent.get("stalled", 0.0) + stalled
         training = sum(phases.pop(phase, 0.0) for phase in TRAINING_PHASES)
-        steps = int(number(last.get("steps")) or 0)
+        steps = count(last.get("steps")) or 0
         resumes = [r for r in records if r.get("event") == "resume"]
         lost = 0.0
         if resumes and previous_completed is not None and previous_step_seconds is not None:
@@ -141,8 +141,8 @@ def rank_goodput(log: RankLog) -> RankGoodput | None:
         previous_completed = _completed(last)
         previous_step_seconds = training / steps if steps else None
         result.steps += steps
-        result.samples += int(number(last.get("samples")) or 0)
-        result.tokens += int(number(last.get("tokens")) or 0)
+        result.samples += count(last.get("samples")) or 0
+        result.tokens += count(last.get("tokens")) or 0
         mfu = number(last.get("mfu"))
         result.mfu = mfu if mfu is not None else result.mfu
         flops = number(last.get("flops_per_step"))

@@ -8,7 +8,10 @@ escaped: run ids, module names and stack traces are user data.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import secrets
 import time
 from collections.abc import Mapping
 from html import escape
@@ -21,7 +24,7 @@ from stabmon.report.goodput import goodput_section
 from stabmon.report.plots import KIND_COLORS, Plots, require_matplotlib
 from stabmon.report.verdict import judge, when
 
-__all__ = ["SECTION_IDS", "STYLE", "render", "write_report"]
+__all__ = ["SECTION_IDS", "STYLE", "render", "write_page_atomically", "write_report"]
 
 SECTION_IDS = (
     "verdict",
@@ -70,11 +73,29 @@ def write_report(run_path: Path, output: Path, *, module_rank: int | None = None
             f"module rank {module_rank}: run {run.run_id} has no rank {module_rank} (its ranks: "
             f"{', '.join(map(str, ranks)) or 'none'}); pass one of them to --module-rank"
         )
-    page = render(run, module_rank=module_rank)
-    temporary = output.with_name(f".{output.name}.tmp")
-    temporary.write_text(page, encoding="utf-8")
-    temporary.replace(output)  # a browser reloading the page never sees half of it
+    write_page_atomically(output, render(run, module_rank=module_rank))
     return run
+
+
+def write_page_atomically(output: Path, page: str) -> None:
+    """Write ``page`` to ``output`` through a new temporary file beside it, then rename.
+
+    rename(2) is atomic, so a browser reloading the page never sees half of it, and it
+    replaces a symlink at ``output`` rather than writing through it. The temporary name
+    is unique (pid and random) and opened with O_EXCL and O_NOFOLLOW: in a shared folder,
+    a link planted under a predictable name would otherwise redirect the write.
+    """
+    temporary = output.with_name(f".{output.name}.{os.getpid()}.{secrets.token_hex(8)}.tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(temporary, flags, 0o644)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as stream:
+            stream.write(page)
+        os.replace(temporary, output)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
 
 
 def render(run: Run, *, module_rank: int | None = None, now: float | None = None) -> str:

@@ -22,7 +22,16 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-__all__ = ["KIND_COLORS", "Plots", "require_matplotlib"]
+__all__ = [
+    "KIND_COLORS",
+    "Plots",
+    "draw_line",
+    "finish_axes",
+    "new_figure",
+    "rank_color",
+    "require_matplotlib",
+    "to_svg",
+]
 
 MAX_POINTS = 2000
 INSTALL_HINT = "pip install 'stabmon[report]'"
@@ -64,34 +73,36 @@ class Plots:
         series = {log.rank: _points(_samples(log), "loss") for log in self._run.ranks}
         if not any(series.values()):
             return None
-        figure, axes = _figure()
+        figure, axes = new_figure()
         for rank, points in series.items():
-            _line(axes, points, _rank_color(rank), f"rank {rank}")
+            draw_line(axes, points, rank_color(rank), f"rank {rank}")
         values = [value for points in series.values() for _, value in points]
         wide = min(values) > 0 and max(values) > 100 * min(values)
         if wide:  # a spike would flatten the rest of the curve to a line at zero
             axes.set_yscale("log")
         self._mark(axes, ("loss_spike", "nonfinite_loss", "stall", "nonfinite_grad"), "loss")
-        _finish(axes, "loss (log scale)" if wide else "loss", "training loss, sampled")
-        return _svg(figure)
+        finish_axes(axes, "loss (log scale)" if wide else "loss", "training loss, sampled")
+        return to_svg(figure)
 
     def grad_norm(self) -> str | None:
         series = {log.rank: _points(_samples(log), "grad_norm") for log in self._run.ranks}
         if not any(series.values()):
             return None
-        figure, axes = _figure(height=4.2)
+        figure, axes = new_figure(height=4.2)
         module_log = next(log for log in self._run.ranks if log.rank == self._module_rank)
         modules = _module_series(_samples(module_log))
         for index, (module, points) in enumerate(sorted(modules.items())[:12]):
-            _line(axes, points, f"C{index % 10}", f"{module} (rank {module_log.rank})", 0.9, 0.55)
+            draw_line(
+                axes, points, f"C{index % 10}", f"{module} (rank {module_log.rank})", 0.9, 0.55
+            )
         for rank, points in series.items():
-            _line(axes, points, "black" if rank == self._module_rank else _rank_color(rank),
+            draw_line(axes, points, "black" if rank == self._module_rank else rank_color(rank),
                   f"global, rank {rank}", 2.0)  # fmt: skip
         if _positive(series) or _positive(modules):
             axes.set_yscale("log")
         self._mark(axes, ("grad_spike", "nonfinite_grad", "stall"), "grad_norm")
-        _finish(axes, "L2 norm (log scale)", "gradient norm: global and per module")
-        return _svg(figure)
+        finish_axes(axes, "L2 norm (log scale)", "gradient norm: global and per module")
+        return to_svg(figure)
 
     def step_time(self) -> str | None:
         steps = {log.rank: _points(_samples(log), "step_seconds", 1e3) for log in self._run.ranks}
@@ -100,21 +111,23 @@ class Plots:
         }
         if not any(steps.values()) and not any(waits.values()):
             return None
-        figure, axes = _figure()
+        figure, axes = new_figure()
         for rank in steps:
-            _line(axes, steps[rank], _rank_color(rank), f"step time, rank {rank}")
-            _line(axes, waits[rank], _rank_color(rank), f"input wait, rank {rank}", 1.2, 0.8, "--")
+            draw_line(axes, steps[rank], rank_color(rank), f"step time, rank {rank}")
+            draw_line(
+                axes, waits[rank], rank_color(rank), f"input wait, rank {rank}", 1.2, 0.8, "--"
+            )
         self._mark(axes, ("stall",), None)
-        _finish(axes, "milliseconds (mean per sample)", "step time and input wait")
-        return _svg(figure)
+        finish_axes(axes, "milliseconds (mean per sample)", "step time and input wait")
+        return to_svg(figure)
 
     def memory(self) -> str | None:
-        figure, axes = _figure(height=4.0)
+        figure, axes = new_figure(height=4.0)
         drawn = False
         for log in self._run.ranks:
             for index, (device, points) in enumerate(sorted(_memory_series(log).items())):
                 color = f"C{(log.rank * 3 + index) % 10}"
-                _line(axes, points, color, f"{device}, rank {log.rank}", 1.8, marker="o")
+                draw_line(axes, points, color, f"{device}, rank {log.rank}", 1.8, marker="o")
                 windows = _leak_windows(points, log.config)
                 for number_, (start, end, limit) in enumerate(windows):
                     # "_"-prefixed labels stay out of the legend: one entry per device.
@@ -131,8 +144,8 @@ class Plots:
                     axes.plot([record["epoch"]], [value / 2**20], marker="X", markersize=11,
                               color=KIND_COLORS["memory_leak"], linestyle="none",
                               label="memory_leak")  # fmt: skip
-        _finish(axes, "MiB at epoch end", "memory per epoch, per device", xlabel="epoch")
-        return _svg(figure)
+        finish_axes(axes, "MiB at epoch end", "memory per epoch, per device", xlabel="epoch")
+        return to_svg(figure)
 
     def gpu_utilization(self) -> str | None:
         series: dict[str, list[tuple[float, float]]] = {}
@@ -149,12 +162,12 @@ class Plots:
                         )
         if not series:
             return None
-        figure, axes = _figure()
+        figure, axes = new_figure()
         for index, (name, points) in enumerate(sorted(series.items())):
-            _line(axes, _thin(points), f"C{index % 10}", name)
+            draw_line(axes, _thin(points), f"C{index % 10}", name)
         axes.set_ylim(0, 105)
-        _finish(axes, "% of time busy", "GPU utilization")
-        return _svg(figure)
+        finish_axes(axes, "% of time busy", "GPU utilization")
+        return to_svg(figure)
 
     def _mark(self, axes: Axes, kinds: Sequence[str], field: str | None) -> None:
         """Anomalies as vertical lines at their step, a cross at their value when finite, and a
@@ -266,11 +279,13 @@ def _positive(series: Mapping[Any, list[tuple[float, float]]]) -> bool:
     return any(value > 0 for points in series.values() for _, value in points)
 
 
-def _rank_color(rank: int) -> str:
+def rank_color(rank: int) -> str:
+    """The colour of ``rank``'s lines, the same on every page."""
     return _RANK_COLORS[rank % len(_RANK_COLORS)]
 
 
-def _figure(height: float = 3.4) -> tuple[Figure, Axes]:
+def new_figure(height: float = 3.4) -> tuple[Figure, Axes]:
+    """A page-wide figure with one gridded axes (no pyplot: no global figure state)."""
     from matplotlib.figure import Figure
 
     figure = Figure(figsize=(11, height), dpi=100, layout="constrained")
@@ -279,7 +294,7 @@ def _figure(height: float = 3.4) -> tuple[Figure, Axes]:
     return figure, axes
 
 
-def _line(
+def draw_line(
     axes: Axes,
     points: list[tuple[float, float]],
     color: str,
@@ -289,6 +304,7 @@ def _line(
     style: str = "-",
     marker: str | None = None,
 ) -> None:
+    """``points`` as one line of ``axes``; nothing when there are none."""
     if not points:
         return
     xs, ys = zip(*points, strict=True)
@@ -296,7 +312,8 @@ def _line(
               marker=marker, markersize=3.5)  # fmt: skip
 
 
-def _finish(axes: Axes, ylabel: str, title: str, *, xlabel: str = "step") -> None:
+def finish_axes(axes: Axes, ylabel: str, title: str, *, xlabel: str = "step") -> None:
+    """Labels, the title, and the legend outside the plot on the right."""
     axes.set_xlabel(xlabel)
     axes.set_ylabel(ylabel)
     axes.set_title(title, loc="left", fontsize=10, color="#4a5568")
@@ -305,7 +322,8 @@ def _finish(axes: Axes, ylabel: str, title: str, *, xlabel: str = "step") -> Non
         axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
 
 
-def _svg(figure: Figure) -> str:
+def to_svg(figure: Figure) -> str:
+    """``figure`` as inline SVG that scales with the page."""
     import matplotlib
 
     buffer = io.StringIO()

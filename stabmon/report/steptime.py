@@ -4,18 +4,21 @@ Each process writes a ``throughput`` record every ``throughput.record_seconds`` 
 its running seconds per phase (docs/throughput.md); between two of them lies a *block*
 of steps, and its seconds per step per phase. Both runs are read over the same steps:
 after the warm-up (the runs' ``throughput.slowdown_warmup_steps``, at most a quarter
-of the shorter run) and up to the last step both reached. A phase's figure is the
-median of its blocks' seconds per step, with the 25th and 75th percentiles as its
-spread. ``step`` is the four built-in phases together (input wait, forward, backward,
-optimizer), end to end; named phases (``eval``, ``checkpoint``) are per training step
-too, but not part of a step.
+of the shorter run) and up to the last step both reached; only blocks wholly inside
+count. A phase's figure is the median of its blocks' seconds per step, with the 25th
+and 75th percentiles as its spread. ``step`` is the four built-in phases together
+(input wait, forward, backward, optimizer), end to end; named phases (``eval``,
+``checkpoint``) are per training step too, but not part of a step.
 
 A median *moved* when it changed by ``THRESHOLD`` (10%) or more of run A's, by at least
-``MIN_SHARE`` of A's step time (a phase of microseconds that doubles moves nothing), and,
-with three blocks or more in each run, the middle halves of the two runs' blocks (25th
-to 75th percentile) do not overlap (a noisy machine moves medians too). Runs whose work
-per step differs (model FLOPs, batch, tokens, world size) are not compared: the verdict
-is "inconclusive" with the reason.
+``MIN_SHARE`` of A's step time (a phase of microseconds that doubles moves nothing), and
+the middle halves of the two runs' blocks (25th to 75th percentile) lie apart by at
+least ``MIN_GAP`` of A's median (a machine busier in one run than the other moves
+medians too). The comparison is inconclusive, with the reason, when a rank has fewer
+than ``MIN_BLOCKS`` blocks in the steps compared (a median of one or two blocks is
+noise), or when the runs' work per step differs: world size, model FLOPs, parameter
+tensors, or samples or tokens per step over the steps compared by more than
+``WORK_TOLERANCE`` (a short last batch per epoch moves the mean a little).
 """
 
 from __future__ import annotations
@@ -31,13 +34,19 @@ __all__ = ["THRESHOLD", "PhaseRow", "Spread", "StepTime", "compare_step_time"]
 
 THRESHOLD = 0.10
 MIN_SHARE = 0.02
-#: Fewer blocks than this after warm-up: the run's every block is used, warm-up included.
-MIN_BLOCKS = 2
-#: With at least this many blocks in each run, a median moved only if the middle halves
-#: (25th to 75th percentile) do not overlap.
-MIN_SPREAD_BLOCKS = 3
+#: Blocks each rank needs in the steps compared for its step time to be judged.
+MIN_BLOCKS = 4
+#: How far apart (share of A's median) the two runs' middle halves must lie to have moved.
+MIN_GAP = 0.05
+#: Work per step (samples, tokens) within this share is the same work: 5% more samples
+#: cannot by itself move the step time by the 10% a verdict needs.
+WORK_TOLERANCE = THRESHOLD / 2
 BUILT_IN = ("data_wait", "forward", "backward", "optimizer")
 _DEFAULT_WARMUP = 100  # throughput.slowdown_warmup_steps' default
+#: Each rank's blocks in the steps compared.
+_ByRank = dict[int, list[Block]]
+#: A figure of one rank's work per step, read from the rank or its blocks.
+_Reader = Callable[[RankDigest, _ByRank], float | None]
 
 
 @dataclass(frozen=True)
@@ -143,50 +152,82 @@ class StepTime:
 def compare_step_time(
     a: RunDigest, b: RunDigest, a_ranks: list[RankDigest], b_ranks: list[RankDigest]
 ) -> StepTime:
-    """Step time per phase of ``a_ranks`` against ``b_ranks`` (one rank each, or all)."""
+    """Step time per phase of ``a_ranks`` against ``b_ranks`` (one rank each, or all).
+
+    The whole run's rows pool the ranks both runs have; a rank only one run has is left
+    out of them (compare's notes say so).
+    """
     last = min(a.steps, b.steps) - 1
     warmup = min(max(_warmup(a), _warmup(b)), (last + 1) // 4)
-    notes: list[str] = []
-    reasons = inconclusive(a, b, a_ranks, b_ranks)
-    pooled_a = _blocks(a_ranks, warmup, last, "A", notes)
-    pooled_b = _blocks(b_ranks, warmup, last, "B", notes)
-    for name, blocks in (("A", pooled_a), ("B", pooled_b)):
-        if not any(blocks.values()):
+    common = {r.rank for r in a_ranks} & {r.rank for r in b_ranks}
+    pooled_a = _blocks([r for r in a_ranks if r.rank in common], warmup, last)
+    pooled_b = _blocks([r for r in b_ranks if r.rank in common], warmup, last)
+    reasons = inconclusive(a, b, a_ranks, b_ranks, (pooled_a, pooled_b))
+    for name, ranks in (("A", a_ranks), ("B", b_ranks)):
+        if not any(rank.blocks() for rank in ranks):
             reasons.append(
                 f"run {name} has no throughput record with steps in it (stabmon older than "
                 "compare, or it ended before its first step)"
             )
+    sides = (("A", pooled_a), ("B", pooled_b))
+    few = [f"{name} rank {rank}: {len(found)}" for name, pooled in sides
+           for rank, found in sorted(pooled.items()) if len(found) < MIN_BLOCKS]  # fmt: skip
+    if few and not any("no throughput record" in reason for reason in reasons):
+        reasons.append(
+            f"too few blocks to compare step time ({', '.join(few)} in steps {warmup}-{last}; "
+            f"{MIN_BLOCKS} needed); set throughput.record_seconds lower or run longer"
+        )
     scopes: list[int | None] = [None]
     if len(a_ranks) > 1 or len(b_ranks) > 1:
-        scopes += sorted({r.rank for r in a_ranks} & {r.rank for r in b_ranks})
+        scopes += sorted(common)
     rows: list[PhaseRow] = []
     for scope in scopes:
         rows += _rows(scope, pooled_a, pooled_b, judge=not reasons)
-    return StepTime(warmup, warmup, last, tuple(reasons), tuple(rows), tuple(notes))
+    return StepTime(warmup, warmup, last, tuple(reasons), tuple(rows), ())
 
 
 def inconclusive(
-    a: RunDigest, b: RunDigest, a_ranks: list[RankDigest], b_ranks: list[RankDigest]
+    a: RunDigest,
+    b: RunDigest,
+    a_ranks: list[RankDigest],
+    b_ranks: list[RankDigest],
+    blocks: tuple[_ByRank, _ByRank],
 ) -> list[str]:
-    """Why the runs' step times cannot be compared: their work per step differs."""
+    """Why the runs' step times cannot be compared: their work per step differs.
+
+    ``blocks`` are each run's blocks by rank in the steps compared, whose samples and
+    tokens per step are compared (not the whole run's: a short last batch, or steps past
+    the other run's end, move a whole run's mean)."""
     reasons = []
     if a.world_size() != b.world_size():
         reasons.append(f"world size differs (A {a.world_size()}, B {b.world_size()} ranks)")
     pairs = [(x, y) for x in a_ranks for y in b_ranks if x.rank == y.rank]
-    checks: tuple[tuple[str, Callable[[RankDigest], float | None], str], ...] = (
-        ("batch size differs", lambda r: r.per_step("samples"), "samples per step"),
-        ("tokens per step differ", lambda r: r.per_step("tokens"), "tokens per step"),
-        ("model FLOPs differ", RankDigest.flops_per_step, "FLOPs per step"),
-        ("the model differs", _parameter_tensors, "parameter tensors"),
-    )
-    for what, read, unit in checks:
-        differing = [(x.rank, read(x), read(y)) for x, y in pairs]
+    checks: tuple[tuple[str, _Reader, str, float], ...] = (
+        ("batch size differs", _per_step("samples"), "samples per step", WORK_TOLERANCE),
+        ("tokens per step differ", _per_step("tokens"), "tokens per step", WORK_TOLERANCE),
+        ("model FLOPs differ", lambda r, _: r.flops_per_step(), "FLOPs per step", 1e-3),
+        ("the model differs", lambda r, _: _parameter_tensors(r), "parameter tensors", 1e-3),
+    )  # fmt: skip
+    for what, read, unit, tolerance in checks:
+        differing = [(x.rank, read(x, blocks[0]), read(y, blocks[1])) for x, y in pairs]
         found = [(rank, p, q) for rank, p, q in differing if p is not None and q is not None
-                 and not math.isclose(p, q, rel_tol=1e-3)]  # fmt: skip
+                 and not math.isclose(p, q, rel_tol=tolerance)]  # fmt: skip
         if found:
             rank, value_a, value_b = found[0]
             reasons.append(f"{what} (A {_count(value_a)}, B {_count(value_b)} {unit}, rank {rank})")
     return reasons
+
+
+def _per_step(what: str) -> _Reader:
+    """Samples or tokens (``what``) per step over a rank's blocks, when they were counted."""
+
+    def read(rank: RankDigest, blocks: _ByRank) -> float | None:
+        counted = [(getattr(b, what), b.steps) for b in blocks.get(rank.rank, [])]
+        counted = [(done, steps) for done, steps in counted if done is not None]
+        steps = sum(steps for _, steps in counted)
+        return sum(done for done, _ in counted) / steps if steps else None
+
+    return read
 
 
 def _parameter_tensors(rank: RankDigest) -> float | None:
@@ -203,23 +244,12 @@ def _warmup(run: RunDigest) -> int:
     return _DEFAULT_WARMUP
 
 
-def _blocks(
-    ranks: list[RankDigest], first: int, last: int, name: str, notes: list[str]
-) -> dict[int, list[Block]]:
-    """Each rank's blocks within steps ``first``..``last``; all of them when too few are."""
-    found: dict[int, list[Block]] = {}
-    for rank in ranks:
-        every = rank.blocks()
-        inside = [b for b in every if b.first_step >= first and b.last_step <= last]
-        if len(inside) < MIN_BLOCKS and every:
-            notes.append(
-                f"run {name}, rank {rank.rank}: {len(inside)} throughput block(s) in steps "
-                f"{first}-{last}, so all {len(every)} are used, warm-up and every step "
-                "included (a lower throughput.record_seconds gives more)"
-            )
-            inside = every
-        found[rank.rank] = inside
-    return found
+def _blocks(ranks: list[RankDigest], first: int, last: int) -> _ByRank:
+    """Each rank's blocks wholly within steps ``first``..``last``."""
+    return {
+        rank.rank: [b for b in rank.blocks() if b.first_step >= first and b.last_step <= last]
+        for rank in ranks
+    }
 
 
 def _rows(
@@ -250,8 +280,9 @@ def _moved(row: PhaseRow, step_median: float) -> str | None:
         return None
     if a.median > 0 and abs(delta) < THRESHOLD * a.median:
         return None
-    if min(a.blocks, b.blocks) >= MIN_SPREAD_BLOCKS and (b.p25 <= a.p75 and a.p25 <= b.p75):
-        return None  # the middle halves overlap: noise as likely as a move
+    gap = b.p25 - a.p75 if delta > 0 else a.p25 - b.p75
+    if gap < MIN_GAP * a.median:
+        return None  # the middle halves overlap or touch: noise as likely as a move
     return "slower" if delta > 0 else "faster"
 
 
@@ -265,7 +296,8 @@ def _quantile(ordered: Sequence[float], q: float) -> float:
 
 def _count(value: float) -> str:
     """A count as a person reads it: 8,576 and 17,152, not 1.715e+04."""
-    return f"{value:,.0f}" if value == int(value) and abs(value) < 1e15 else f"{value:,.4g}"
+    whole = math.isfinite(value) and value.is_integer() and abs(value) < 1e15
+    return f"{value:,.0f}" if whole else f"{value:,.4g}"
 
 
 def _number(value: object) -> float | None:

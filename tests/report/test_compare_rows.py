@@ -69,7 +69,7 @@ def test_anomaly_rows_count_each_kind_with_its_steps_and_ranks(tmp_path: Path) -
     b = _read(tmp_path / "b", {0: [attach_record(), anomaly("nonfinite_grad", 7)],
                                1: [attach_record(), anomaly("nonfinite_grad", 9)]})  # fmt: skip
 
-    rows = anomaly_rows(a.ranks, b.ranks)
+    rows = anomaly_rows(a.ranks, b.ranks, last=100)
 
     assert rows == [
         {"kind": "loss_spike", "a": {"count": 1, "steps": [40], "ranks": [0]},

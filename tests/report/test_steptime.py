@@ -97,11 +97,49 @@ def test_named_phases_get_rows_of_their_own(tmp_path: Path) -> None:
     assert row.b is not None and row.b.median == 0.0 and row.moved == "faster"
 
 
-def test_too_few_blocks_after_warm_up_uses_every_block_and_says_so(tmp_path: Path) -> None:
-    a, b = _run(tmp_path / "a", [STEADY]), _run(tmp_path / "b", [STEADY])
+def test_too_few_blocks_in_the_steps_compared_is_inconclusive_and_says_what_to_do(
+    tmp_path: Path,
+) -> None:
+    a, b = _run(tmp_path / "a", _jitter(STEADY, 3)), _run(tmp_path / "b", _jitter(STEADY, 3))
 
     result = _compare(a, b)
 
+    assert result.reasons == (
+        "too few blocks to compare step time (A rank 0: 3, B rank 0: 3 in steps 0-29; 4 "
+        "needed); set throughput.record_seconds lower or run longer",
+    )
+    assert all(row.moved is None for row in result.rows)
+
+
+def test_blocks_that_reach_into_the_warm_up_are_left_out(tmp_path: Path) -> None:
+    records = [attach_record(), *throughput_records(_jitter(STEADY, 8))]
+    records[0]["config"]["throughput"]["slowdown_warmup_steps"] = 20
+    a = read_digest(write_run(tmp_path / "a", {0: records}))
+
+    result = _compare(a, a)
+
     step = _row(result, "step").a
-    assert step is not None and step.blocks == 1 and step.median == pytest.approx(0.01)
-    assert "warm-up and every step included" in result.notes[0]
+    assert result.first_step == 20 and step is not None and step.blocks == 6  # steps 20-79
+
+
+def test_time_shifted_between_phases_moves_the_phases_but_not_the_step(tmp_path: Path) -> None:
+    shifted = {**STEADY, "forward": 0.002, "backward": 0.006}
+    a, b = _run(tmp_path / "a", _jitter(STEADY, 8)), _run(tmp_path / "b", _jitter(shifted, 8))
+
+    result = _compare(a, b)
+
+    assert _row(result, "step").moved is None
+    assert _row(result, "backward").moved == "slower" and _row(result, "forward").moved == "faster"
+
+
+def test_samples_per_step_are_read_over_the_steps_compared(tmp_path: Path) -> None:
+    # A runs 100 steps, B 200: a whole run's samples per step would differ (B's later
+    # steps hold more samples), the steps both reached do not.
+    a_records = throughput_records(_jitter(STEADY, 10))
+    b_records = throughput_records(_jitter(STEADY, 20))
+    for index, record in enumerate(b_records[10:], start=11):
+        record["samples"] = 400 + (index - 10) * 80  # 8 per step after step 99
+    a = read_digest(write_run(tmp_path / "a", {0: [attach_record(), *a_records]}))
+    b = read_digest(write_run(tmp_path / "b", {0: [attach_record(), *b_records]}))
+
+    assert _compare(a, b).reasons == ()
