@@ -28,21 +28,25 @@ def train(
     batch: int = 4,
     fetch_sleep: float = 0.0,
     nan_step: int | None = None,
+    dataset: int | None = None,
+    record_seconds: float = RECORD_SECONDS,
 ) -> Path:
     """``steps`` steps of a tiny model fed through ``mon.track``; returns the run's directory.
 
     ``fetch_sleep`` is slept in each batch fetch (a slow input pipeline); ``nan_step`` puts a
-    NaN in one gradient of that step (its update undone, so later steps are clean).
+    NaN in one gradient of that step (its update undone, so later steps are clean);
+    ``dataset`` samples make an epoch, its last batch short when ``batch`` does not divide
+    it; ``record_seconds`` is throughput.record_seconds (60 s is the default: one block).
     """
     model = tiny_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     with stabmon.attach(
         model, optimizer, port=0, address="127.0.0.1", run_dir=str(run_dir), run_id=run_id,
-        sample_every=5, throughput={"record_seconds": RECORD_SECONDS,
-                                    "slowdown_block_seconds": RECORD_SECONDS,
+        sample_every=5, throughput={"record_seconds": record_seconds,
+                                    "slowdown_block_seconds": record_seconds,
                                     "slowdown_warmup_steps": WARMUP_STEPS},
     ) as monitor:  # fmt: skip
-        for step, inputs in enumerate(monitor.track(_batches(steps, batch, fetch_sleep))):
+        for step, inputs in enumerate(monitor.track(_batches(steps, batch, fetch_sleep, dataset))):
             loss = model(inputs).pow(2).mean()
             loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
             saved = [p.detach().clone() for p in model.parameters()] if step == nan_step else []
@@ -59,12 +63,16 @@ def train(
     return run_dir / run_id
 
 
-def _batches(steps: int, batch: int, fetch_sleep: float) -> Iterator[torch.Tensor]:
+def _batches(
+    steps: int, batch: int, fetch_sleep: float, dataset: int | None
+) -> Iterator[torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
-    for _ in range(steps):
+    for step in range(steps):
         if fetch_sleep:
             time.sleep(fetch_sleep)
-        yield torch.randn(batch, 8, generator=generator)
+        per_epoch = -(-dataset // batch) if dataset else 1
+        size = min(batch, dataset - step % per_epoch * batch) if dataset else batch
+        yield torch.randn(size, 8, generator=generator)
 
 
 # ------------------------------------------------- event logs written by hand, for unit tests

@@ -8,18 +8,20 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from compare_helpers import train
+from compare_helpers import attach_record, throughput_records, train, write_run
 from report_helpers import stabmon_cli
 
 from stabmon.cli import main
 
 HERE = Path(__file__).resolve().parent
+STEADY = {"data_wait": 0.001, "forward": 0.004, "backward": 0.004, "optimizer": 0.001}
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +33,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "slow-input": train(root, "slow-input", fetch_sleep=0.01),
         "batch-8": train(root, "batch-8", batch=8),
         "nan": train(root, "nan", nan_step=30),
+        "same-1": train(root, "same-1"),
+        "same-2": train(root, "same-2"),
+        "short": train(root, "short", steps=60),
+        "nan-late": train(root, "nan-late", nan_step=100),
     }
     with pytest.MonkeyPatch.context() as patch:  # attach records the variables it sees
         patch.setenv("OMP_NUM_THREADS", _other_omp_threads())
@@ -87,7 +93,8 @@ def test_compare_shows_a_changed_omp_num_threads_with_both_values(
 ) -> None:
     code, result = _compare(capsys, str(runs["clean"]), str(runs["omp"]))
 
-    assert code in (0, 1)  # the thread count may move the step time either way, or not
+    # torch read its thread count at import: B runs the same code on the same threads.
+    assert code == 0
     assert {"key": "OMP_NUM_THREADS", "a": os.environ.get("OMP_NUM_THREADS"),
             "b": _other_omp_threads()} in result["environment"]  # fmt: skip
     assert [d["key"] for d in result["environment"]] == ["OMP_NUM_THREADS"]
@@ -121,6 +128,62 @@ def test_compare_lists_a_nan_episode_against_a_clean_run_as_anomaly_rows(
     assert "gone in B: nonfinite_grad (A had 1)" in reverse["verdict"]["lines"]
 
 
+def test_compare_of_identical_runs_with_many_blocks_never_regresses(
+    runs: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    same = [runs["clean"], runs["same-1"], runs["same-2"]]
+    results = [_compare(capsys, str(a), str(b)) for a in same for b in same if a != b]
+
+    assert [code for code, _ in results] == [0] * 6
+    for _, result in results:
+        assert result["step_time"]["comparable"], result["step_time"]["inconclusive_reasons"]
+        assert _row(result, "step")["moved"] != "slower"
+
+
+def test_compare_of_identical_runs_with_one_block_each_is_inconclusive(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The default record interval (60 s): a short run writes one throughput record, at detach.
+    a, b = (train(tmp_path, name, record_seconds=60.0) for name in ("one-a", "one-b"))
+
+    code, result = _compare(capsys, str(a), str(b))
+
+    assert code == 0 and result["verdict"]["status"] == "inconclusive"
+    (reason,) = result["step_time"]["inconclusive_reasons"]
+    assert reason == (
+        "too few blocks to compare step time (A rank 0: 0, B rank 0: 0 in steps 10-119; 4 "
+        "needed); set throughput.record_seconds lower or run longer"
+    )
+    assert {row["a"] for row in result["step_time"]["rows"]} == {None}  # no warm-up block
+
+
+def test_compare_finds_a_slowdown_when_each_epoch_ends_in_a_short_batch(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # 4 samples a batch over 10 a dataset: 4, 4, 2; each run's mean per step is 3.33 only
+    # over whole epochs, so the steps compared decide it, within a tolerance.
+    a = train(tmp_path, "short-batch", dataset=10, steps=121)
+    b = train(tmp_path, "short-batch-slow", dataset=10, steps=120, fetch_sleep=0.01)
+
+    code, result = _compare(capsys, str(a), str(b))
+
+    assert code == 1 and result["step_time"]["inconclusive_reasons"] == []
+    assert _row(result, "step")["moved"] == "slower"
+
+
+def test_compare_counts_anomalies_only_in_the_steps_both_runs_reached(
+    runs: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, result = _compare(capsys, str(runs["short"]), str(runs["nan-late"]))
+
+    assert result["anomalies"] == []
+    assert not any("new in B" in line for line in result["verdict"]["lines"])
+    assert result["notes"]["compare"] == [
+        "anomalies are counted up to step 59, the last step both runs reached; 1 in B after "
+        "it left out"
+    ]
+
+
 def test_compare_writes_a_page_with_both_runs_on_the_same_plots(
     runs: dict[str, Path], capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
@@ -137,7 +200,7 @@ def test_compare_writes_a_page_with_both_runs_on_the_same_plots(
     assert "A, rank 0" in text and "B, rank 0" in text and "<script" not in text
 
 
-@pytest.mark.slow  # two torch processes: 5 s on an idle 2-core machine, 10-14 s on a busy one
+@pytest.mark.slow  # two torch processes, each started for a rank of both runs
 def test_compare_of_two_multi_rank_runs_has_per_rank_and_whole_run_rows(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -250,6 +313,82 @@ def test_compare_reads_runs_without_importing_torch(runs: dict[str, Path]) -> No
     )
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, timeout=60)
     assert result.returncode == 1, result.stderr
+
+
+def test_compare_that_fails_unexpectedly_is_one_line_and_exit_2_never_1(
+    runs: dict[str, Path], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*_: object) -> None:
+        raise ZeroDivisionError("float division by zero")
+
+    monkeypatch.setattr("stabmon.report.compare.compare_runs", broken)
+
+    err = _error(capsys, str(runs["clean"]), str(runs["nan"]))
+    assert "compare failed on what the runs hold (ZeroDivisionError: float division" in err
+
+
+def test_compare_reads_counts_beyond_a_float_as_absent(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def process(time: float, samples: float) -> list[dict[str, Any]]:
+        records = throughput_records([STEADY] * 4, start=time)
+        return [attach_record(time), *({**r, "samples": samples} for r in records)]
+
+    a = write_run(tmp_path / "a", {0: process(1000.0, 5e306) + process(2000.0, 5e306)})
+    b = write_run(tmp_path / "b", {0: process(1000.0, 4) + process(2000.0, 4)})
+
+    code, result = _compare(capsys, str(a), str(b))
+
+    assert code == 0
+    assert result["throughput"][0]["a"]["samples_per_second"] is None
+
+
+def test_compare_into_a_closed_pipe_says_nothing(runs: dict[str, Path]) -> None:
+    read, write = os.pipe()
+    os.close(read)  # as `| head -1` does once it has its line
+    with os.fdopen(write, "wb") as closed:
+        result = subprocess.run(
+            [sys.executable, "-m", "stabmon", "compare", str(runs["clean"]), str(runs["nan"]),
+             "--json"], stdout=closed, stderr=subprocess.PIPE, timeout=60,
+        )  # fmt: skip
+    assert result.stderr == b""
+    assert result.returncode == 1
+
+
+def test_compare_json_has_the_keys_docs_compare_md_documents(
+    runs: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    rows = _documented_json_rows()
+    _, result = _compare(capsys, str(runs["clean"]), str(runs["nan"]))
+
+    assert set(result) == {key.strip("` ") for cell in rows for key in cell.split(",")}
+    for parent, cell in (("a", "`a`, `b`"), ("b", "`a`, `b`"), ("verdict", "`verdict`"),
+                         ("step_time", "`step_time`")):  # fmt: skip
+        assert {f"`{key}`" for key in result[parent]} <= _backticked(rows[cell]), parent
+    assert set(result["step_time"]["rows"][0]) == _braces(rows["`step_time`"])
+    assert set(result["step_time"]["rows"][0]["a"]) == _braces(rows["`step_time`"], 1)
+    assert set(result["throughput"][0]["a"]) == _braces(rows["`throughput`"], 1)
+    assert set(result["memory"][0]["a"]) == _braces(rows["`memory`"], 1)
+    assert set(result["anomalies"][0]["a"]) == {"count", "steps", "ranks"}
+    assert set(result["notes"]) == {key.split(":")[0] for key in _braces(rows["`notes`"])}
+
+
+def _documented_json_rows() -> dict[str, str]:
+    """docs/compare.md's JSON table: the key cell to the holds cell."""
+    text = (HERE.parent.parent / "docs" / "compare.md").read_text(encoding="utf-8")
+    table = text[text.index("| key | holds |") : text.index("The NaN example above")]
+    cells = [line.split(" | ") for line in table.splitlines() if line.startswith("| `")]
+    return {cell[0].removeprefix("| "): cell[1] for cell in cells}
+
+
+def _backticked(cell: str) -> set[str]:
+    return set(re.findall(r"`[a-z_0-9]+`", cell))
+
+
+def _braces(cell: str, index: int = 0) -> set[str]:
+    """The names in the ``index``-th ``{a, b, c}`` of a cell."""
+    inner = re.findall(r"\{([^{}]*)\}", cell)[index]
+    return {key.strip() for key in inner.split(",")}
 
 
 def test_compare_as_a_command_exits_2_with_one_line(tmp_path: Path) -> None:
