@@ -47,3 +47,16 @@ def test_write_page_replaces_the_file_whole(tmp_path: Path) -> None:
 
     assert output.read_text(encoding="utf-8").startswith("<!DOCTYPE html>")
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_write_page_does_not_follow_a_link_planted_under_a_temporary_name(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    output = tmp_path / "page.html"
+    (tmp_path / ".page.html.tmp").symlink_to(victim)  # the name the page was once written under
+    a = write_run(tmp_path / "a", {0: [attach_record(), *throughput_records([STEADY] * 2)]})
+
+    write_page(compare_runs(read_digest(a), read_digest(a)), output)
+
+    assert victim.read_text() == "keep"
+    assert output.read_text(encoding="utf-8").startswith("<!DOCTYPE html>")

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from compare_helpers import attach_record, throughput_records, write_run
 
+from stabmon.report.compare import compare_runs
 from stabmon.report.compare_rows import (
     amp_rows,
     anomaly_rows,
@@ -17,7 +18,7 @@ from stabmon.report.compare_rows import (
     memory_rows,
     throughput_rows,
 )
-from stabmon.report.digest import RunDigest, read_digest
+from stabmon.report.digest import RankDigest, RunDigest, read_digest
 
 
 def _read(path: Path, ranks: dict[int, list[dict[str, Any]]]) -> RunDigest:
@@ -132,3 +133,73 @@ def test_goodput_rows_give_each_cause_its_share_training_first(tmp_path: Path) -
     shares = {row["cause"]: row["a"] for row in rows}
     assert shares["training"] == pytest.approx(shares["data_wait"])
     assert sum(shares.values()) == pytest.approx(1.0)
+
+
+# ------------------------------------------------- what compare_runs leaves out, and why
+
+STEADY = {"data_wait": 0.001, "forward": 0.004, "backward": 0.004, "optimizer": 0.001}
+
+
+def _process(per_step: dict[str, float] = STEADY, **variables: str) -> list[dict[str, Any]]:
+    return [attach_record(**variables), *throughput_records([per_step] * 6)]
+
+
+def test_compare_notes_a_rank_only_one_run_has_and_times_the_ranks_both_have(
+    tmp_path: Path,
+) -> None:
+    slow = {**STEADY, "forward": 0.008}
+    a = _read(tmp_path / "a", {0: _process(WORLD_SIZE="2"), 1: _process(slow, WORLD_SIZE="2")})
+    b = _read(tmp_path / "b", {0: _process(WORLD_SIZE="2")})  # rank 1's log is missing
+
+    result = compare_runs(a, b)
+
+    (note,) = result.notes
+    assert note.startswith("the runs' ranks differ (A 0, 1, B 0) though both have world size 2")
+    assert result.verdict.status == "unchanged"  # rank 0 against rank 0, not {0, 1} against 0
+
+
+def test_compare_ignores_an_anomaly_without_a_kind(tmp_path: Path) -> None:
+    kindless = {"time": 1001.0, "event": "anomaly", "step": 3}
+    a = _read(tmp_path / "a", {0: _process()})
+    b = _read(tmp_path / "b", {0: [*_process(), kindless]})
+
+    result = compare_runs(a, b)
+
+    assert result.anomalies == [] and result.verdict.status == "unchanged"
+
+
+def test_compare_drops_records_whose_step_is_negative(tmp_path: Path) -> None:
+    records = _process()
+    records[1:] = [{**r, "step": r["step"] - 1000} for r in records[1:]]
+    b = _read(tmp_path / "b", {0: records})
+
+    assert b.steps == 0 and b.ranks[0].blocks() == []
+    assert b.notes == ["rank 0: 6 records with a negative step not read"]
+
+
+def test_time_shifted_between_phases_is_a_change_not_a_regression(tmp_path: Path) -> None:
+    shifted = {**STEADY, "forward": 0.002, "backward": 0.006}
+    a, b = _read(tmp_path / "a", {0: _process()}), _read(tmp_path / "b", {0: _process(shifted)})
+
+    verdict = compare_runs(a, b).verdict
+
+    assert verdict.status == "changed" and not verdict.regressed
+    assert verdict.lines[1] == (
+        "backward +50%: 4 ms -> 6 ms per step (time shifted between phases: the step did not move)"
+    )
+
+
+def test_memory_rows_read_each_rank_once_however_many_devices(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    devices = {f"cuda:{i}": 1.0 for i in range(50)}
+    epochs = [{"time": 1001.0 + i, "event": "epoch", "step": i, "memory": devices}
+              for i in range(5)]  # fmt: skip
+    a = _read(tmp_path / "a", {0: [attach_record(), *epochs]})
+    reads = []
+    memory = RankDigest.memory
+    monkeypatch.setattr(RankDigest, "memory", lambda self: reads.append(1) or memory(self))
+
+    rows = memory_rows(a.ranks, a.ranks, warmup=0)
+
+    assert len(rows) == 50 and len(reads) <= 4  # series and peaks, of each side

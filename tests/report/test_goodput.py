@@ -64,6 +64,15 @@ def test_goodput_of_a_restarted_rank_accounts_every_second_of_its_wall_time(
     assert (found.steps, found.samples) == (200, 1600)
 
 
+def test_goodput_reads_a_nan_or_huge_count_as_absent(tmp_path: Path) -> None:
+    hostile = {**totals(1010.0, 10.0, 0, 9, forward=5.0), "steps": "nan", "samples": 1e300}
+    records = [{"time": 1000.0, "event": "attach"}, hostile]
+    (found,) = run_goodput(read_run(write_log(tmp_path, records)))
+
+    assert (found.steps, found.samples) == (0, 0)
+    assert found.spent["training"] == 5.0
+
+
 def test_goodput_is_none_for_a_log_without_throughput_records(tmp_path: Path) -> None:
     run = read_run(write_log(tmp_path / "r", [{"time": 1.0, "event": "attach"}]))
 

@@ -129,6 +129,20 @@ def test_write_report_writes_the_page_whole_and_leaves_no_temporary_file(tmp_pat
     assert os.listdir(output.parent) == ["report.html"]
 
 
+def test_write_report_does_not_follow_a_link_planted_under_a_temporary_name(
+    tmp_path: Path,
+) -> None:
+    run = _write(tmp_path, {0: [_attach(), {"event": "detach", "step": 0}]})
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    (tmp_path / ".report.html.tmp").symlink_to(victim)  # the name it was once written under
+
+    write_report(run, tmp_path / "report.html")
+
+    assert victim.read_text() == "keep"
+    assert (tmp_path / "report.html").read_text().endswith("</html>\n")
+
+
 def test_write_report_refuses_a_module_rank_the_run_does_not_have(tmp_path: Path) -> None:
     run = _write(tmp_path, {0: [_attach()], 1: [_attach()]})
     output = tmp_path / "report.html"
