@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -132,3 +133,21 @@ def test_nan_and_inf_figures_read_as_absent_and_stop_nothing(tmp_path: Path) -> 
                     "phase_seconds": {"backward": 0.5}}  # fmt: skip
     assert rank.goodput is not None and rank.goodput.steps == 20
     assert [(b.first_step, b.last_step) for b in rank.blocks()] == [(0, 19)]
+
+
+def test_kept_records_hold_only_what_compare_reads_so_memory_stays_bounded(
+    tmp_path: Path,
+) -> None:
+    bulky = {"time": 1001.0, "event": "epoch", "step": 5, "memory": {"host": 1.0},
+             "extra": {f"key-{i}": i for i in range(2000)}}  # fmt: skip
+    run_dir = write_run(tmp_path / "r", {0: [attach_record(), *[bulky] * 300]})
+    tracemalloc.start()
+    try:
+        (rank,) = read_digest(run_dir).ranks
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+
+    assert rank.log.of("epoch")[0] == {"time": 1001.0, "event": "epoch", "step": 5, "run": "r",
+                                       "rank": 0, "memory": {"host": 1.0}}  # fmt: skip
+    assert peak < 8 * 2**20  # the log is 9 MiB; kept whole, its records would take ~80 MiB
