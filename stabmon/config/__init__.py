@@ -231,8 +231,13 @@ class Config(_Section):
         ),
     )
     module_depth: int = field(
-        default=1,
-        metadata=_meta("Module-name depth of gradient-norm groups (1 = top-level children).", ge=1),
+        default=0,
+        metadata=_meta(
+            "Module-name depth of gradient-norm groups: 0 groups by the model's repeated "
+            "blocks (transformer.h.7, model.layers.12), plus its stem and head (top-level "
+            "children when it repeats none); 1 = top-level children, 2 = theirs, ...",
+            ge=0,
+        ),
     )
     max_modules: int = field(
         default=32,

@@ -19,6 +19,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from stabmon.detectors.nonfinite import named
+
 if TYPE_CHECKING:
     from stabmon.extension import Context
     from stabmon.probes.grads import GradLayout, GradSummary
@@ -152,7 +154,10 @@ class DeadGradientJudge:
                 "dead_grad",
                 step,
                 f"gradients of module group(s) {', '.join(groups)} have been exactly zero "
-                f"for {window} measured steps at step {step}",
+                f"for {window} measured steps at step {step}"
+                f"{named(list(report.newly_dead))}: a branch cut off by detach(), a mask, an "
+                "unused output, a loss term that is always zero, or under AMP a branch whose "
+                "half-precision gradients underflow to zero",
                 modules=groups,
                 parameters=list(report.newly_dead[:20]),
             )

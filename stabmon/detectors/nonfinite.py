@@ -19,7 +19,19 @@ if TYPE_CHECKING:
     from stabmon.extension import Context
     from stabmon.probes.grads import GradSummary
 
-__all__ = ["NonfiniteGrads", "NonfiniteLoss", "episode_end"]
+__all__ = ["NonfiniteGrads", "NonfiniteLoss", "episode_end", "named"]
+
+#: Parameters a message names at most (the event record holds up to 20).
+NAMED_PARAMETERS = 5
+
+
+def named(parameters: list[str], what: str = "parameters") -> str:
+    """`` (<what> a, b and 3 more)`` for a message; empty without parameters."""
+    if not parameters:
+        return ""
+    shown = ", ".join(parameters[:NAMED_PARAMETERS])
+    more = len(parameters) - NAMED_PARAMETERS
+    return f" ({what} {shown}{f' and {more} more' if more > 0 else ''})"
 
 
 def episode_end(context: Context, kind: str, change: EpisodeChange, **details: Any) -> None:
@@ -64,7 +76,9 @@ class NonfiniteGrads:
             "nonfinite_grad",
             step,
             f"non-finite gradient norm {summary.total_norm} at step {step} in module "
-            f"group(s) {', '.join(groups) or 'unknown'}; further non-finite steps of this "
+            f"group(s) {', '.join(groups) or 'unknown'}{named(names, 'first parameters')}; "
+            f"look at step {step}'s batch and learning rate, and resume from a checkpoint "
+            "before it if the weights went non-finite too; further non-finite steps of this "
             "episode are counted, not recorded again",
             grad_norm=summary.total_norm,
             modules=groups,

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from stabmon.probes.grad_layout import GradLayout, GradSummary
+from stabmon.probes.module_groups import ROOT_GROUP, automatic_groups
 from stabmon.shared.log import LogLimiter
 
 __all__ = [
@@ -60,8 +61,6 @@ _READ_UNSTACKED = 16
 _tuple_new = tuple.__new__
 #: Label of the module group that collects parameters beyond ``max_modules`` groups.
 OTHER_GROUP = "other"
-#: Label of parameters that sit directly on the root module (``bias`` rather than ``fc.bias``).
-ROOT_GROUP = "root"
 
 
 def group_name(param_name: str, depth: int) -> str:
@@ -341,10 +340,14 @@ def _assign_groups(
 ) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """Module group per parameter, at most ``max_modules`` labels (bounded cardinality).
 
-    When there are more groups than allowed, the largest by element count keep
-    their own label and the rest share ``other``.
+    ``depth`` 0 groups by the model's repeated blocks (:mod:`stabmon.probes.module_groups`;
+    top-level modules when it has none). When there are more groups than allowed, the
+    largest by element count keep their own label and the rest share ``other``.
     """
-    per_param = [group_name(name, depth) for name in names]
+    names = list(names)
+    per_param = automatic_groups(names, max_modules) if depth == 0 else None
+    if per_param is None:
+        per_param = [group_name(name, depth or 1) for name in names]
     sizes: dict[str, int] = {}
     for name, param in zip(per_param, params, strict=True):
         sizes[name] = sizes.get(name, 0) + param.numel()

@@ -28,7 +28,7 @@ from stabmon.detectors.clip import ClipCoefficient
 from stabmon.detectors.dead import DeadGradientJudge
 from stabmon.detectors.leak_rules import MemoryLeaks
 from stabmon.detectors.nonfinite import NonfiniteGrads, NonfiniteLoss
-from stabmon.detectors.spike import GradSpikes, LossSpikes
+from stabmon.detectors.spike_rules import GradSpikes, LossSpikes
 from stabmon.errors import StabmonError
 from stabmon.extension import (
     RESERVED_STATE_KEYS,

@@ -72,3 +72,17 @@ def test_dead_gradient_judge_raises_one_anomaly_per_newly_dead_group(tmp_path: P
         ["encoder.1"],
     ]
     assert harness.readings.dead_grad_params == {"encoder": 2, "head": 0}
+
+
+def test_dead_gradient_message_names_the_parameters_bounded(tmp_path: Path) -> None:
+    names = tuple(f"aux.{i}.weight" for i in range(8))
+    layout = GradLayout(("aux",), (0,) * 8, None, None, names=names,
+                        model_order=tuple(range(8)), empty_shards=())  # fmt: skip
+    harness = Judges(tmp_path, dead_grad_steps=1)
+    harness.plugged.grads_judged(0, GradSummary(0.0, 8, False, [0.0] * 8, layout))
+    (anomaly,) = harness.anomalies("dead_grad")
+    assert (
+        "(parameters aux.0.weight, aux.1.weight, aux.2.weight, aux.3.weight, aux.4.weight "
+        "and 3 more)" in anomaly["detail"]
+    )
+    assert "aux.5.weight" not in anomaly["detail"]

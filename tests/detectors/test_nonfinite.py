@@ -60,3 +60,11 @@ def test_nonfinite_closes_an_open_nonfinite_loss_episode_at_flush(harness: Judge
     assert (end["first_step"], end["last_step"], end["count"]) == (1, 2, 2)
     assert harness.readings.nonfinite_losses == 2
     assert len(harness.anomalies("nonfinite_loss")) == 1
+
+
+def test_nonfinite_message_names_the_groups_and_the_first_parameters(harness: Judges) -> None:
+    harness.grads(0, 1.0)
+    harness.grads(1, float("nan"))
+    (anomaly,) = harness.anomalies("nonfinite_grad")
+    assert "in module group(s) encoder (first parameters encoder.weight)" in anomaly["detail"]
+    assert "look at step 1's batch and learning rate" in anomaly["detail"]

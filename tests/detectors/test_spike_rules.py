@@ -1,4 +1,4 @@
-"""stabmon.detectors.spike's rules (GradSpikes, LossSpikes): when a rise is an incident.
+"""stabmon.detectors.spike_rules (GradSpikes, LossSpikes): when a rise is an incident.
 
 Host values go in as the readback delivers them (tests/judges.py); the records are read
 back from the real event log."""
@@ -44,3 +44,27 @@ def test_spike_rules_forgets_a_moderate_loss_rise_that_falls_back_at_once(harnes
     harness.loss(20, 3.0)
     harness.loss(21, 1.0)
     assert harness.anomalies("loss_spike") == []
+
+
+def test_spike_rules_name_the_module_group_that_grew_most_against_its_own_level(
+    harness: Judges,
+) -> None:
+    # encoder steady at ~1, head steady at ~1; at step 60 only the encoder jumps.
+    for step in range(60):
+        harness.grads(step, 1.0 + 0.01 * (step % 3), 1.0 + 0.01 * (step % 2))
+    harness.grads(60, 500.0, 1.0)
+    (spike,) = harness.anomalies("grad_spike")
+    assert spike["step"] == 60
+    assert spike["modules"] == ["encoder"]
+    assert spike["module_ratios"]["encoder"] == pytest.approx(500.0 / 1.01, rel=0.02)
+    assert "grew most in encoder (x" in spike["detail"]
+    assert "look at that part of the model and at this step's batch" in spike["detail"]
+
+
+def test_spike_rules_name_no_group_before_any_level_was_sampled(tmp_path: Path) -> None:
+    harness = Judges(tmp_path, spike_warmup_steps=5)
+    for step in range(6):
+        harness.grads(step, 1.0 + 0.01 * (step % 3))
+    harness.grads(6, 500.0)
+    (spike,) = harness.anomalies("grad_spike")
+    assert "modules" not in spike and "grew most" not in spike["detail"]

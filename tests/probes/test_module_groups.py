@@ -1,0 +1,122 @@
+"""stabmon.probes.module_groups: one group per repeated block plus the stem and the head,
+on the parameter names of the models people train (nanoGPT, Hugging Face Llama, Ultralytics
+YOLO, T5), and on real nn.Modules whose gradient norms are then read by module group."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from stabmon.probes.grads import GradProbe, build_grad_probe
+from stabmon.probes.module_groups import automatic_groups
+from stabmon.shared.log import LogLimiter
+
+
+def _nanogpt_names(layers: int) -> list[str]:
+    names = ["transformer.wte.weight", "transformer.wpe.weight"]
+    for i in range(layers):
+        names += [f"transformer.h.{i}.ln_1.weight", f"transformer.h.{i}.attn.c_attn.weight",
+                  f"transformer.h.{i}.mlp.c_fc.weight"]  # fmt: skip
+    return [*names, "transformer.ln_f.weight", "lm_head.weight"]
+
+
+def test_automatic_groups_give_nanogpt_one_group_per_block_plus_stem_and_head() -> None:
+    names = _nanogpt_names(12)
+    groups = automatic_groups(names, max_modules=32)
+    assert groups is not None
+    by_name = dict(zip(names, groups, strict=True))
+    assert by_name["transformer.h.1.mlp.c_fc.weight"] == "transformer.h.1"
+    assert by_name["transformer.wte.weight"] == "transformer.wte"
+    assert by_name["transformer.ln_f.weight"] == "transformer.ln_f"
+    assert by_name["lm_head.weight"] == "lm_head"
+    assert len(set(groups)) == 12 + 4
+
+
+def test_automatic_groups_fit_llama_yolo_and_an_encoder_decoder() -> None:
+    llama = ["model.embed_tokens.weight"]
+    llama += [f"model.layers.{i}.self_attn.q_proj.weight" for i in range(32)]
+    llama += ["model.norm.weight", "lm_head.weight"]
+    groups = automatic_groups(llama, max_modules=64)
+    assert groups is not None
+    assert groups[5] == "model.layers.4" and groups[0] == "model.embed_tokens"
+    assert groups[-2:] == ["model.norm", "lm_head"]
+
+    yolo = [f"model.{i}.conv.weight" for i in range(23)] + ["model.23.cv2.0.0.conv.weight"]
+    assert automatic_groups(yolo, max_modules=32) == [f"model.{i}" for i in range(24)]
+
+    t5 = ["shared.weight"]
+    for side in ("encoder", "decoder"):
+        t5 += [f"{side}.block.{i}.layer.{j}.weight" for i in range(6) for j in range(3)]
+        t5 += [f"{side}.final_layer_norm.weight"]
+    groups = automatic_groups(t5, max_modules=32)
+    assert groups is not None
+    assert "encoder.block.5" in groups and "decoder.block.0" in groups
+    assert "encoder.block.5.layer.2" not in groups  # inner repeats stay in their block
+    assert "decoder.final_layer_norm" in groups and "shared" in groups
+
+
+def test_automatic_groups_keep_moe_experts_inside_their_block() -> None:
+    names = [f"model.layers.{i}.mlp.experts.{e}.w1" for i in range(4) for e in range(8)]
+    groups = automatic_groups(names, max_modules=32)
+    assert groups is not None and set(groups) == {f"model.layers.{i}" for i in range(4)}
+
+
+def test_automatic_groups_merge_consecutive_blocks_within_max_modules() -> None:
+    names = _nanogpt_names(48)
+    groups = automatic_groups(names, max_modules=16)  # 4 stem/head groups leave 12 for blocks
+    assert groups is not None
+    assert len(set(groups)) <= 16
+    by_name = dict(zip(names, groups, strict=True))
+    assert by_name["transformer.h.0.ln_1.weight"] == "transformer.h.0-3"
+    assert by_name["transformer.h.47.ln_1.weight"] == "transformer.h.44-47"
+    assert by_name["lm_head.weight"] == "lm_head"
+
+
+def test_automatic_groups_leave_a_model_without_repeated_blocks_to_top_level_modules() -> None:
+    names = ["encoder.weight", "head.0.weight", "head.2.weight", "aux.1.weight", "bias"]
+    assert automatic_groups(names, max_modules=32) is None
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.Linear(8, 8)
+        self.mlp = nn.Linear(8, 8)
+
+
+class _Gpt(nn.Module):
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        self.transformer = nn.ModuleDict(
+            {
+                "wte": nn.Embedding(16, 8),
+                "h": nn.ModuleList(_Block() for _ in range(layers)),
+                "ln_f": nn.LayerNorm(8),
+            }  # fmt: skip
+        )
+        self.lm_head = nn.Linear(8, 16, bias=False)
+
+
+def test_a_gpt_shaped_model_is_measured_by_block_with_the_default_depth() -> None:
+    model = _Gpt(layers=6)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for param in model.parameters():
+        param.grad = torch.ones_like(param)
+    model.transformer.h[3].mlp.weight.grad = torch.full((8, 8), float("nan"))  # type: ignore[union-attr, index]
+    probe = build_grad_probe(model.named_parameters(), optimizer, module_depth=0,
+                             max_modules=32, limiter=LogLimiter())  # fmt: skip
+    sample = probe.measure()
+    assert sample is not None
+    summary = probe.layout.summarize(torch.as_tensor(sample.packed).tolist())
+    assert set(probe.groups) == {
+        "transformer.wte", "transformer.ln_f", "lm_head", *(f"transformer.h.{i}" for i in range(6))
+    }  # fmt: skip
+    nonfinite = sorted(g for g, norm in summary.group_norms.items() if norm != norm)
+    assert nonfinite == ["transformer.h.3"]
+    assert probe.layout.nonfinite_offenders(summary) == ["transformer.h.3.mlp.weight"]
+
+
+def test_an_explicit_depth_still_overrides_the_automatic_grouping() -> None:
+    params = [(f"transformer.h.{i}.w", nn.Parameter(torch.zeros(2))) for i in range(6)]
+    assert GradProbe(params, module_depth=1).groups == ("transformer",)
+    assert GradProbe(params, module_depth=0).groups == tuple(f"transformer.h.{i}" for i in range(6))
