@@ -26,7 +26,14 @@ from stabmon.config import ThroughputConfig
 from stabmon.contract import PHASES
 from stabmon.detectors.slowdown import Block, Slowdown, SlowdownDetector
 from stabmon.pipeline.readings import Readings
-from stabmon.probes.flops import FlopCount, compile_in_use, compute_dtype, peak_flops
+from stabmon.probes.flops import (
+    FlopCount,
+    compile_in_use,
+    compute_dtype,
+    count_on_meta,
+    meta_like,
+    peak_flops,
+)
 from stabmon.shared.log import LogLimiter
 
 if TYPE_CHECKING:
@@ -79,6 +86,23 @@ def _first_tensor(batch: object, depth: int) -> torch.Tensor | None:
         if found is not None:
             return found
     return None
+
+
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The eager module inside torch.compile (``_orig_mod``) and DDP (``.module``)."""
+    for _ in range(8):  # wrappers nest (compile of DDP); never loop on a self-reference
+        inner = getattr(model, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
+            inner = getattr(model, "module", None) if _is_data_parallel(model) else None
+        if not isinstance(inner, torch.nn.Module):
+            return model
+        model = inner
+    return model
+
+
+def _is_data_parallel(model: torch.nn.Module) -> bool:
+    names = ("DistributedDataParallel", "DataParallel", "FullyShardedDataParallel")
+    return type(model).__name__ in names
 
 
 def build_throughput(
@@ -158,7 +182,11 @@ class ThroughputWatch:
         self._counter = FlopCount()
         self._model = model
         self._forwards = 0
+        #: The counted step's first forward, as meta tensors, while it waits to be replayed
+        #: (torch.compile in use: the counting mode stays off the step itself).
+        self._replay: tuple[tuple[Any, ...], dict[str, Any]] | None = None
         self.flops_per_step: float | None = config.flops_per_step
+        self._fresh_flops = False  # counted at this block's step: the block has no MFU
         #: The step count (since attach) whose forward starts the FLOP count; -1: none due.
         self.flops_step = config.flops_measure_step if config.flops_measure_step else _NEVER
         if self.flops_per_step is not None and self._dtype is not None:
@@ -209,24 +237,23 @@ class ThroughputWatch:
 
     # --- FLOPs --------------------------------------------------------------------------------
 
-    def forward_start(self, device_type: str) -> None:
-        """The first forward of step ``flops_step``: read the dtype, start counting."""
+    def forward_start(self, device_type: str, args: tuple[Any, ...], kwargs: Any) -> None:
+        """The first forward of step ``flops_step``: read the dtype, start counting.
+
+        Eager, every operator of the step goes through the counting mode. With torch.compile
+        in use the step is left alone and its first forward is kept as meta tensors (shapes
+        only), replayed eagerly at the optimizer step (:func:`~stabmon.probes.flops.count_on_meta`).
+        """
         self.flops_step = _NEVER
         if self._dtype is None:
             self._dtype = compute_dtype(device_type, self._parameter_dtype)
             self._update_peak()
         if self.flops_per_step is not None:
             return
+        self._forwards = 1
         if compile_in_use(self._model):
-            self._limiter.once(
-                "flops-compiled",
-                logging.INFO,
-                "stabmon: torch.compile is in use, so FLOPs are not counted (a counting mode "
-                "would make compiled code fall back to eager); set throughput.flops_per_step "
-                "for MFU (logged once)",
-            )
+            self._replay = (meta_like(tuple(args)), meta_like(dict(kwargs or {})))
             return
-        self._forwards = 0
         self._counter.start()
 
     def forward_counted(self, steps: int) -> None:
@@ -234,45 +261,86 @@ class ThroughputWatch:
         self._forwards += 1
         if self._forwards > MAX_COUNTED_FORWARDS:
             self._counter.abandon()
+            self._replay = None
             self.flops_step = _NEVER
+            self._unavailable(
+                f"no optimizer step came within {MAX_COUNTED_FORWARDS} forwards of step {steps}"
+            )
 
     @property
     def counting(self) -> bool:
-        return self._counter.counting
+        return self._counter.counting or self._replay is not None
 
     def optimizer_start(self) -> None:
-        """The counted step reached its optimizer step: its FLOPs are known."""
-        flops = self._counter.stop()
+        """The counted step reached its optimizer step: its FLOPs are known (or why not)."""
+        if self._replay is not None:
+            flops = self._replayed()
+        else:
+            flops = self._counter.stop()
+            if flops <= 0:
+                self._unavailable(
+                    "a FLOP formula failed on an operator of the step"
+                    if self._counter.failed
+                    else "no matrix product ran between the step's first forward and its "
+                    "optimizer step"
+                )
         if flops > 0:
             self.flops_per_step = float(flops)
-            self._readings.model_flops = 0.0
+            self._readings.model_flops = 0.0  # each step adds its FLOPs from this one on
             self._write("flops", step=self._global_step(), flops_per_step=flops, dtype=self._dtype)
-        else:
-            self._limiter.once(
-                "flops-none",
-                logging.INFO,
-                "stabmon: no FLOPs were counted in step %d (a compiled forward, or an "
-                "operator the counter could not count); set throughput.flops_per_step for MFU "
-                "(logged once)",
-                self._global_step(),
+            self._fresh_flops = True
+            self.due = float("-inf")  # close this block now: the next one holds MFU
+
+    def no_forward_seen(self) -> None:
+        """The counted step reached its optimizer step, but no forward of it was seen."""
+        self.flops_step = _NEVER
+        if self.flops_per_step is None:
+            self._unavailable(
+                "no forward of the attached module was seen in the step (module.compile() "
+                "traces its forward hooks away: attach to torch.compile(model) instead)"
             )
+
+    def _replayed(self) -> int:
+        """The kept forward, replayed on meta tensors, times the forwards of the step."""
+        replay, self._replay = self._replay, None
+        assert replay is not None  # optimizer_start checked it
+        try:
+            return count_on_meta(_unwrapped(self._model), *replay) * self._forwards
+        except Exception as error:  # the model's own code on meta tensors: say why, once
+            self._unavailable(
+                "torch.compile is in use and the step's forward could not be replayed on meta "
+                f"tensors ({type(error).__name__}: {str(error)[:200]})"
+            )
+            return 0
+
+    def _unavailable(self, reason: str) -> None:
+        """No FLOPs for this run: say why, once, in the log and the event log."""
+        self._limiter.once(
+            "flops-unavailable",
+            logging.WARNING,
+            "stabmon: FLOPs per step not counted: %s; set throughput.flops_per_step for MFU "
+            "(logged once)",
+            reason,
+        )
+        self._write("flops_unavailable", step=self._global_step(), reason=reason)
 
     def abandon(self, steps: int) -> None:
         """The counted step was skipped (GradScaler) or a named phase began: count the next."""
-        if self._counter.counting:
+        if self.counting:
             self._counter.abandon()
+            self._replay = None
             self.flops_step = steps + 1
 
     def close(self) -> None:
         """At detach: a count still open (no optimizer step came) leaves the mode stack."""
         self._counter.abandon()
+        self._replay = None
         self.flops_step = _NEVER
 
     def _update_peak(self) -> None:
-        if self._device_name is None:
-            return  # CPU: no MFU
+        """The configured peak on any device; else the table's, on a CUDA device only."""
         peak = self._config.peak_flops
-        if peak is None and self._dtype is not None:
+        if peak is None and self._device_name is not None and self._dtype is not None:
             peak = peak_flops(self._device_name, self._dtype)
         self._readings.peak_flops = peak
 
@@ -296,8 +364,9 @@ class ThroughputWatch:
             cause = {p: device.get(p, 0.0) - self._block_device.get(p, 0.0) for p in PHASES}
         self._block_device = device
         train_seconds = sum(spent.values())
-        if steps > 0 and self.flops_per_step is not None:
-            readings.model_flops = (readings.model_flops or 0.0) + self.flops_per_step * steps
+        if self._fresh_flops:
+            self._fresh_flops = False  # warm-up and the slower counted step: no MFU of theirs
+        elif steps > 0 and self.flops_per_step is not None:
             peak = readings.peak_flops
             if peak and train_seconds > 0:
                 readings.mfu = self.flops_per_step * steps / train_seconds / peak

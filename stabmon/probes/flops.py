@@ -8,9 +8,15 @@ scaled-dot-product attention, forward and backward); element-wise work is not
 counted, as in the usual 6 x parameters x tokens estimate. Activation
 checkpointing's recomputed forwards run inside the step, so they are counted:
 the figure is then closer to hardware FLOPs than model FLOPs, and a user who
-wants model FLOPs gives ``throughput.flops_per_step``. A forward that runs
-compiled dispatches nothing the mode sees, so nothing is counted there (the
-count is then discarded and ``flops_per_step`` is the way).
+wants model FLOPs gives ``throughput.flops_per_step``.
+
+Where torch.compile is in use the mode must stay off the user's step (a compiled
+region under a dispatch mode falls back to eager, or raises with ``fullgraph=True``):
+:func:`count_on_meta` instead replays the step's forward, eagerly, on meta tensors
+of the same shapes (no device work, no memory) and backpropagates every floating
+output, at the step's optimizer step. The count is the same operators' FLOPs; SDPA
+then runs its math path, whose matrix products count as the fused kernels' do
+(without the flash backward's recompute of QK^T).
 
 The peak table holds dense (not 2:4-sparse) tensor-core FLOP/s from NVIDIA's
 data sheets, per dtype; fp16 and bf16 are the rates with fp32 accumulation,
@@ -20,14 +26,22 @@ which PyTorch uses. A GPU not in the table has no MFU unless
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["FlopCount", "compile_in_use", "compute_dtype", "peak_flops"]
+__all__ = [
+    "FlopCount",
+    "compile_in_use",
+    "compute_dtype",
+    "count_on_meta",
+    "meta_like",
+    "peak_flops",
+]
 
 _T = 1e12
 #: (pattern on torch.cuda.get_device_name(), {dtype: dense FLOP/s}); the first match wins, so
@@ -168,6 +182,8 @@ class FlopCount:
         #: Extra or replacement formulas, operator -> f(*shapes, **kwargs) -> FLOPs.
         self._formulas = dict(formulas or {})
         self._mode: Any = None  # a FlopCounterMode while a step is counted
+        #: Whether the last :meth:`stop` found a formula that failed on an operator.
+        self.failed = False
 
     @property
     def counting(self) -> bool:
@@ -180,13 +196,74 @@ class FlopCount:
         self._mode = mode
 
     def stop(self) -> int:
-        """Leave the mode; the FLOPs counted since :meth:`start` (0 if a formula failed)."""
+        """Leave the mode; the FLOPs counted since :meth:`start` (0 if a formula failed,
+        and :attr:`failed` says so)."""
         mode, self._mode = self._mode, None
         if mode is None:
             return 0
         mode.__exit__(None, None, None)
+        self.failed = bool(mode.failed)
         return 0 if mode.failed else int(mode.get_total_flops())
 
     def abandon(self) -> None:
         """Leave the mode without a result (the step was skipped, or a phase began)."""
         self.stop()
+
+
+def meta_like(value: Any, depth: int = 0) -> Any:
+    """``value`` with every tensor in it (tuples, lists, dicts) replaced by a meta tensor of
+    the same shape and dtype: what :func:`count_on_meta` replays, holding no memory."""
+    if isinstance(value, torch.Tensor):
+        return torch.empty_like(value, device="meta").requires_grad_(value.requires_grad)
+    if depth >= 4:
+        return value
+    if isinstance(value, (tuple, list)):
+        return type(value)(meta_like(item, depth + 1) for item in value)
+    if isinstance(value, dict):
+        return {key: meta_like(item, depth + 1) for key, item in value.items()}
+    return value
+
+
+def _floating_outputs(value: object, depth: int = 0) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        if value.requires_grad and value.is_floating_point():
+            yield value
+    elif depth < 4 and isinstance(value, (tuple, list, dict)):
+        items = value.values() if isinstance(value, dict) else value
+        for item in items:
+            yield from _floating_outputs(item, depth + 1)
+    elif depth < 4 and hasattr(value, "values") and callable(value.values):
+        for item in value.values():  # a ModelOutput (an OrderedDict subclass) or alike
+            yield from _floating_outputs(item, depth + 1)
+
+
+def count_on_meta(model: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int:
+    """FLOPs of ``model``'s forward on ``args``/``kwargs`` (meta tensors, from
+    :func:`meta_like`) and of the backward of its floating outputs, run eagerly on meta
+    parameters: nothing runs on the device and the real parameters are untouched.
+
+    Raises what the model raises on meta tensors (a data-dependent shape, ``.item()``,
+    an operator without a meta kernel): the caller reports it and counts nothing.
+    """
+    from torch.nn.utils.stateless import _reparametrize_module  # what functional_call uses
+
+    named = [*model.named_parameters(), *model.named_buffers()]  # tied ones once, then tied
+    meta = {name: meta_like(tensor) for name, tensor in named}
+    counter = FlopCount()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.compiler.set_stance("force_eager"))  # compiled parts: eager
+        stack.enter_context(torch.device("meta"))  # tensors the forward makes (arange)
+        stack.enter_context(_reparametrize_module(model, meta, tie_weights=True))
+        stack.enter_context(torch.enable_grad())
+        counter.start()
+        try:
+            # forward(), not __call__: the root's hooks (this Monitor's among them) stay out.
+            out = model.forward(*args, **kwargs)
+            outputs = list(_floating_outputs(out))
+            if outputs:
+                torch.autograd.backward([t.sum() for t in outputs])
+        finally:
+            flops = counter.stop()
+    if counter.failed:
+        raise RuntimeError("a FLOP formula failed on an operator of the replayed step")
+    return flops

@@ -119,7 +119,7 @@ class StepHooks:
             self._timer.forward_start()
             watch = self._throughput
             if self._readings.steps == watch.flops_step and not self._timer.in_named_phase:
-                watch.forward_start(self._device_type)  # once: the step whose FLOPs are counted
+                watch.forward_start(self._device_type, args, kwargs)  # once: the counted step
             elif watch.counting:
                 watch.forward_counted(self._readings.steps)
         except Exception as error:
@@ -137,8 +137,11 @@ class StepHooks:
 
     def step_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         try:
-            if self._throughput.counting:
-                self._throughput.optimizer_start()
+            watch = self._throughput
+            if watch.counting:
+                watch.optimizer_start()
+            elif self._readings.steps == watch.flops_step:
+                watch.no_forward_seen()  # the counted step's forward hook never ran
             self._timer.optimizer_start()
         except Exception as error:
             self._guard.record("hooks", error)
@@ -176,6 +179,9 @@ class StepHooks:
             except Exception as error:
                 self._guard.record("hooks", error)
             self._poll(now)
+        flops = self._throughput.flops_per_step
+        if flops is not None:  # the FLOPs counter moves with every step, not every block
+            self._readings.model_flops = (self._readings.model_flops or 0.0) + flops
         if now >= self._throughput.due:  # one comparison a step; a block every few seconds
             with self._guard.contain("detectors"):
                 self._throughput.step_end(now)
@@ -194,6 +200,10 @@ class StepHooks:
                 self._timer.iteration_skipped()  # the step hooks never ran
                 self._measurements.forget_preclip()  # measured by a clip whose step was skipped
                 self._throughput.abandon(self._readings.steps)
+                if self._plugged.measures_before:  # the iteration ended: what it measured
+                    self._plugged.measure_before(
+                        self._recorder.global_step, self._measurements.submit_device
+                    )
             step = self._recorder.global_step - (1 if stepped else 0)
             scale = scale_tensor(self._scaler)
             with self._engine.lock:

@@ -236,18 +236,23 @@ class Residual(torch.nn.Module):
         return x + self.linear(x).relu()
 
 
-def test_flops_are_not_counted_once_torch_compile_is_in_use(attach: MonitorFactory) -> None:
+def test_flops_are_counted_when_a_compiled_part_runs_inside_an_eager_loop(
+    attach: MonitorFactory,
+) -> None:
     settings = {"throughput.slowdown_block_seconds": 1e-6}
     monitor, model, optimizer = attached(attach, tiny_model(), **settings)
     block = Residual()
-    block.compile(backend="eager", fullgraph=True)  # a compiled part inside an eager loop
+    block.compile(backend="eager", fullgraph=True)  # a counting mode would make it raise
     for _ in range(6):
         out = model(block(torch.randn(4, 8)))
         out.pow(2).mean().backward()
         optimizer.step()
         optimizer.zero_grad()
 
-    assert value(scrape(monitor.metrics_url), "stabmon_model_flops_total") is None
+    # Replayed on meta tensors through the attached model only: its three linear layers, and
+    # the first one's input gradient too (the input comes from the block, which trains).
+    per_step = 3 * 2 * 4 * (128 + 256 + 16)
+    assert value(scrape(monitor.metrics_url), "stabmon_model_flops_total") == per_step * 3
     torch._dynamo.reset()
 
 
@@ -276,7 +281,7 @@ def watch_on(device_name: str | None, readings: Readings, **settings: Any) -> Th
 def test_mfu_on_a_known_gpu_is_flops_per_step_times_steps_over_training_time_and_peak() -> None:
     readings = Readings(labels={"rank": "0", "run": "r"})
     watch = watch_on("NVIDIA H100 80GB HBM3", readings, flops_per_step=1e12)
-    watch.forward_start("cuda")  # the parameters are bf16: the bf16 peak applies
+    watch.forward_start("cuda", (), {})  # the parameters are bf16: the bf16 peak applies
     for _ in range(10):  # ten 0.1 s steps in a block, plus a 5 s eval that is not training
         for phase in ("data_wait", "forward", "backward", "optimizer"):
             readings.add_phase_time(phase, 0.025)
@@ -287,7 +292,6 @@ def test_mfu_on_a_known_gpu_is_flops_per_step_times_steps_over_training_time_and
     samples = exposition(readings)
     assert samples[("stabmon_peak_flops_per_second", LABELS)] == 989.5e12
     assert samples[("stabmon_mfu_ratio", LABELS)] == pytest.approx(1e12 * 10 / 1.0 / 989.5e12)
-    assert samples[("stabmon_model_flops_total", LABELS)] == 1e13
 
 
 def test_mfu_follows_the_configured_peak_and_dtype() -> None:
@@ -303,14 +307,27 @@ def test_mfu_follows_the_configured_peak_and_dtype() -> None:
 def test_mfu_is_not_exported_for_a_gpu_missing_from_the_table() -> None:
     readings = Readings(labels={"rank": "0", "run": "r"})
     watch = watch_on("NVIDIA Imaginary X1", readings, flops_per_step=1e12)
-    watch.forward_start("cuda")
+    watch.forward_start("cuda", (), {})
     readings.add_phase_time("forward", 1.0)
     readings.steps += 10
     watch.step_end(2.0)
 
     samples = exposition(readings)
     assert ("stabmon_mfu_ratio", LABELS) not in samples
-    assert samples[("stabmon_model_flops_total", LABELS)] == 1e13
+    assert ("stabmon_peak_flops_per_second", LABELS) not in samples
+
+
+def test_mfu_on_cpu_follows_a_configured_peak() -> None:
+    readings = Readings(labels={"rank": "0", "run": "r"})
+    watch = watch_on(None, readings, flops_per_step=1e9, peak_flops=1e11)
+    watch.forward_start("cpu", (), {})
+    readings.add_phase_time("forward", 2.0)
+    readings.steps += 10
+    watch.step_end(3.0)
+
+    samples = exposition(readings)
+    assert samples[("stabmon_peak_flops_per_second", LABELS)] == 1e11
+    assert samples[("stabmon_mfu_ratio", LABELS)] == pytest.approx(1e9 * 10 / 2.0 / 1e11)
 
 
 class SlowingDataset(torch.utils.data.Dataset[torch.Tensor]):
