@@ -25,8 +25,9 @@ The hooks, each optional, each call contained by the guard under ``component``:
 
 - ``measure(step)`` and ``judge(step, values)`` (:class:`MeasuresOnDevice`): the
   device-side port. ``measure`` runs on the training thread at every optimizer step,
-  before it (``measure_at = "before_step"``: the gradients are in place) or after it
-  (``"after_step"``: the new parameters), and returns a small 1-D tensor computed on the
+  before it (``measure_at = "before_step"``: the gradients are in place; also at the end
+  of an iteration whose step GradScaler skipped) or after it (``"after_step"``: the new
+  parameters), and returns a small 1-D tensor computed on the
   device, or None when it has nothing to measure at this step. It must never read a value
   back (no ``.item()``, ``.cpu()``, ``.tolist()`` or truth test of a device tensor): the
   tensor is copied back asynchronously with the Monitor's other results and handed to
@@ -42,7 +43,8 @@ The hooks, each optional, each call contained by the guard under ``component``:
   scale than before means that step was skipped), under the judging lock.
 - ``step_end(steps)``: training thread, after an optimizer step, once ``steps`` (steps
   completed in this process) reaches the plug-in's ``next_step``; the Monitor compares
-  one integer a step, the smallest ``next_step`` of all, re-read after each call.
+  one integer a step, the smallest ``next_step`` of all, re-read after each call and after
+  ``grads_judged`` and ``loss_judged`` (a verdict may ask for the next step end).
 - ``epoch_memory(samples)``: training thread, at an epoch boundary, before the epoch's
   record: the memory samples (bytes by device label: ``host``, ``cuda:N``); returns the
   drift against a baseline by label (None while there is none) for that record.
@@ -209,6 +211,13 @@ class Context(Protocol):
 
     def log(self, key: str, level: int, message: str, *args: object) -> None:
         """Log through the Monitor's limiter: at most a few lines a minute per ``key``."""
+
+    def watch_modules(self, hook: Callable[[str, Any, Any], None]) -> Callable[[], None]:
+        """Call ``hook(module name, inputs, output)`` after every module's forward (the
+        unwrapped model's, root included, in completion order) until the returned callable
+        is called; call it from the training thread. For a few armed steps, not for good:
+        it costs a Python call per module. ``hook`` must not sync: record device tensors
+        and return them from ``measure``. Held weakly; left out of copies and pickles."""
 
     def judging(self) -> AbstractContextManager[object]:
         """The judging lock: hold it to call ``anomaly``/``event`` from a thread of your own

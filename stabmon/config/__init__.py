@@ -372,6 +372,22 @@ class Config(_Section):
             ge=1,
         ),
     )
+    provenance_steps: int = field(
+        default=3,
+        metadata=_meta(
+            "After a non-finite gradient or loss, the training steps for which every module's "
+            "forward is watched on the device to name the module that produced it (0: never).",
+            ge=0,
+            le=100,
+        ),
+    )
+    provenance_always: bool = field(
+        default=False,
+        metadata=_meta(
+            "Watch every module's forward from the first step, for a debugging session "
+            "(costs a few device reductions per module per step)."
+        ),
+    )
     amp_skip_run: int = field(
         default=8,
         metadata=_meta(

@@ -111,7 +111,7 @@ class Assembly:
         context = PluginContext(
             config, model, optimizer, readings=readings, memory=self.memory, heartbeat=heartbeat,
             run_directory=paths.run_directory, rank=rank, recorder=recorder,
-            engine=measurements.engine,
+            engine=measurements.engine, hooks=resources.hooks,
         )  # fmt: skip
         plugged.plug(context, extra=plugins)
         self.timer = LoopTimer(

@@ -8,6 +8,7 @@ layers. Built once at attach; it refers to no Monitor.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from stabmon.pipeline.readings import Readings
 from stabmon.pipeline.recorder import Recorder
 from stabmon.probes.memory import MemorySampler
 from stabmon.shared.heartbeat import Heartbeat
+from stabmon.wiring.hooks import HookSet
 
 __all__ = ["PluginContext"]
 
@@ -39,11 +41,12 @@ class PluginContext:
         rank: int,
         recorder: Recorder,
         engine: Judging[Any],
+        hooks: HookSet | None = None,
     ) -> None:
         self.config, self.model, self.optimizer = config, model, optimizer
         self.readings, self.memory, self.heartbeat = readings, memory, heartbeat
         self.run_directory, self.rank = run_directory, rank
-        self._recorder, self._engine = recorder, engine
+        self._recorder, self._engine, self._hooks = recorder, engine, hooks
 
     @property
     def global_step(self) -> int:
@@ -62,6 +65,15 @@ class PluginContext:
     def log(self, key: str, level: int, message: str, *args: object) -> None:
         self._recorder.log(key, level, message, *args)
 
+    def watch_modules(self, hook: Callable[[str, Any, Any], None]) -> Callable[[], None]:
+        if self._hooks is None:  # built without hooks (a unit test's rig): nothing to watch
+            return _nothing
+        return self._hooks.watch_modules(hook)
+
     def judging(self) -> threading.RLock:
         # Read at each use: a forked child's engine gets a fresh lock.
         return self._engine.lock
+
+
+def _nothing() -> None:
+    pass

@@ -301,6 +301,35 @@ class HookSet:
             original = getattr(self._scaler, "update")  # noqa: B009 - the bound method, wrapped
             self._scaler.__dict__["update"] = _WrappedUpdate(original, hooks.scaler_update)
 
+    def watch_modules(self, hook: Callable[[str, Any, Any], None]) -> Callable[[], None]:
+        """A forward hook on every module of the (unwrapped) model, ``hook(name, inputs,
+        output)``, until the returned callable removes them (or ``remove()`` does).
+
+        For a plug-in armed for a few steps (NaN provenance): held weakly, inert and left
+        out when a model is copied or pickled meanwhile, as the root-module hooks are.
+        """
+        handles: list[RemovableHandle] = []
+        swapped: list[tuple[torch.nn.Module, tuple[str, ...]]] = []
+        target = _WeakHook(hook)
+        for name, module in unwrap_model(self._model).named_modules():
+            owned = _own_hook_dicts(module, ("_forward_hooks",))
+            handle = module.register_forward_hook(_ModuleWatch(name, target))
+            if owned:
+                module._forward_hooks.ours.add(handle.id)
+                swapped.append((module, owned))
+            handles.append(handle)
+
+        def unwatch() -> None:
+            for handle in handles:
+                handle.remove()
+            handles.clear()
+            for module, names in swapped:
+                _restore_hook_dicts(module, names)
+            swapped.clear()
+
+        self._handles.append(_Removal(unwatch))
+        return unwatch
+
     def keep(self, handle: Any) -> None:
         """Remove ``handle`` (anything with ``remove()``, e.g. a clip watch) with the hooks."""
         self._handles.append(handle)
@@ -310,12 +339,7 @@ class HookSet:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        for name in getattr(self, "_swapped", ()):
-            hook_dict = vars(self._model).get(name)
-            if isinstance(hook_dict, _HookDict) and not hook_dict:
-                # Empty again: the plain dict back (a user's hook added meanwhile keeps ours,
-                # which its handle points at; it pickles as a plain dict all the same).
-                object.__setattr__(self._model, name, OrderedDict())
+        _restore_hook_dicts(self._model, getattr(self, "_swapped", ()))
         self._swapped = ()
         if self._scaler is not None and self._scaler_update is not None:
             if self._scaler_update is _MISSING:
@@ -329,15 +353,71 @@ class HookSet:
                 del _ATTACHED[target]
 
 
-def _own_hook_dicts(model: torch.nn.Module) -> tuple[str, ...]:
+def _own_hook_dicts(
+    model: torch.nn.Module, names: tuple[str, ...] = _HOOK_DICTS
+) -> tuple[str, ...]:
     """Replace the model's empty hook dicts by :class:`_HookDict`; the names replaced."""
     swapped = []
-    for name in _HOOK_DICTS:
+    for name in names:
         hook_dict = vars(model).get(name)
         if type(hook_dict) is OrderedDict and not hook_dict:
             object.__setattr__(model, name, _HookDict())
             swapped.append(name)
     return tuple(swapped)
+
+
+def _restore_hook_dicts(model: torch.nn.Module, names: tuple[str, ...]) -> None:
+    for name in names:
+        hook_dict = vars(model).get(name)
+        if isinstance(hook_dict, _HookDict) and not hook_dict:
+            # Empty again: the plain dict back (a user's hook added meanwhile keeps ours,
+            # which its handle points at; it pickles as a plain dict all the same).
+            object.__setattr__(model, name, OrderedDict())
+
+
+class _WeakHook:
+    """A plug-in's module hook, held weakly: a dropped Monitor's plug-in is not kept alive."""
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, hook: Callable[[str, Any, Any], None]) -> None:
+        self._ref: Any = weakref.WeakMethod(hook) if hasattr(hook, "__self__") else (lambda: hook)
+
+    def __call__(self, name: str, inputs: Any, output: Any) -> None:
+        hook = self._ref()
+        if hook is not None:
+            hook(name, inputs, output)
+
+
+class _ModuleWatch:
+    """One module's forward hook for :meth:`HookSet.watch_modules`; inert when copied."""
+
+    __slots__ = ("_name", "_target")
+
+    def __init__(self, name: str, target: _WeakHook | None) -> None:
+        self._name, self._target = name, target
+
+    def __call__(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
+        if self._target is not None:
+            self._target(self._name, inputs, output)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _ModuleWatch:
+        return _ModuleWatch(self._name, None)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_ModuleWatch, (self._name, None))
+
+
+class _Removal:
+    """A removal callable kept with the handles, so ``remove()`` also ends a watch."""
+
+    __slots__ = ("_remove",)
+
+    def __init__(self, remove: Callable[[], None]) -> None:
+        self._remove = remove
+
+    def remove(self) -> None:
+        self._remove()
 
 
 class _Token:

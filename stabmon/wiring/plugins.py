@@ -49,6 +49,7 @@ from stabmon.extension import (
 )
 from stabmon.probes.grads import GradSummary
 from stabmon.probes.memory_snapshot import AllocatorSnapshots
+from stabmon.probes.provenance import NanProvenance
 from stabmon.shared.guard import Guard
 
 __all__ = ["PLUGINS", "DeviceJudge", "Plugged"]
@@ -59,6 +60,7 @@ __all__ = ["PLUGINS", "DeviceJudge", "Plugged"]
 PLUGINS: tuple[Factory, ...] = (
     NonfiniteGrads,
     NonfiniteLoss,
+    NanProvenance,
     ClipCoefficient,
     GradSpikes,
     LossSpikes,
@@ -210,9 +212,11 @@ class Plugged:
 
     def grads_judged(self, step: int, summary: GradSummary) -> None:
         self._each(self._grads_judged, "grads_judged", step, summary)
+        self.next_step = self._next_step()  # a verdict may ask for a step end (arming a watch)
 
     def loss_judged(self, step: int, value: float) -> None:
         self._each(self._loss_judged, "loss_judged", step, value)
+        self.next_step = self._next_step()
 
     def clip_judged(self, step: int, max_norm: float) -> None:
         self._each(self._clip_judged, "clip_judged", step, max_norm)

@@ -168,3 +168,43 @@ def test_unwrap_model_finds_the_module_inside_data_parallel() -> None:
     inner = torch.nn.Linear(2, 1)
     assert unwrap_model(torch.nn.DataParallel(inner)) is inner
     assert unwrap_model(inner) is inner
+
+
+class _Watcher:
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def forward(self, name: str, inputs: Any, output: Any) -> None:
+        self.seen.append(name)
+
+
+def test_watch_modules_sees_every_module_in_completion_order_until_unwatched() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 1)))
+    hooks = HookSet(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    watcher = _Watcher()
+    unwatch = hooks.watch_modules(watcher.forward)
+    model(torch.randn(3, 2))
+    assert watcher.seen == ["0", "1.0", "1", ""]  # leaves finish before their parents
+    unwatch()
+    model(torch.randn(3, 2))
+    assert watcher.seen == ["0", "1.0", "1", ""]
+    assert all(type(m._forward_hooks) is OrderedDict for m in model.modules())  # restored
+    hooks.remove()
+
+
+def test_a_model_saved_while_watched_pickles_nothing_of_stabmon() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    hooks = HookSet(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    watcher = _Watcher()
+    hooks.watch_modules(watcher.forward)
+
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    twin = copy.deepcopy(model)
+    twin(torch.randn(3, 2))
+
+    assert b"stabmon" not in buffer.getvalue()
+    assert watcher.seen == []  # the copy's watches are inert
+    hooks.remove()  # removes the watch with the other hooks
+    model(torch.randn(3, 2))
+    assert watcher.seen == []
