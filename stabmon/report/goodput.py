@@ -115,12 +115,7 @@ def rank_goodput(log: RankLog) -> RankGoodput | None:
         # Phases never outlast the process; if rounding says so, they are the process's time.
         uptime = max(number(last.get("uptime_seconds")) or 0.0, sum(phases.values()))
         accounted += uptime
-        stalled = 0.0
-        for phase, seconds in _stalls(records):
-            taken = min(seconds, phases.get(phase, 0.0))
-            if taken > 0:
-                phases[phase] -= taken
-                stalled += taken
+        stalled = _take_stalls(records, phases)
         if stalled:
             spent["stalled"] = spent.get("stalled", 0.0) + stalled
         training = sum(phases.pop(phase, 0.0) for phase in TRAINING_PHASES)
@@ -140,19 +135,35 @@ def rank_goodput(log: RankLog) -> RankGoodput | None:
         spent["startup"] = spent.get("startup", 0.0) + max(0.0, startup)
         previous_completed = _completed(last)
         previous_step_seconds = training / steps if steps else None
-        result.steps += steps
-        result.samples += count(last.get("samples")) or 0
-        result.tokens += count(last.get("tokens")) or 0
-        mfu = number(last.get("mfu"))
-        result.mfu = mfu if mfu is not None else result.mfu
-        flops = number(last.get("flops_per_step"))
-        result.flops_per_step = flops if flops is not None else result.flops_per_step
+        _add_counts(result, last)
     if not result.incarnations or first_attach is None or last_time is None:
         return None
     result.wall_seconds = max(last_time - first_attach, accounted)
     spent["restarts"] = max(0.0, result.wall_seconds - accounted)
     result.spent = spent
     return result
+
+
+def _take_stalls(records: list[dict[str, Any]], phases: dict[str, float]) -> float:
+    """Take each stall's seconds out of the phase it stalled in; the seconds taken."""
+    stalled = 0.0
+    for phase, seconds in _stalls(records):
+        taken = min(seconds, phases.get(phase, 0.0))
+        if taken > 0:
+            phases[phase] -= taken
+            stalled += taken
+    return stalled
+
+
+def _add_counts(result: RankGoodput, last: Mapping[str, Any]) -> None:
+    """Add one process's last totals (steps, samples, tokens; MFU and FLOPs if it had them)."""
+    result.steps += count(last.get("steps")) or 0
+    result.samples += count(last.get("samples")) or 0
+    result.tokens += count(last.get("tokens")) or 0
+    mfu = number(last.get("mfu"))
+    result.mfu = mfu if mfu is not None else result.mfu
+    flops = number(last.get("flops_per_step"))
+    result.flops_per_step = flops if flops is not None else result.flops_per_step
 
 
 def _completed(record: Mapping[str, Any]) -> int:
