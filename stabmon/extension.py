@@ -41,6 +41,9 @@ The hooks, each optional, each call contained by the guard under ``component``:
   come through ``grads_judged``, before or after it.
 - ``scale_judged(step, scale)``: the GradScaler's scale after each ``update()`` (a lower
   scale than before means that step was skipped), under the judging lock.
+- ``anomaly_recorded(kind, step)``: after any anomaly was counted and written (a built-in's
+  or a plug-in's), on the thread that recorded it; for evidence of an incident (the
+  batches it trained on). It must not record an anomaly itself.
 - ``step_end(steps)``: training thread, after an optimizer step, once ``steps`` (steps
   completed in this process) reaches the plug-in's ``next_step``; the Monitor compares
   one integer a step, the smallest ``next_step`` of all, re-read after each call and after
@@ -77,6 +80,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "AnomalyRecorded",
     "ClipJudged",
     "Context",
     "Detaches",
@@ -276,6 +280,13 @@ class ScaleJudged(Protocol):
     component: str
 
     def scale_judged(self, step: int, scale: float) -> None: ...
+
+
+@runtime_checkable
+class AnomalyRecorded(Protocol):
+    component: str
+
+    def anomaly_recorded(self, kind: str, step: int | None) -> None: ...
 
 
 @runtime_checkable

@@ -174,6 +174,7 @@ class Monitor:
         self._engine = parts.measurements.engine
         self._plugged, self._timer = parts.plugged, parts.timer
         self._throughput, self._registry = parts.throughput, parts.registry
+        self._batches = parts.batches
         self._phases = PhaseNames(self._limiter)
         # Decided at the first observe() when no forward hook fires (a compiled forward).
         self._observes_before_step: bool | None = None
@@ -203,6 +204,7 @@ class Monitor:
         *,
         samples: int | None = None,
         tokens: int | None = None,
+        batch_ids: Sequence[int] | None = None,
     ) -> None:
         """Record this step's training loss: a tensor (kept on device, read later) or a float.
 
@@ -210,6 +212,9 @@ class Monitor:
         evaluation losses and are left out of the training loss series.
         ``samples`` and ``tokens`` (Python ints) add to ``stabmon_samples_total`` and
         ``stabmon_tokens_total``; once given, ``track()`` no longer counts batches.
+        ``batch_ids`` (with ``loss``; Python ints: sample indices) name this step's
+        batch: a spike or a NaN names the batches of its last steps, in the event log and
+        in ``rank-<rank>.skip_batches.json`` (docs/loops.md).
         """
         if (samples is not None or tokens is not None) and not self._detached:
             with self._guard.contain("hooks"):
@@ -228,6 +233,8 @@ class Monitor:
                 in_iteration = self._observes_before_step
             if not in_iteration and step:
                 step -= 1  # observed after the step it belongs to
+            if batch_ids is not None:
+                self._batches.observed(step, batch_ids)
             self._measurements.loss(loss, step)
         except Exception as error:  # never break training
             self._guard.record("loss", error)

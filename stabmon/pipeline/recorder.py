@@ -56,8 +56,11 @@ class Recorder:
         *,
         events: EventLog | None,
         limiter: LogLimiter,
+        on_anomaly: Callable[[str, int | None], None] | None = None,
     ) -> None:
         self._config = config
+        #: Told of each anomaly once it is written (the plug-ins' anomaly_recorded).
+        self._on_anomaly = on_anomaly
         self._readings = readings
         self._events = events
         self._limiter = limiter
@@ -191,6 +194,8 @@ class Recorder:
             "anomaly", kind=kind, step=step, epoch=self._readings.epoch, detail=message, **details
         )
         self._limiter.limited(f"anomaly:{kind}", logging.WARNING, "stabmon: %s", message)
+        if self._on_anomaly is not None:
+            self._on_anomaly(kind, step)
 
     def write(self, event: str, **fields: Any) -> None:
         if self._events is not None:

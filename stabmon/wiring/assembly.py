@@ -39,6 +39,7 @@ from stabmon.pipeline.measurements import Measurements
 from stabmon.pipeline.readings import Readings
 from stabmon.pipeline.recorder import Recorder
 from stabmon.pipeline.throughput import build_throughput
+from stabmon.probes.batch_identity import BatchIdentities
 from stabmon.probes.collectives import CollectiveCounter
 from stabmon.probes.device_timing import DeviceTimer, recorder_for
 from stabmon.probes.environment import build_info, describe_environment
@@ -94,12 +95,14 @@ class Assembly:
             resources.events = EventLog(
                 paths.events, common={"run": run_id, "rank": rank}, guard=guard
             )
-        self.recorder = recorder = Recorder(config, readings, events=resources.events,
-                                            limiter=limiter)  # fmt: skip
+        self.plugged = plugged = Plugged(guard)
+        self.recorder = recorder = Recorder(
+            config, readings, events=resources.events, limiter=limiter,
+            on_anomaly=plugged.anomaly_recorded,
+        )  # fmt: skip
         self.placement = _placement(config, model, recorder)
         self.heartbeat = heartbeat = Heartbeat(clock)
         loop_started = clock()  # at or before the loop timer's first mark
-        self.plugged = plugged = Plugged(guard)
         self.measurements = measurements = Measurements(
             model, optimizer, config, readings=readings, recorder=recorder, plugged=plugged,
             guard=guard, limiter=limiter,
@@ -113,7 +116,8 @@ class Assembly:
             run_directory=paths.run_directory, rank=rank, recorder=recorder,
             engine=measurements.engine, hooks=resources.hooks,
         )  # fmt: skip
-        plugged.plug(context, extra=plugins)
+        self.batches = BatchIdentities(context)  # fed by the step hooks and observe()
+        plugged.plug(context, extra=(lambda _: self.batches, *plugins))
         self.timer = LoopTimer(
             readings, heartbeat, clock=clock,
             device_mark=device_timer.mark if device_timer else None,

@@ -32,6 +32,7 @@ from stabmon.detectors.spike_rules import GradSpikes, LossSpikes
 from stabmon.errors import StabmonError
 from stabmon.extension import (
     RESERVED_STATE_KEYS,
+    AnomalyRecorded,
     ClipJudged,
     Context,
     Detaches,
@@ -105,6 +106,7 @@ class Plugged:
         self._loss_judged: tuple[LossJudged, ...] = ()
         self._clip_judged: tuple[ClipJudged, ...] = ()
         self._scale_judged: tuple[ScaleJudged, ...] = ()
+        self._anomaly_recorded: tuple[AnomalyRecorded, ...] = ()
         self._step_end: tuple[StepEnd, ...] = ()
         self._epoch_end: tuple[EpochEnd, ...] = ()
         self._epoch_memory: tuple[EpochMemory, ...] = ()
@@ -149,6 +151,7 @@ class Plugged:
         self._loss_judged = tuple(p for p in plugins if isinstance(p, LossJudged))
         self._clip_judged = tuple(p for p in plugins if isinstance(p, ClipJudged))
         self._scale_judged = tuple(p for p in plugins if isinstance(p, ScaleJudged))
+        self._anomaly_recorded = tuple(p for p in plugins if isinstance(p, AnomalyRecorded))
         self._step_end = tuple(p for p in plugins if isinstance(p, StepEnd))
         self._epoch_end = tuple(p for p in plugins if isinstance(p, EpochEnd))
         self._epoch_memory = tuple(p for p in plugins if isinstance(p, EpochMemory))
@@ -223,6 +226,9 @@ class Plugged:
 
     def scale_judged(self, step: int, scale: float) -> None:
         self._each(self._scale_judged, "scale_judged", step, scale)
+
+    def anomaly_recorded(self, kind: str, step: int | None) -> None:
+        self._each(self._anomaly_recorded, "anomaly_recorded", kind, step)
 
     def finish(self) -> None:
         self._each(self._finish, "finish")

@@ -62,6 +62,7 @@ class StepHooks:
         self._heartbeat, self._timer = parts.heartbeat, parts.timer
         self._throughput = parts.throughput
         self._device_timer = parts.device_timer
+        self._batches = parts.batches
         self._device_type = "cuda" if parts.devices else "cpu"
         self._measure_every = measure_every
         self._window_steps = window_steps
@@ -248,20 +249,31 @@ class StepHooks:
             if self.epochs.pass_ended(steps_at_start, self._readings.steps):
                 self.close_epoch()
 
-        workers = self._workers
-        guard = self._guard
+        workers, batches, guard = self._workers, self._batches, self._guard
 
         def failed(error: BaseException) -> None:
             with guard.contain("hooks"):
                 workers.failed(error)
 
+        def begun(iterator: Iterator[T]) -> None:
+            workers.follow(iterator)
+            with guard.contain("hooks"):
+                batches.follow(iterator)
+
+        def fetched(seconds: float) -> None:
+            self.loader_wait(seconds)
+            try:
+                batches.fetched(self._recorder.global_step)  # the step it is fetched for
+            except Exception as error:
+                guard.record("hooks", error)
+
         return self._throughput.counted(
             timed_iteration(
                 loader,
-                self.loader_wait,
+                fetched,
                 exhausted,
                 clock=self._timer.clock,
-                on_iterator=workers.follow,
+                on_iterator=begun,
                 on_error=failed,
             )
         )
