@@ -5,13 +5,25 @@ Run with `pytest -m gpu` on a machine with a GPU; elsewhere these skip with "Req
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import MonitorFactory
+from cuda_state import default_cuda_state, sync_debug_errors
 from helpers import scrape, value
 from torch.nn.utils import get_total_norm
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _cuda_state_restored() -> Iterator[None]:
+    """Each test starts and ends with sync-debug mode off: they pass in any order."""
+    with default_cuda_state():
+        yield
 
 
 def _cuda_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -39,12 +51,9 @@ def test_monitored_steps_never_synchronise_the_device(attach: MonitorFactory) ->
     for _ in range(5):  # warm-up: first-use allocations happen here
         monitor.observe(loss=_step(model, optimizer))
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with sync_debug_errors():
         for _ in range(300):
             monitor.observe(loss=_step(model, optimizer))
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     monitor.epoch_end()
     samples = scrape(monitor.metrics_url)
@@ -91,14 +100,18 @@ def test_device_info_names_the_physical_gpu(attach: MonitorFactory) -> None:
 def test_misplaced_cuda_input_is_reported_before_the_forward_fails(attach: MonitorFactory) -> None:
     model, optimizer = _cuda_model()
     monitor = attach(model, optimizer)
-    torch.cuda.set_sync_debug_mode("error")  # the check reads metadata only
-    try:
+    inputs = torch.randn(4, 256)  # on the CPU; made before the mode, as a loader would
+    torch.cuda.synchronize()  # nothing of the setup is left in flight under the mode
+    with sync_debug_errors():  # the check reads metadata only
         with pytest.raises(RuntimeError):  # PyTorch's own error still follows in warn mode
-            model(torch.randn(4, 256))  # on the CPU
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+            model(inputs)
     samples = scrape(monitor.metrics_url)
     assert value(samples, "stabmon_anomalies_total", kind="device_mismatch") == 1
+    # Read from what the check recorded, not from when anything ran on the device.
+    assert monitor.event_log_path is not None
+    events = [json.loads(line) for line in Path(monitor.event_log_path).read_text().splitlines()]
+    (mismatch,) = [e for e in events if e.get("kind") == "device_mismatch"]
+    assert mismatch["what"] == "input args[0]" and mismatch["device"] == "cpu"
 
 
 def test_a_cuda_leak_dumps_one_allocator_snapshot(attach: MonitorFactory) -> None:
@@ -114,9 +127,6 @@ def test_a_cuda_leak_dumps_one_allocator_snapshot(attach: MonitorFactory) -> Non
         hoard.append(torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda"))
         monitor.epoch_end()
     assert monitor.event_log_path is not None
-    import json
-    from pathlib import Path
-
     events = [json.loads(line) for line in Path(monitor.event_log_path).read_text().splitlines()]
     (snapshot,) = [e for e in events if e["event"] == "memory_snapshot"]
     assert Path(snapshot["path"]).stat().st_size > 0

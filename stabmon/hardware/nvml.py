@@ -39,6 +39,7 @@ from typing import Any, Protocol
 import pynvml
 
 from stabmon.contract import THROTTLE_REASONS
+from stabmon.hardware.nvml_constants import constants_of
 from stabmon.shared.log import LogLimiter
 
 __all__ = [
@@ -57,7 +58,9 @@ __all__ = [
     "to_ratio",
 ]
 
-_GPU_IS_LOST: int = pynvml.NVML_ERROR_GPU_IS_LOST
+#: NVML's constants as this node's nvidia-ml-py spells them, nvml.h's value for any it lacks.
+_NVML = constants_of(pynvml)
+_GPU_IS_LOST: int = _NVML.error_gpu_is_lost
 
 
 class NvmlError(Exception):
@@ -172,19 +175,7 @@ class NvmlReader(Protocol):
 # --- unit conversions (pure; the fake reader uses them too) ---------------------------------
 
 #: NVML's clock event reason bits, by contract reason name.
-THROTTLE_REASON_BITS: Mapping[str, int] = MappingProxyType(
-    {
-        "gpu_idle": pynvml.nvmlClocksEventReasonGpuIdle,
-        "applications_clocks_setting": pynvml.nvmlClocksEventReasonApplicationsClocksSetting,
-        "sw_power_cap": pynvml.nvmlClocksEventReasonSwPowerCap,
-        "hw_slowdown": pynvml.nvmlClocksEventReasonHwSlowdown,
-        "sync_boost": pynvml.nvmlClocksEventReasonSyncBoost,
-        "sw_thermal_slowdown": pynvml.nvmlClocksEventReasonSwThermalSlowdown,
-        "hw_thermal_slowdown": pynvml.nvmlClocksEventReasonHwThermalSlowdown,
-        "hw_power_brake_slowdown": pynvml.nvmlClocksEventReasonHwPowerBrakeSlowdown,
-        "display_clock_setting": pynvml.nvmlClocksEventReasonDisplayClockSetting,
-    }
-)
+THROTTLE_REASON_BITS: Mapping[str, int] = MappingProxyType(dict(_NVML.reasons))
 if set(THROTTLE_REASON_BITS) != set(THROTTLE_REASONS):  # not assert: it must survive python -O
     raise RuntimeError("THROTTLE_REASON_BITS and contract.THROTTLE_REASONS disagree")
 
@@ -210,8 +201,8 @@ def throttle_reason_names(bitmask: int) -> frozenset[str]:
 # --- the real reader ------------------------------------------------------------------------
 
 # A driver too old for a call reports FUNCTION_NOT_FOUND: to us, that field is unsupported too.
-_UNSUPPORTED = frozenset({pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND})
-_NO_DRIVER = frozenset({pynvml.NVML_ERROR_LIBRARY_NOT_FOUND, pynvml.NVML_ERROR_DRIVER_NOT_LOADED})
+_UNSUPPORTED = frozenset({_NVML.error_not_supported, _NVML.error_function_not_found})
+_NO_DRIVER = frozenset({_NVML.error_library_not_found, _NVML.error_driver_not_loaded})
 _MAX_EVENTS_PER_WAIT = 64
 
 
@@ -222,7 +213,7 @@ def _call(function: Callable[..., Any], *args: Any) -> Any:
     except pynvml.NVMLError as error:
         raise NvmlError(function.__name__, str(error), code=error.value) from error
     except pynvml.NVMLLibraryMismatchError as error:  # an unversioned call the driver lacks
-        code = pynvml.NVML_ERROR_FUNCTION_NOT_FOUND
+        code = _NVML.error_function_not_found
         raise NvmlError(function.__name__, str(error), code=code) from error
 
 
@@ -344,16 +335,14 @@ class PynvmlReader:
         fields = _Fields()
         utilization = fields.read(pynvml.nvmlDeviceGetUtilizationRates, handle)
         memory = fields.read(pynvml.nvmlDeviceGetMemoryInfo, handle)
-        temperature = fields.read(
-            pynvml.nvmlDeviceGetTemperature, handle, pynvml.NVML_TEMPERATURE_GPU
-        )
+        temperature = fields.read(pynvml.nvmlDeviceGetTemperature, handle, _NVML.temperature_gpu)
         power = fields.read(pynvml.nvmlDeviceGetPowerUsage, handle)
-        clock = fields.read(pynvml.nvmlDeviceGetClockInfo, handle, pynvml.NVML_CLOCK_SM)
+        clock = fields.read(pynvml.nvmlDeviceGetClockInfo, handle, _NVML.clock_sm)
         reasons = fields.read(self._clock_event_reasons, handle)
         ecc = pynvml.nvmlDeviceGetTotalEccErrors
-        lifetime = pynvml.NVML_AGGREGATE_ECC  # volatile counts reset with the driver
-        corrected = fields.read(ecc, handle, pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, lifetime)
-        uncorrected = fields.read(ecc, handle, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, lifetime)
+        lifetime = _NVML.aggregate_ecc  # volatile counts reset with the driver
+        corrected = fields.read(ecc, handle, _NVML.memory_error_corrected, lifetime)
+        uncorrected = fields.read(ecc, handle, _NVML.memory_error_uncorrected, lifetime)
         return GpuReading(
             utilization_ratio=_map(utilization, lambda u: to_ratio(u.gpu)),
             memory_used_bytes=_map(memory, lambda m: int(m.used)),
@@ -408,10 +397,10 @@ class PynvmlReader:
                 try:
                     data = _call(pynvml.nvmlEventSetWait_v2, self._event_set, timeout_ms)
                 except NvmlError as error:
-                    if error.code == pynvml.NVML_ERROR_TIMEOUT:
+                    if error.code == _NVML.error_timeout:
                         return events
                     raise
-                if data.eventType & pynvml.nvmlEventTypeXidCriticalError:
+                if data.eventType & _NVML.event_xid_critical:
                     events.append((self._event_index(data.device), int(data.eventData)))
                 timeout_ms = 0  # drain what else is queued, without waiting again
         return events
@@ -435,7 +424,7 @@ class PynvmlReader:
         for index in range(self.device_count()):
             try:
                 handle = _call(pynvml.nvmlDeviceGetHandleByIndex, index)
-                xid = pynvml.nvmlEventTypeXidCriticalError
+                xid = _NVML.event_xid_critical
                 _call(pynvml.nvmlDeviceRegisterEvents, handle, xid, event_set)
             except NvmlError as error:
                 if error.code in _UNSUPPORTED:
@@ -454,13 +443,14 @@ class PynvmlReader:
             raise first_failure or NvmlError(
                 "nvmlDeviceRegisterEvents",
                 "no GPU on this node supports XID events",
-                code=pynvml.NVML_ERROR_NOT_SUPPORTED,
+                code=_NVML.error_not_supported,
             )
 
     @staticmethod
     def _clock_event_reasons(handle: Any) -> Any:
-        reasons = _optional(pynvml.nvmlDeviceGetCurrentClocksEventReasons, handle)
-        if reasons is None:  # drivers before 535 know only the older name
+        current = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+        reasons = None if current is None else _optional(current, handle)
+        if reasons is None:  # drivers (and nvidia-ml-py) before 535 know only the older name
             reasons = _optional(pynvml.nvmlDeviceGetCurrentClocksThrottleReasons, handle)
         return reasons
 

@@ -29,8 +29,20 @@ from stabmon.hardware.nvml import (
     throttle_reason_names,
     to_ratio,
 )
+from stabmon.hardware.nvml_constants import constants_of, nvml_constant
 
 needs_no_driver = pytest.mark.skipif(has_nvidia_driver(), reason="Requires: no NVIDIA driver")
+
+
+#: NVML's constants as the installed nvidia-ml-py spells them (nvml.h's value where it has
+#: none): releases differ, and a test must not error on the GPU node's release.
+NVML = constants_of(pynvml)
+TEMPERATURE_GPU_MAX = nvml_constant(pynvml, "NVML_TEMPERATURE_GPU_MAX", default=1)
+CLOCK_GRAPHICS = nvml_constant(pynvml, "NVML_CLOCK_GRAPHICS", default=0)
+CLOCK_MEM = nvml_constant(pynvml, "NVML_CLOCK_MEM", default=2)
+VOLATILE_ECC = nvml_constant(pynvml, "NVML_VOLATILE_ECC", default=0)
+ERROR_UNKNOWN = nvml_constant(pynvml, "NVML_ERROR_UNKNOWN", default=999)
+EVENT_PSTATE = nvml_constant(pynvml, "nvmlEventTypePState", default=0x10)
 
 
 def test_to_ratio_turns_nvml_percent_into_a_ratio() -> None:
@@ -142,25 +154,25 @@ class RawGpu:
     )
     temperatures: dict[int, int] = field(
         default_factory=lambda: {
-            pynvml.NVML_TEMPERATURE_GPU: 71,
-            pynvml.NVML_TEMPERATURE_GPU_MAX: 90,
+            NVML.temperature_gpu: 71,
+            TEMPERATURE_GPU_MAX: 90,
         }
     )
     power_milliwatts: int = 250_000
     clocks_mhz: dict[int, int] = field(
         default_factory=lambda: {
-            pynvml.NVML_CLOCK_GRAPHICS: 1755,
-            pynvml.NVML_CLOCK_SM: 1980,
-            pynvml.NVML_CLOCK_MEM: 2619,
+            CLOCK_GRAPHICS: 1755,
+            NVML.clock_sm: 1980,
+            CLOCK_MEM: 2619,
         }
     )
     event_reasons: int = 0x04 | 0x40  # SwPowerCap, HwThermalSlowdown
     ecc: dict[tuple[int, int], int] = field(
         default_factory=lambda: {
-            (pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_AGGREGATE_ECC): 7,
-            (pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_VOLATILE_ECC): 2,
-            (pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_AGGREGATE_ECC): 1,
-            (pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC): 0,
+            (NVML.memory_error_corrected, NVML.aggregate_ecc): 7,
+            (NVML.memory_error_corrected, VOLATILE_ECC): 2,
+            (NVML.memory_error_uncorrected, NVML.aggregate_ecc): 1,
+            (NVML.memory_error_uncorrected, VOLATILE_ECC): 0,
         }
     )
     compute: list[SimpleNamespace] = field(default_factory=list)
@@ -274,11 +286,11 @@ class RawNvml:
         self._enter("nvmlEventSetWait_v2")
         self.wait_released.wait()
         if not self.events:
-            raise pynvml.NVMLError(pynvml.NVML_ERROR_TIMEOUT)
+            raise pynvml.NVMLError(NVML.error_timeout)
         return self.events.pop(0)
 
     def push(self, index: int, xid: int, event_type: int = 0) -> None:
-        event_type = event_type or pynvml.nvmlEventTypeXidCriticalError
+        event_type = event_type or NVML.event_xid_critical
         self.events.append(
             SimpleNamespace(eventType=event_type, eventData=xid, device=self.gpus[index])
         )
@@ -315,7 +327,7 @@ def test_pynvml_reader_reading_converts_raw_nvml_values_to_si_units(raw: RawNvml
 def test_pynvml_reader_reading_falls_back_to_the_throttle_reasons_call_on_old_drivers(
     raw: RawNvml,
 ) -> None:
-    raw.errors["nvmlDeviceGetCurrentClocksEventReasons"] = pynvml.NVML_ERROR_FUNCTION_NOT_FOUND
+    raw.errors["nvmlDeviceGetCurrentClocksEventReasons"] = NVML.error_function_not_found
     raw.gpus[0].event_reasons = 0x20
     reading = PynvmlReader().reading(0)
     assert reading.throttle_reasons == frozenset({"sw_thermal_slowdown"})
@@ -325,8 +337,8 @@ def test_pynvml_reader_reading_falls_back_to_the_throttle_reasons_call_on_old_dr
 def test_pynvml_reader_reading_reads_unsupported_fields_as_none_without_errors(
     raw: RawNvml,
 ) -> None:
-    raw.errors["nvmlDeviceGetPowerUsage"] = pynvml.NVML_ERROR_NOT_SUPPORTED
-    raw.errors["nvmlDeviceGetTotalEccErrors"] = pynvml.NVML_ERROR_NOT_SUPPORTED
+    raw.errors["nvmlDeviceGetPowerUsage"] = NVML.error_not_supported
+    raw.errors["nvmlDeviceGetTotalEccErrors"] = NVML.error_not_supported
     reading = PynvmlReader().reading(0)
     assert (reading.power_watts, reading.ecc_corrected, reading.ecc_uncorrected) == (None,) * 3
     assert reading.temperature_celsius == 71.0
@@ -336,8 +348,8 @@ def test_pynvml_reader_reading_reads_unsupported_fields_as_none_without_errors(
 def test_pynvml_reader_reading_reads_a_failing_field_as_none_and_names_its_call(
     raw: RawNvml,
 ) -> None:
-    raw.gpus[0].errors["nvmlDeviceGetPowerUsage"] = pynvml.NVML_ERROR_NO_PERMISSION
-    raw.gpus[0].errors["nvmlDeviceGetTemperature"] = pynvml.NVML_ERROR_UNKNOWN
+    raw.gpus[0].errors["nvmlDeviceGetPowerUsage"] = NVML.error_no_permission
+    raw.gpus[0].errors["nvmlDeviceGetTemperature"] = ERROR_UNKNOWN
     reading = PynvmlReader().reading(0)
     assert (reading.power_watts, reading.temperature_celsius) == (None, None)
     assert reading.utilization_ratio == pytest.approx(0.57)
@@ -350,7 +362,7 @@ def test_pynvml_reader_reading_reads_a_failing_field_as_none_and_names_its_call(
 
 
 def test_pynvml_reader_reading_raises_when_the_gpu_is_lost(raw: RawNvml) -> None:
-    raw.gpus[0].errors["nvmlDeviceGetClockInfo"] = pynvml.NVML_ERROR_GPU_IS_LOST
+    raw.gpus[0].errors["nvmlDeviceGetClockInfo"] = NVML.error_gpu_is_lost
     with pytest.raises(NvmlError, match=r"^nvmlDeviceGetClockInfo failed: GPU is lost$") as caught:
         PynvmlReader().reading(0)
     assert caught.value.gpu_lost
@@ -371,7 +383,7 @@ def test_pynvml_reader_processes_merges_both_lists_taking_the_larger_figure(
 def test_pynvml_reader_processes_raises_naming_the_call_when_the_query_fails(
     raw: RawNvml,
 ) -> None:
-    raw.errors["nvmlDeviceGetComputeRunningProcesses"] = pynvml.NVML_ERROR_NO_PERMISSION
+    raw.errors["nvmlDeviceGetComputeRunningProcesses"] = NVML.error_no_permission
     with pytest.raises(NvmlError, match=r"^nvmlDeviceGetComputeRunningProcesses failed: Insuf"):
         PynvmlReader().processes(0)
 
@@ -388,7 +400,7 @@ def test_pynvml_reader_identity_reads_uuid_name_and_bus_id_as_text(raw: RawNvml)
 def test_pynvml_reader_identity_raises_naming_the_call_only_for_the_gpu_it_cannot_read(
     raw: RawNvml,
 ) -> None:
-    raw.gpus[1].errors["nvmlDeviceGetUUID"] = pynvml.NVML_ERROR_GPU_IS_LOST
+    raw.gpus[1].errors["nvmlDeviceGetUUID"] = NVML.error_gpu_is_lost
     reader = PynvmlReader()
     with pytest.raises(NvmlError, match=r"^nvmlDeviceGetUUID failed: GPU is lost$"):
         reader.identity(1)
@@ -398,7 +410,7 @@ def test_pynvml_reader_identity_raises_naming_the_call_only_for_the_gpu_it_canno
 def test_pynvml_reader_init_raises_nvml_unavailable_when_the_library_is_missing(
     raw: RawNvml,
 ) -> None:
-    raw.errors["nvmlInit"] = pynvml.NVML_ERROR_LIBRARY_NOT_FOUND
+    raw.errors["nvmlInit"] = NVML.error_library_not_found
     with pytest.raises(NvmlUnavailable, match=r"^nvmlInit failed: .*no NVIDIA driver"):
         PynvmlReader().init()
 
@@ -417,7 +429,7 @@ def test_pynvml_reader_start_xid_events_is_a_no_op_until_reset(raw: RawNvml) -> 
 def test_pynvml_reader_reset_xid_events_forgets_a_set_nvml_cannot_free(raw: RawNvml) -> None:
     reader = PynvmlReader()
     reader.start_xid_events()
-    raw.errors["nvmlEventSetFree"] = pynvml.NVML_ERROR_GPU_IS_LOST
+    raw.errors["nvmlEventSetFree"] = NVML.error_gpu_is_lost
     reader.reset_xid_events()
     with pytest.raises(NvmlError, match="call start_xid_events"):
         reader.wait_xid(10)
@@ -427,7 +439,7 @@ def test_pynvml_reader_wait_xid_drains_queued_xid_events_by_gpu_index(raw: RawNv
     reader = PynvmlReader()
     reader.start_xid_events()
     raw.push(0, 79)
-    raw.push(1, 0, event_type=pynvml.nvmlEventTypePState)  # not an XID: ignored
+    raw.push(1, 0, event_type=EVENT_PSTATE)  # not an XID: ignored
     raw.push(1, 48)
     assert reader.wait_xid(10) == [(0, 79), (1, 48)]
     assert reader.wait_xid(10) == []
@@ -436,7 +448,7 @@ def test_pynvml_reader_wait_xid_drains_queued_xid_events_by_gpu_index(raw: RawNv
 def test_pynvml_reader_start_xid_events_registers_the_other_gpus_when_one_fails(
     raw: RawNvml, caplog: pytest.LogCaptureFixture
 ) -> None:
-    raw.gpus[0].errors["nvmlDeviceRegisterEvents"] = pynvml.NVML_ERROR_GPU_IS_LOST
+    raw.gpus[0].errors["nvmlDeviceRegisterEvents"] = NVML.error_gpu_is_lost
     reader = PynvmlReader()
     with caplog.at_level(logging.WARNING, logger="stabmon"):
         reader.start_xid_events()
@@ -451,7 +463,7 @@ def test_pynvml_reader_start_xid_events_registers_the_other_gpus_when_one_fails(
 def test_pynvml_reader_start_xid_events_raises_and_frees_the_set_when_no_gpu_supports_them(
     raw: RawNvml,
 ) -> None:
-    raw.errors["nvmlDeviceRegisterEvents"] = pynvml.NVML_ERROR_NOT_SUPPORTED
+    raw.errors["nvmlDeviceRegisterEvents"] = NVML.error_not_supported
     with pytest.raises(NvmlError, match="no GPU on this node supports XID events"):
         PynvmlReader().start_xid_events()
     assert raw.calls.count("nvmlEventSetFree") == 1
@@ -462,7 +474,7 @@ def test_pynvml_reader_shutdown_shuts_nvml_down_even_when_freeing_the_event_set_
 ) -> None:
     reader = PynvmlReader()
     reader.start_xid_events()
-    raw.errors["nvmlEventSetFree"] = pynvml.NVML_ERROR_UNKNOWN
+    raw.errors["nvmlEventSetFree"] = ERROR_UNKNOWN
     reader.shutdown()
     assert raw.calls[-2:] == ["nvmlEventSetFree", "nvmlShutdown"]
 
