@@ -6,11 +6,11 @@ long run's log, are folded into a few numbers each as they are read; past
 ``MAX_SAMPLES`` per rank every other one is dropped, so a month-long run keeps an even
 sample of its steps. Other records are kept with only the fields compare reads
 (``_FIELDS``), each mapping of figures (phase seconds, memory by device) cut to
-``MAX_ENTRIES`` finite numbers, at most ``MAX_RECORDS`` per rank: a kept record is a few
-hundred bytes however long its line was. The first attach record of each rank is kept
-whole (its environment); later ones keep their time and throughput config. A record
-whose step is negative is dropped (steps count from 0). Every record is untrusted: a
-field of the wrong type reads as absent.
+``MAX_ENTRIES`` finite numbers, no text longer than ``MAX_TEXT``; at most ``MAX_RECORDS``
+per rank and ``MAX_KEPT_BYTES`` of them (estimated). The first attach record of each rank
+is kept whole (its environment, one line); later ones keep their time and throughput
+config. A record whose step is negative is dropped (steps count from 0). Every record
+is untrusted: a field of the wrong type reads as absent.
 
 Needs no torch; reuses :mod:`stabmon.report.goodput` for throughput and goodput.
 """
@@ -34,6 +34,12 @@ MAX_SAMPLES = 20_000
 MAX_RECORDS = 100_000
 #: Entries kept of each mapping of figures in a kept record (devices, phases).
 MAX_ENTRIES = 64
+#: A name or text in a kept record longer than this reads as absent (no stabmon name is).
+MAX_TEXT = 128
+#: What one rank's kept records may take, estimated as ``_VALUE_BYTES`` a value plus its text:
+#: a real record costs about 1.5 KB, so ``MAX_RECORDS`` of them fit.
+MAX_KEPT_BYTES = 160 * 2**20
+_VALUE_BYTES = 80
 _COMMON = ("event", "time", "step", "run", "rank")
 #: The fields compare reads, by event; other events keep only the common fields.
 _FIELDS: dict[str, tuple[str, ...]] = {
@@ -305,6 +311,7 @@ class _Fold:
         self._stride: dict[int, int] = {}
         self._seen: dict[int, int] = {}
         self._kept: dict[int, int] = {}
+        self._bytes: dict[int, int] = {}
         self.dropped: dict[int, int] = {}
         self.negative: dict[int, int] = {}
         self._attached: set[int] = set()
@@ -317,14 +324,20 @@ class _Fold:
         if isinstance(step, int) and step < 0:
             self.negative[rank] = self.negative.get(rank, 0) + 1
             return None
-        if self._kept.get(rank, 0) >= MAX_RECORDS:
+        if record.get("event") == "attach" and rank not in self._attached:
+            self._attached.add(rank)  # the environment fingerprint: one line, kept whole
+            return record
+        slim = _slim(record)
+        size = _size(slim)
+        if (
+            self._kept.get(rank, 0) >= MAX_RECORDS
+            or self._bytes.get(rank, 0) + size > MAX_KEPT_BYTES
+        ):
             self.dropped[rank] = self.dropped.get(rank, 0) + 1
             return None
         self._kept[rank] = self._kept.get(rank, 0) + 1
-        if record.get("event") == "attach" and rank not in self._attached:
-            self._attached.add(rank)  # the environment fingerprint: one record, kept whole
-            return record
-        return _slim(record)
+        self._bytes[rank] = self._bytes.get(rank, 0) + size
+        return slim
 
     def _sample(self, rank: int, record: Mapping[str, Any]) -> None:
         step = record.get("step")
@@ -352,7 +365,10 @@ def read_digest(path: Path) -> RunDigest:
     fold = _Fold()
     run = read_run(path, select=fold, follow_symlinks=False)
     for rank, dropped in sorted(fold.dropped.items()):
-        run.notes.append(f"rank {rank}: {dropped} records past the first {MAX_RECORDS} not read")
+        run.notes.append(
+            f"rank {rank}: {dropped} records not read, past the first {MAX_RECORDS:,} records "
+            f"or {MAX_KEPT_BYTES >> 20} MiB kept"
+        )
     for rank, negative in sorted(fold.negative.items()):
         run.notes.append(f"rank {rank}: {negative} records with a negative step not read")
     ranks = [
@@ -369,7 +385,8 @@ def _slim(record: Mapping[str, Any]) -> dict[str, Any]:
     fields = _FIELDS.get(event, ()) if isinstance(event, str) else ()
     for key in (*_COMMON, *fields):
         value = record.get(key)
-        if isinstance(value, (str, bool, int, float)) and not _non_finite(value):
+        text_ok = not isinstance(value, str) or len(value) <= MAX_TEXT
+        if isinstance(value, (str, bool, int, float)) and text_ok and not _non_finite(value):
             slim[key] = value
     for key in _FIGURES:
         if isinstance(record.get(key), Mapping):
@@ -392,9 +409,18 @@ def _figures(value: Mapping[str, Any]) -> dict[str, Any]:
     for key, item in value.items():
         if len(kept) >= MAX_ENTRIES:
             break
+        if len(str(key)) > MAX_TEXT:
+            continue
         if isinstance(item, bool) or ((found := number(item)) is not None and math.isfinite(found)):
             kept[str(key)] = item
     return kept
+
+
+def _size(value: object) -> int:
+    """What a slimmed record takes, estimated: ``_VALUE_BYTES`` a value, plus its text."""
+    if isinstance(value, Mapping):
+        return sum(len(str(key)) + _size(item) for key, item in value.items())
+    return _VALUE_BYTES + (len(value) if isinstance(value, str) else 0)
 
 
 def _seconds(value: object) -> float | None:

@@ -151,3 +151,27 @@ def test_kept_records_hold_only_what_compare_reads_so_memory_stays_bounded(
     assert rank.log.of("epoch")[0] == {"time": 1001.0, "event": "epoch", "step": 5, "run": "r",
                                        "rank": 0, "memory": {"host": 1.0}}  # fmt: skip
     assert peak < 8 * 2**20  # the log is 9 MiB; kept whole, its records would take ~80 MiB
+
+
+def test_records_past_the_bytes_a_rank_may_keep_are_not_read_and_a_note_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("stabmon.report.digest.MAX_KEPT_BYTES", 20_000)
+    records = [attach_record(), *throughput_records([{"forward": 0.01}] * 100)]
+
+    run = read_digest(write_run(tmp_path / "r", {0: records}))
+
+    kept = len(run.ranks[0].log.of("throughput"))
+    assert 0 < kept < 100
+    assert run.notes == [
+        f"rank 0: {100 - kept} records not read, past the first 100,000 records or 0 MiB kept"
+    ]
+
+
+def test_a_text_too_long_for_a_stabmon_name_reads_as_absent(tmp_path: Path) -> None:
+    long_kind = {"time": 1001.0, "event": "anomaly", "kind": "x" * 10_000, "step": 3}
+    long_device = {"time": 1002.0, "event": "epoch", "step": 4, "memory": {"d" * 10_000: 1.0}}
+    (rank,) = read_digest(write_run(tmp_path / "r", {0: [attach_record(), long_kind,
+                                                         long_device]})).ranks  # fmt: skip
+
+    assert rank.anomalies() == [] and rank.memory() == {}
