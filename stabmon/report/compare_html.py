@@ -60,7 +60,7 @@ def render_page(comparison: Comparison, *, now: float | None = None) -> str:
     """The comparison as one HTML document."""
     c = comparison
     plots = {
-        "step-time": [_step_time_plot(c), _phase_plot(c)],
+        "step-time": [_step_time_plot(c), _wall_time_plot(c), _phase_plot(c)],
         "memory": [_memory_plot(c)],
         "amp": [_scale_plot(c)],
     }
@@ -130,6 +130,34 @@ def _step_time_plot(c: Comparison) -> str | None:
                  label="steps compared")  # fmt: skip
     _mark_anomalies(c, axes)
     finish_axes(axes, "ms per step (block mean)", "step time: A solid, B dashed")
+    return to_svg(figure)
+
+
+def _wall_time_plot(c: Comparison) -> str | None:
+    """The compared blocks' step times by wall time since each rank's warm-up ended (the
+    start of its first compared block): runs of different speeds, side by side in time."""
+    figure, axes = new_figure()
+    drawn = False
+    first, last = c.step_time.first_step, c.step_time.last_step
+    for name, _, ranks in _sides(c):
+        for rank in ranks:
+            compared = [b for b in rank.blocks() if first <= b.first_step
+                        and b.last_step <= last and b.end_time is not None]  # fmt: skip
+            start = next((b.start_time for b in compared if b.start_time is not None), None)
+            if start is None:
+                continue
+            points = [((b.end_time or start) - start, b.step_seconds * 1e3) for b in compared]
+            draw_line(axes, points, rank_color(rank.rank), f"{name.upper()}, rank {rank.rank}",
+                      style=_STYLES[name])  # fmt: skip
+            drawn = drawn or bool(points)
+    if not drawn:
+        return None
+    finish_axes(
+        axes,
+        "ms per step (block mean)",
+        "step time by wall time after warm-up: A solid, B dashed",
+        xlabel="seconds since the warm-up ended",
+    )
     return to_svg(figure)
 
 

@@ -91,6 +91,10 @@ class Block:
     #: Samples and tokens counted over the block's steps (None where not counted).
     samples: int | None = None
     tokens: int | None = None
+    #: When the block ended (its record's time) and when it began (the previous record's,
+    #: or the process's attach), Unix seconds; None where a record had no time.
+    end_time: float | None = None
+    start_time: float | None = None
 
     @property
     def steps(self) -> int:
@@ -120,12 +124,14 @@ class RankDigest:
         """Every interval between two throughput records of one process (the first from attach)."""
         blocks: list[Block] = []
         before = _Totals({}, 0, None, None)
+        since: float | None = None
         for record in self.log.records:
             event = record.get("event")
             if event == "attach":
-                before = _Totals({}, 0, None, None)
+                before, since = _Totals({}, 0, None, None), number(record.get("time"))
             if event != "throughput" or not isinstance(record.get("step"), int):
                 continue
+            time = number(record.get("time"))
             now = _Totals.of(record)
             done = now.steps - before.steps
             first = record["step"] - done + 1
@@ -135,8 +141,9 @@ class RankDigest:
                     for phase, seconds in now.phases.items()
                 }
                 samples, tokens = now.done(before)
-                blocks.append(Block(first, record["step"], per_step, samples, tokens))
+                blocks.append(Block(first, record["step"], per_step, samples, tokens, time, since))
             before = now if now.steps >= before.steps else before
+            since = time
         return blocks
 
     def environment(self) -> dict[str, str]:

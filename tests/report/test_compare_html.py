@@ -25,7 +25,9 @@ def test_the_page_has_every_section_plots_and_no_script(tmp_path: Path) -> None:
     page = _page(tmp_path)
 
     assert all(f'<section id="{section}">' in page for section in SECTION_IDS)
-    assert page.count("<svg") == 2  # step time by step, and the phases side by side
+    # Step time by step and by wall time after warm-up, and the phases side by side.
+    assert page.count("<svg") == 3
+    assert "step time by wall time after warm-up" in page
     assert "<script" not in page
     assert re.findall(r'(?:src|href)="(?!#)', page) == []  # loads nothing from anywhere
     assert '<div class="verdict bad">REGRESSED</div>' in page

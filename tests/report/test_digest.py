@@ -175,3 +175,12 @@ def test_a_text_too_long_for_a_stabmon_name_reads_as_absent(tmp_path: Path) -> N
                                                          long_device]})).ranks  # fmt: skip
 
     assert rank.anomalies() == [] and rank.memory() == {}
+
+
+def test_each_block_knows_when_it_began_and_ended(tmp_path: Path) -> None:
+    records = [attach_record(1000.0), *throughput_records([{"forward": 0.01}] * 2)]
+
+    (rank,) = read_digest(write_run(tmp_path / "r", {0: records})).ranks
+
+    assert [(b.start_time, b.end_time) for b in rank.blocks()] == [(1000.0, 1000.1),
+                                                                    (1000.1, 1000.2)]  # fmt: skip
