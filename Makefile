@@ -51,9 +51,11 @@ bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[bench]'
 	$(BIN)/python bench/overhead.py --update-readme
 
-# On a machine with an NVIDIA GPU: a CUDA torch in its own venv (.venv-gpu), every gpu-marked
-# test, the sync check under sync-debug "error", the GPU overhead workload and the daemon on real
-# NVML, into gpu-check-report.md. Elsewhere it lists what it needs and exits 2, changing nothing.
+# On a machine with an NVIDIA GPU, in under five minutes: $(PYTHON)'s own CUDA torch (nothing
+# installed, no network; GPU_CHECK_FLAGS=--install makes a .venv-gpu with one instead), the
+# gpu-marked tests of an explicit list of files (the daemon on real NVML and the real-device sync
+# check among them), the fake-CUDA sync audit and a short GPU overhead run, each step bounded,
+# into gpu-check-report.md. Elsewhere it lists what it needs and exits 2, changing nothing.
 # `make gpu-check GPU_CHECK_FLAGS=--dry-run` prints the plan; bench/gpu_check.py --help lists the rest.
 gpu-check:
 	$(PYTHON) bench/gpu_check.py $(GPU_CHECK_FLAGS)

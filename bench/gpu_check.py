@@ -1,27 +1,30 @@
 """`make gpu-check`: everything stabmon claims about CUDA, run on a real GPU, in one report file.
 
-On a machine with an NVIDIA GPU this script
+Made for a borrowed GPU machine (minutes of device time, no network): by default it uses the
+interpreter it runs under when that has a CUDA build of torch (``--python`` names another),
+installs nothing, and runs stabmon from this checkout (``PYTHONPATH``). ``--install`` (or an
+interpreter without a CUDA torch) takes the workstation path instead: a venv (``.venv-gpu``)
+with a CUDA torch from PyTorch's wheel index (or ``--find-links``) and stabmon's dev extras.
+Then, each step bounded by its own timeout and all of them by ``--budget-seconds`` (default
+290: the check ends within five minutes, leaving the device time to run it again):
 
-1. creates its own venv (``.venv-gpu``) and installs a CUDA build of torch into it from
-   PyTorch's CUDA wheel index (or a wheelhouse: ``--find-links``), then stabmon with its
-   dev extras; ``--python`` uses an interpreter that already has a CUDA torch instead;
-2. runs every ``gpu``-marked test (``pytest -m gpu``): a gpu test that skips there fails
-   the check;
-3. runs the sync check: ``tests/test_sync_audit.py``, the fake-CUDA audit and the same
-   phases on the real device under ``torch.cuda.set_sync_debug_mode("error")``;
-4. runs the overhead benchmark's GPU workload (``bench/overhead.py --device cuda``: plain,
-   the floor and stabmon in rotated, order-reversed rounds, every stabmon, floor and plain
-   segment under sync-debug "error");
-5. runs the daemon against the real NVML with a CUDA training process pinned by
-   ``CUDA_VISIBLE_DEVICES`` (``tests/integration/test_daemon_real_nvml.py``);
+1. torch sees the GPU;
+2. the ``gpu``-marked tests of :data:`GPU_TEST_FILES` (``pytest -m gpu`` on those files, not
+   on ``tests``: the other modules import packages such a machine need not have); a gpu test
+   that skips there fails the check;
+3. the sync audit on fake CUDA (``tests/test_sync_audit.py -m "not gpu"``; its real-device
+   half ran in step 2);
+4. the overhead benchmark's GPU workload, short (``bench/overhead.py --device cuda``: plain,
+   the floor and stabmon on a GPT-2-small, every segment under sync-debug "error");
 
-and writes one Markdown report (``gpu-check-report.md``): the machine, each step's
-command, exit status, time and output. It exits 0 when every step passed, 1 otherwise.
+and writes one Markdown report (``gpu-check-report.md``): the machine, each step's command,
+exit status, time and output. A step that runs out of time is stopped (its process group
+killed) and reported with exit 124. It exits 0 when every step passed, 1 otherwise.
 
-Where something it needs is missing (no GPU, no driver, no venv module, too little disk)
-it says what, and how to get it, and exits 2 before changing anything. ``--dry-run``
-checks the same and prints the plan without running it. Standard library only: it runs
-under the system Python, which need not have torch.
+Where something it needs is missing (no GPU, no driver, a module the interpreter lacks, no
+venv module or too little disk for an install) it says what, and how to get it, and exits 2
+before changing anything. ``--dry-run`` checks the same and prints the plan without running
+it. Standard library only: it runs under any Python, which need not have torch.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import os
 import platform
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -48,6 +52,23 @@ DEFAULT_INDEX_URL = "https://download.pytorch.org/whl/cu128"
 #: A CUDA torch with its NVIDIA libraries takes about 6 GB installed; pip needs room to unpack.
 MIN_FREE_GB = 10.0
 OUTPUT_LINES = 80
+#: Every test file that holds ``gpu``-marked tests, but the overhead benchmark's (step 4 runs
+#: the same measurement and writes its JSON). tests/bench/test_gpu_check.py keeps it complete.
+GPU_TEST_FILES = (
+    "tests/test_gpu.py",
+    "tests/test_sync_audit.py",
+    "tests/pipeline/test_readback.py",
+    "tests/probes/test_device_timing.py",
+    "tests/hardware/test_devices.py",
+    "tests/hardware/test_nvml.py",
+    "tests/integration/test_daemon_real_nvml.py",
+)
+#: Modules those tests and stabmon import, checked in an interpreter used as it is.
+TEST_MODULES = ("pytest", "numpy", "prometheus_client", "psutil", "yaml", "pynvml")
+#: The whole check's default bound, and the per-step bounds inside it (seconds).
+BUDGET_SECONDS = 290.0
+INSTALL_SECONDS = 1200.0
+CUDA_TORCH = "import sys, torch; sys.exit(0 if torch.version.cuda else 1)"
 
 
 @dataclass(frozen=True)
@@ -73,11 +94,30 @@ class Probes:
     has_module: Callable[[str, str], bool] = lambda python, module: (
         subprocess.run([python, "-c", f"import {module}"], capture_output=True).returncode == 0
     )
+    has_cuda_torch: Callable[[str], bool] = lambda python: (
+        subprocess.run([python, "-c", CUDA_TORCH], capture_output=True, timeout=120).returncode == 0
+    )
+
+
+def interpreter(args: argparse.Namespace, probes: Probes) -> str | None:
+    """The interpreter to use as it is (no install), or None for the install path."""
+    if args.python:
+        return str(args.python)
+    if not args.install and probes.has_cuda_torch(args.base_python):
+        return str(args.base_python)
+    return None
 
 
 def needs(args: argparse.Namespace, probes: Probes) -> list[Need]:
     """Every requirement of the check, each with what was found."""
-    found: list[Need] = []
+    found = _device_needs(probes)
+    python = interpreter(args, probes)
+    if python is not None:
+        return found + _interpreter_needs(python, probes, named=bool(args.python))
+    return found + _install_needs(args, probes)
+
+
+def _device_needs(probes: Probes) -> list[Need]:
     smi = probes.which("nvidia-smi")
     gpus: list[str] = []
     if smi is not None:
@@ -85,59 +125,57 @@ def needs(args: argparse.Namespace, probes: Probes) -> list[Need]:
             gpus = [line for line in probes.run([smi, "-L"]).splitlines() if line.startswith("GPU")]
         except (OSError, subprocess.SubprocessError) as error:
             gpus, smi = [], f"{smi} (fails: {error})"
-    found.append(
-        Need(
-            "an NVIDIA GPU, listed by `nvidia-smi -L`",
-            bool(gpus),
-            "; ".join(gpus) if gpus else (smi or "no nvidia-smi on PATH"),
-            "run on a machine with an NVIDIA GPU and its driver installed",
-        )
-    )
     try:
         probes.load_library("libnvidia-ml.so.1")
         nvml, where = True, "libnvidia-ml.so.1 loads"
     except OSError as error:
         nvml, where = False, f"libnvidia-ml.so.1 does not load ({error})"
-    found.append(Need("the NVIDIA driver's NVML library", nvml, where,
-                      "install the NVIDIA driver (it ships libnvidia-ml.so.1)"))  # fmt: skip
-    if args.python:
-        python = args.python
-        torch_ok = probes.has_module(python, "torch")
-        found.append(Need(f"a CUDA build of torch in {python}", torch_ok,
-                          "torch imports" if torch_ok else "torch does not import",
-                          "install a CUDA torch there, or leave out --python"))  # fmt: skip
-    else:
-        venv_ok = probes.has_module(args.base_python, "venv") and probes.has_module(
-            args.base_python, "ensurepip"
-        )
-        found.append(
-            Need(
-                f"{args.base_python} with the venv and ensurepip modules (Python >= 3.10)",
-                venv_ok,
-                "present" if venv_ok else "missing",
-                "install python3-venv (Debian/Ubuntu: apt-get install python3-venv)",
-            )
-        )
-        target = Path(args.venv).resolve().parent
-        free = probes.free_bytes(target) / 1e9
-        found.append(
-            Need(
-                f"{MIN_FREE_GB:.0f} GB free for the venv's CUDA torch",
-                free >= MIN_FREE_GB,
-                f"{free:.1f} GB free in {target}",
-                "free some disk, or point --venv somewhere with room",
-            )
-        )
-        source = f"--find-links {args.find_links}" if args.find_links else args.index_url
-        found.append(
-            Need(
-                f"{args.torch} for CUDA from {source}",
-                True,  # not probed: pip says so in the report if it cannot be had
-                "checked when pip installs it",
-                "network access to that index, or --find-links DIR holding the wheels",
-            )
-        )
-    return found
+    return [
+        Need("an NVIDIA GPU, listed by `nvidia-smi -L`", bool(gpus),
+             "; ".join(gpus) if gpus else (smi or "no nvidia-smi on PATH"),
+             "run on a machine with an NVIDIA GPU and its driver installed"),
+        Need("the NVIDIA driver's NVML library", nvml, where,
+             "install the NVIDIA driver (it ships libnvidia-ml.so.1)"),
+    ]  # fmt: skip
+
+
+def _interpreter_needs(python: str, probes: Probes, *, named: bool) -> list[Need]:
+    """An interpreter used as it is: a CUDA torch and the test modules, nothing installed."""
+    cuda = probes.has_cuda_torch(python) if named else True  # unnamed: found by that probe
+    missing = [module for module in TEST_MODULES if not probes.has_module(python, module)]
+    packages = {"yaml": "pyyaml", "pynvml": "nvidia-ml-py", "prometheus_client":
+                "prometheus-client"}  # fmt: skip
+    wanted = " ".join(packages.get(module, module) for module in missing)
+    return [
+        Need(f"a CUDA build of torch in {python} (used as it is, nothing installed)", cuda,
+             "torch with CUDA imports" if cuda else "no CUDA torch imports",
+             "install a CUDA torch there, or run with --install (needs network)"),
+        Need(f"{', '.join(TEST_MODULES)} in {python}", not missing,
+             "all import" if not missing else f"missing: {', '.join(missing)}",
+             f"{python} -m pip install {wanted} (or --find-links a wheelhouse), or --install"),
+    ]  # fmt: skip
+
+
+def _install_needs(args: argparse.Namespace, probes: Probes) -> list[Need]:
+    """The workstation path: a venv with a CUDA torch from an index or a wheelhouse."""
+    venv_ok = probes.has_module(args.base_python, "venv") and probes.has_module(
+        args.base_python, "ensurepip"
+    )
+    target = Path(args.venv).resolve().parent
+    free = probes.free_bytes(target) / 1e9
+    source = f"--find-links {args.find_links}" if args.find_links else args.index_url
+    return [
+        Need(f"{args.base_python} with the venv and ensurepip modules (Python >= 3.10)", venv_ok,
+             "present" if venv_ok else "missing",
+             "install python3-venv (Debian/Ubuntu: apt-get install python3-venv)"),
+        Need(f"{MIN_FREE_GB:.0f} GB free for the venv's CUDA torch", free >= MIN_FREE_GB,
+             f"{free:.1f} GB free in {target}",
+             "free some disk, or point --venv somewhere with room"),
+        Need(f"{args.torch} for CUDA from {source}",
+             True,  # not probed: pip says so in the report if it cannot be had
+             "checked when pip installs it",
+             "network access to that index, or --find-links DIR holding the wheels"),
+    ]  # fmt: skip
 
 
 @dataclass
@@ -147,6 +185,10 @@ class Step:
     name: str
     argv: list[str]
     environment: dict[str, str] = field(default_factory=dict)
+    #: Seconds it may run; the check's budget may leave it less.
+    timeout: float = 60.0
+    #: Whether it counts against ``--budget-seconds`` (the install steps do not).
+    budgeted: bool = True
     returncode: int | None = None
     seconds: float = 0.0
     output: str = ""
@@ -157,54 +199,76 @@ class Step:
         return (prefix + " " if prefix else "") + shlex.join(self.argv)
 
 
-def plan(args: argparse.Namespace, report_dir: Path) -> tuple[str, list[Step]]:
-    """The interpreter the checks run with, and every step, in order."""
+def plan(
+    args: argparse.Namespace, report_dir: Path, python: str | None = None
+) -> tuple[str, list[Step]]:
+    """The interpreter the checks run with, and every step, in order.
+
+    ``python``: an interpreter with a CUDA torch, used as it is (stabmon from this checkout,
+    on ``PYTHONPATH``); None installs a venv first.
+    """
     steps: list[Step] = []
-    if args.python:
-        python = args.python
+    environment: dict[str, str] = {}
+    if python is not None:
+        environment = {"PYTHONPATH": str(ROOT)}
     else:
         venv = Path(args.venv)
         python = str(venv / "bin" / "python")
         source = ["--find-links", args.find_links, "--no-index"] if args.find_links else [
             "--index-url", args.index_url]  # fmt: skip
+        pip = [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
         steps += [
-            Step("create the venv", [args.base_python, "-m", "venv", str(venv)]),
-            Step("install a CUDA torch", [python, "-m", "pip", "install", "--quiet",
-                                          "--disable-pip-version-check", args.torch, *source]),
-            Step("install stabmon", [python, "-m", "pip", "install", "--quiet",
-                                     "--disable-pip-version-check", "-e", ".[dev]"]),
+            Step("create the venv", [args.base_python, "-m", "venv", str(venv)],
+                 timeout=120, budgeted=False),
+            Step("install a CUDA torch", [*pip, args.torch, *source],
+                 timeout=INSTALL_SECONDS, budgeted=False),
+            Step("install stabmon", [*pip, "-e", ".[dev]"], timeout=600, budgeted=False),
         ]  # fmt: skip
     probe = (
         "import json, torch; assert torch.cuda.is_available(), 'this torch sees no CUDA device'; "
         "print(json.dumps({'torch': torch.__version__, 'cuda': torch.version.cuda, "
         "'devices': [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}))"
     )
-    pytest = [python, "-m", "pytest", "-p", "no:cacheprovider", "-rA", "-q"]
+    # addopts cleared: the project's `--dist loadgroup` needs pytest-xdist, which need not be here.
+    pytest = [python, "-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=", "-rA", "-q",
+              "--strict-markers"]  # fmt: skip
     overhead_json = report_dir / "gpu-check-overhead.json"
     steps += [
-        Step("torch sees the GPU", [python, "-c", probe]),
-        Step("every gpu-marked test", [*pytest, "-m", "gpu", "tests"]),
-        Step("sync check (fake audit, then the device under sync-debug error)",
-             [*pytest, "tests/test_sync_audit.py"]),
-        Step("overhead benchmark, GPU workload (plain, floor, stabmon)",
-             [python, "bench/overhead.py", "--device", "cuda", "--no-peers",
-              "--json", str(overhead_json)]),
-        Step("daemon on real NVML, trainee pinned by CUDA_VISIBLE_DEVICES",
-             [*pytest, "tests/integration/test_daemon_real_nvml.py"]),
+        Step("torch sees the GPU", [python, "-c", probe], environment, timeout=30),
+        Step("gpu-marked tests", [*pytest, "-m", "gpu", *GPU_TEST_FILES], environment,
+             timeout=120),
+        Step("sync audit on fake CUDA", [*pytest, "-m", "not gpu", "tests/test_sync_audit.py"],
+             environment, timeout=30),
+        Step("overhead benchmark, GPU workload (plain, floor, stabmon), short",
+             [python, "bench/overhead.py", "--device", "cuda", "--rounds", "4", "--steps", "50",
+              "--no-peers", "--skip-interleaved", "--skip-rss", "--skip-exporter",
+              "--json", str(overhead_json)], environment, timeout=100),
     ]  # fmt: skip
     return python, steps
 
 
-def run_step(step: Step) -> None:
+def run_step(step: Step, seconds: float | None = None) -> None:
+    """Run ``step`` for at most ``seconds`` (its own timeout by default); past that its whole
+    process group is killed (a test's child processes too) and it exits 124."""
+    limit = step.timeout if seconds is None else min(step.timeout, seconds)
     started = time.monotonic()
     try:
-        done = subprocess.run(
-            step.argv, cwd=ROOT, env={**os.environ, **step.environment},
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=3600,
+        process = subprocess.Popen(
+            step.argv, cwd=ROOT, env={**os.environ, **step.environment}, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
-        step.returncode, step.output = done.returncode, done.stdout
-    except (OSError, subprocess.TimeoutExpired) as error:
+    except OSError as error:
         step.returncode, step.output = 127, f"could not run: {error}"
+        step.seconds = time.monotonic() - started
+        return
+    try:
+        step.output, _ = process.communicate(timeout=max(limit, 1.0))
+        step.returncode = process.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        step.returncode = 124
+        step.output = f"{output or ''}\ngpu-check: stopped after {limit:.0f} s (its time bound)"
     step.seconds = time.monotonic() - started
     if step.returncode == 0 and "-m" in step.argv and "gpu" in step.argv:
         skipped = [line for line in step.output.splitlines() if line.startswith("SKIPPED")]
@@ -262,6 +326,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--find-links", help="install torch from this wheelhouse, offline")
     parser.add_argument("--base-python", default=sys.executable, help="makes the venv")
     parser.add_argument("--python", help="an interpreter that has a CUDA torch: no venv made")
+    parser.add_argument(
+        "--install", action="store_true",
+        help="make the venv with a CUDA torch even when this interpreter has one (workstation)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--budget-seconds", type=float, default=BUDGET_SECONDS,
+        help=f"bound on the checks after any install (default {BUDGET_SECONDS:.0f})",
+    )  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -270,7 +342,7 @@ def main(argv: Sequence[str] | None = None, probes: Probes | None = None) -> int
     found = needs(args, probes or Probes())
     missing = [need for need in found if not need.met]
     report_path = (ROOT / args.report) if not Path(args.report).is_absolute() else Path(args.report)
-    python, steps = plan(args, report_path.parent)
+    python, steps = plan(args, report_path.parent, interpreter(args, probes or Probes()))
     print("gpu-check needs:")
     for need in found:
         print(f"  [{'ok' if need.met else 'MISSING'}] {need.what}: {need.found}")
@@ -279,7 +351,7 @@ def main(argv: Sequence[str] | None = None, probes: Probes | None = None) -> int
     if args.dry_run or missing:
         print("\nplan (run from the repository root):")
         for number, step in enumerate(steps, 1):
-            print(f"  {number}. {step.name}:\n       {step.command}")
+            print(f"  {number}. {step.name} (at most {step.timeout:.0f} s):\n       {step.command}")
         print(f"  then the report: {report_path}")
     if missing:
         print(
@@ -291,12 +363,7 @@ def main(argv: Sequence[str] | None = None, probes: Probes | None = None) -> int
     if args.dry_run:
         return 0
     smi = probes_run(probes or Probes(), ["nvidia-smi"])
-    for step in steps:
-        print(f"gpu-check: {step.name} ...", file=sys.stderr, flush=True)
-        run_step(step)
-        print(f"  exit {step.returncode} after {step.seconds:.0f} s", file=sys.stderr, flush=True)
-        if step.returncode != 0 and step.name.startswith(("create", "install", "torch sees")):
-            break  # without the interpreter nothing after can run
+    run_steps(steps, args.budget_seconds)
     ran = [step for step in steps if step.returncode is not None]
     report(report_path, found, ran, smi)
     overhead = report_path.parent / "gpu-check-overhead.json"
@@ -305,6 +372,21 @@ def main(argv: Sequence[str] | None = None, probes: Probes | None = None) -> int
     passed = len(ran) == len(steps) and all(step.returncode == 0 for step in ran)
     print(f"gpu-check {'PASSED' if passed else 'FAILED'}: {report_path} ({python})")
     return 0 if passed else 1
+
+
+def run_steps(steps: Sequence[Step], budget: float) -> None:
+    """Run ``steps`` in order, the budgeted ones within ``budget`` seconds all together."""
+    left = budget
+    for step in steps:
+        if step.budgeted and left < 1.0:
+            print(f"gpu-check: {step.name}: no time left in the budget", file=sys.stderr)
+            break
+        print(f"gpu-check: {step.name} ...", file=sys.stderr, flush=True)
+        run_step(step, left if step.budgeted else None)
+        left -= step.seconds if step.budgeted else 0.0
+        print(f"  exit {step.returncode} after {step.seconds:.0f} s", file=sys.stderr, flush=True)
+        if step.returncode != 0 and step.name.startswith(("create", "install", "torch sees")):
+            break  # without the interpreter nothing after can run
 
 
 def probes_run(probes: Probes, argv: Sequence[str]) -> str:
