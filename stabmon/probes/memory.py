@@ -19,7 +19,6 @@ import psutil
 import torch
 
 from stabmon.pipeline.readings import DeviceMemory, Readings
-from stabmon.shared.log import LOGGER
 
 __all__ = [
     "DeviceMemorySample",
@@ -99,6 +98,8 @@ def cgroup_memory_limit(root: Path = Path("/sys/fs/cgroup")) -> int | None:
 
 
 HOST = "host"
+#: The device phase in which it waits for the next step's work (stabmon.probes.device_timing).
+DATA_WAIT = "data_wait"
 
 
 class MemorySampler:
@@ -113,25 +114,53 @@ class MemorySampler:
         self._readings = readings
         self._host = host
         self._devices = devices
-        self._utilization = True  # until NVML proves unavailable
+        #: Device seconds the phase events spanned, and those of them not input wait, at the
+        #: last sample that saw any: the next utilization is over the time between.
+        self._device_seconds = (0.0, 0.0)
 
     def sample(self) -> None:
-        """Host RSS, and each device's allocated, reserved and epoch-peak bytes and utilization."""
+        """Host RSS, and each device's allocated, reserved and epoch-peak bytes; the first
+        device's utilization over the interval since the last sample."""
         readings = self._readings
         if self._host is not None:
             readings.host_rss = self._host.rss_bytes()
-        for device in self._devices():
+        for index, device in enumerate(self._devices()):
             memory = sample_device(device)
             label = device_label(device)
             readings.device_memory[label] = DeviceMemory(memory.allocated, memory.reserved)
             readings.device_memory_peak[label] = memory.peak_allocated
-            if self._utilization:
-                try:
-                    # NVML through torch, which maps CUDA_VISIBLE_DEVICES; a few ms, so here only.
-                    readings.device_utilization[label] = torch.cuda.utilization(device) / 100.0
-                except Exception as error:  # pynvml.NVMLError is not imported outside the daemon
-                    self._utilization = False  # no NVML here (no library, MIG): the daemon's job
-                    LOGGER.info("stabmon: no GPU utilization from this process: %s", error)
+            if index == 0:  # the device the phase events are recorded on
+                self._utilization(label)
+
+    def _utilization(self, label: str) -> None:
+        """The share of the device's time this loop kept it working, from the phase events.
+
+        Between two loop-boundary events the device either ran the loop's work (forward,
+        backward, optimizer, named phases) or, from a step's end to the next forward's
+        start (``data_wait``), had nothing queued: idle. Over the interval since the last
+        sample that saw any device time: 1 - idle / all. No device time in the interval
+        (no step completed on the device yet) leaves the last figure, so it never drops
+        to 0 between two sparse samples. NVML's utilization (``torch.cuda.utilization``,
+        the daemon's ``stabmon_gpu_utilization_ratio``) is a point read of the driver's
+        last sample period, which flickered when read once per interval.
+        """
+        phases = self._readings.device_phase_seconds
+        for _ in range(3):  # the training thread adds phases: a copy may meet a new key
+            try:
+                seconds = dict(phases)
+                break
+            except RuntimeError:
+                continue
+        else:
+            return
+        total = sum(seconds.values())
+        busy = total - seconds.get(DATA_WAIT, 0.0)
+        last_total, last_busy = self._device_seconds
+        if total - last_total <= 0.0:
+            return
+        ratio = (busy - last_busy) / (total - last_total)
+        self._readings.device_utilization[label] = min(1.0, max(0.0, ratio))
+        self._device_seconds = (total, busy)
 
     def trend_samples(self) -> dict[str, float]:
         """Bytes now by label for the trend leak rule: RSS for host, allocated per device."""

@@ -143,7 +143,7 @@ def test_memory_sampler_records_each_devices_allocator_figures(allocator: Alloca
     sampler.sample()
     assert readings.device_memory == {"cuda:0": DeviceMemory(3 * 2**30, 4 * 2**30)}
     assert readings.device_memory_peak == {"cuda:0": 5 * 2**30}
-    assert readings.device_utilization == {"cuda:0": 0.7}
+    assert readings.device_utilization == {}  # no device time measured yet
     assert readings.host_rss is None
     assert sampler.limits() == {"cuda:0": 80.0 * 2**30}
 
@@ -158,17 +158,33 @@ def test_memory_sampler_starts_a_new_peak_window_at_epoch_end_only(allocator: Al
     assert sampler.epoch_samples()[1] == {"cuda:0": 3 * 2**30}  # the new window's peak
 
 
-def test_memory_sampler_stops_asking_for_utilization_once_nvml_is_missing(
+def test_memory_sampler_utilization_is_the_devices_working_share_since_the_last_sample(
     allocator: Allocator,
 ) -> None:
     readings = Readings(labels={})
     sampler = MemorySampler(readings, None, lambda: (CUDA0,))
-    allocator.busy_percent = None
+    for phase, seconds in (("forward", 0.3), ("backward", 0.5), ("data_wait", 0.2)):
+        readings.add_device_phase_time(phase, seconds)
     sampler.sample()
-    allocator.busy_percent = 50  # would answer now, but is not asked again
+    assert readings.device_utilization == {"cuda:0": pytest.approx(0.8)}
+
+    readings.add_device_phase_time("optimizer", 0.1)  # the next interval: mostly starved
+    readings.add_device_phase_time("data_wait", 0.9)
     sampler.sample()
-    assert readings.device_utilization == {}
-    assert readings.device_memory["cuda:0"].allocated == 3 * 2**30
+    assert readings.device_utilization == {"cuda:0": pytest.approx(0.1)}
+
+
+def test_memory_sampler_utilization_holds_through_an_interval_without_device_time(
+    allocator: Allocator,
+) -> None:
+    readings = Readings(labels={})
+    sampler = MemorySampler(readings, None, lambda: (CUDA0,))
+    readings.add_device_phase_time("forward", 1.0)
+    sampler.sample()
+    for busy_percent in (0, 100, 0):  # NVML's point reading flickers; this figure does not
+        allocator.busy_percent = busy_percent
+        sampler.sample()  # no step finished on the device in between
+        assert readings.device_utilization == {"cuda:0": 1.0}
 
 
 def test_memory_sampler_reads_devices_at_each_sample(allocator: Allocator) -> None:
