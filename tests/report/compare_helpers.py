@@ -15,8 +15,9 @@ from helpers import tiny_model
 import stabmon
 
 STEPS = 120
-#: Throughput records (written at slowdown block ends) every 5 ms: a short run has many blocks.
-RECORD_SECONDS = 0.005
+#: Throughput records (written at slowdown block ends) every 2 ms: a short run has many blocks,
+#: at least the 4 per rank compare needs even where 110 fast steps take 10 ms.
+RECORD_SECONDS = 0.002
 WARMUP_STEPS = 10
 
 
