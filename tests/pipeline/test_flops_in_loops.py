@@ -254,3 +254,36 @@ def test_a_step_whose_forward_is_never_seen_says_why(
     assert total is None
     reasons = [e["reason"] for e in events(tmp_path) if e["event"] == "flops_unavailable"]
     assert len(reasons) == 1 and "no forward" in reasons[0]
+
+
+class Paced(GPT):
+    """A GPT whose forward takes half a second of loop-clock time."""
+
+    def __init__(self, clock: LoopClock) -> None:
+        super().__init__()
+        self.clock = clock
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        self.clock.advance(0.5)
+        return super().forward(idx)
+
+
+def test_mfu_on_cpu_is_counted_flops_over_training_time_and_a_configured_peak(
+    attach: MonitorFactory,
+) -> None:
+    clock = LoopClock()
+    model = Paced(clock)
+    per_step = eager_count(GPT())
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    settings = {"throughput.flops_measure_step": 1, "throughput.peak_flops": 1e9,
+                "throughput.slowdown_block_seconds": 2.0}  # fmt: skip
+    monitor = attach(model, optimizer, clock=clock, **settings)
+    for _ in range(12):  # the block holding the counted step has no MFU; the next ones do
+        micro_batch_loss(model, batch(model)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    samples = scrape(monitor.metrics_url)
+    assert value(samples, "stabmon_peak_flops_per_second") == 1e9
+    mfu = value(samples, "stabmon_mfu_ratio")
+    assert mfu == pytest.approx(per_step / 0.5 / 1e9, rel=0.01)  # 0.5 s of forward per step
