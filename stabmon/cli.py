@@ -36,6 +36,15 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"stabmon {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
+    _add_running(commands)
+    _add_report(commands)
+    _add_compare(commands)
+    _add_status(commands)
+    return parser
+
+
+def _add_running(commands: argparse._SubParsersAction[_Parser]) -> None:
+    """The commands that run something: demo, env, check-config, daemon."""
     demo = commands.add_parser(
         "demo", help="train a small CPU model with faults injected and show what stabmon detects"
     )
@@ -64,6 +73,9 @@ def _parser() -> argparse.ArgumentParser:
     daemon.add_argument("--run-dir", help="run directory to watch (default /var/tmp/stabmon)")
     daemon.add_argument("--interval", type=float, help="poll interval in seconds (default 5)")
 
+
+def _add_report(commands: argparse._SubParsersAction[_Parser]) -> None:
+    """``stabmon report``: a run's event logs as one page."""
     report = commands.add_parser(
         "report", help="write one self-contained HTML page about a run, from its event logs"
     )
@@ -77,8 +89,9 @@ def _parser() -> argparse.ArgumentParser:
         help="whose per-module gradient norms to plot (default: the lowest rank)",
     )  # fmt: skip
 
-    _add_compare(commands)
 
+def _add_status(commands: argparse._SubParsersAction[_Parser]) -> None:
+    """``stabmon status``: scrape running exporters."""
     status = commands.add_parser(
         "status", help="scrape running exporters; one line per rank; exit 1 when any is unhealthy"
     )
@@ -97,7 +110,6 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument(
         "--basic-auth-file", help="file whose first line is username:password (basic_auth_file)"
     )
-    return parser
 
 
 def _add_compare(commands: argparse._SubParsersAction[_Parser]) -> None:
