@@ -20,17 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
-import operator
 import os
-import re
 import types
 import typing
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any, ClassVar, TypeVar
 
-from stabmon.config.yaml_file import encodable, read_yaml
+from stabmon.config.checks import DECIMAL, TEXT_FORMS, TYPE_NAMES, Spec, check_value, expected
+from stabmon.config.yaml_file import read_yaml
 from stabmon.config.yaml_file import show as _show
 from stabmon.errors import ConfigError
 
@@ -38,18 +35,8 @@ __all__ = ["Section", "field_meta", "load_sections"]
 
 _MAPPING_SOURCE = "config mapping"
 _OVERRIDE_SOURCE = "attach() keyword argument"
-_TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
-_TEXT_FORMS = {bool: "true, false, yes, no, 1 or 0", int: "a decimal integer", float: "a number"}
 _TRUE_WORDS = frozenset({"true", "yes", "1"})
 _FALSE_WORDS = frozenset({"false", "no", "0"})
-_DECIMAL = re.compile(r"[+-]?[0-9]+")
-# Metadata keys of numeric bounds, in the order messages name them.
-_BOUNDS: dict[str, tuple[Callable[[Any, Any], bool], str]] = {
-    "gt": (operator.gt, ">"),
-    "ge": (operator.ge, ">="),
-    "lt": (operator.lt, "<"),
-    "le": (operator.le, "<="),
-}
 
 
 class Section:
@@ -72,7 +59,7 @@ class Section:
                         allowed=spec.kind.__name__,
                     )
                 continue
-            checked = _check_value(spec, value, key=name, source=source)
+            checked = check_value(spec, value, key=name, source=source)
             if type(checked) is not type(value):
                 # An int given for a float field is stored as a float; frozen, hence object.
                 object.__setattr__(self, name, checked)
@@ -110,42 +97,11 @@ def field_meta(
     return meta | ({"nonempty": True} if nonempty else {})
 
 
-@dataclass(frozen=True)
-class _Spec:
-    """One field as the checker sees it: a bool/int/float/str or section type, and rules.
-
-    What every check of the field asks (is it a section, which types it accepts, its
-    numeric bounds) is worked out here once: a section is checked whole on every
-    construction, and ``load_config`` constructs each a few times (defaults, file,
-    environment, overrides).
-    """
-
-    kind: type
-    optional: bool
-    meta: Mapping[str, Any]
-    # Derived from the three above in __post_init__.
-    section: bool = field(init=False, repr=False, compare=False)
-    accepted: tuple[type, ...] = field(init=False, repr=False, compare=False)
-    bounds: tuple[tuple[Callable[[Any, Any], bool], Any], ...] = field(
-        init=False, repr=False, compare=False
-    )
-
-    def __post_init__(self) -> None:
-        bounds = tuple(
-            (compare, self.meta[name])
-            for name, (compare, _) in _BOUNDS.items()
-            if name in self.meta
-        )
-        object.__setattr__(self, "section", _is_section(self.kind))
-        object.__setattr__(self, "accepted", (int, float) if self.kind is float else (self.kind,))
-        object.__setattr__(self, "bounds", bounds)
-
-
 _SectionT = TypeVar("_SectionT", bound=Section)
-_SPEC_MEMO: dict[type[Section], Mapping[str, _Spec]] = {}
+_SPEC_MEMO: dict[type[Section], Mapping[str, Spec]] = {}
 
 
-def _specs(cls: type[Section]) -> Mapping[str, _Spec]:
+def _specs(cls: type[Section]) -> Mapping[str, Spec]:
     """The fields of ``cls`` as the checker sees them, read once per class.
 
     Memoised because resolving the annotations (``typing.get_type_hints`` compiles each
@@ -158,15 +114,17 @@ def _specs(cls: type[Section]) -> Mapping[str, _Spec]:
     return cached
 
 
-def _read_specs(cls: type[Section]) -> Mapping[str, _Spec]:
+def _read_specs(cls: type[Section]) -> Mapping[str, Spec]:
     hints = typing.get_type_hints(cls)
     specs = {}
     for f in dataclasses.fields(cls):
         members = typing.get_args(hints[f.name]) or (hints[f.name],)
         kinds = [member for member in members if member is not type(None)]
-        if len(kinds) != 1 or not (kinds[0] in _TYPE_NAMES or _is_section(kinds[0])):
+        if len(kinds) != 1 or not (kinds[0] in TYPE_NAMES or _is_section(kinds[0])):
             raise TypeError(f"{cls.__name__}.{f.name}: unsupported annotation {hints[f.name]}")
-        specs[f.name] = _Spec(kinds[0], len(kinds) != len(members), f.metadata)
+        specs[f.name] = Spec(
+            kinds[0], len(kinds) != len(members), f.metadata, section=_is_section(kinds[0])
+        )
     return types.MappingProxyType(specs)
 
 
@@ -248,7 +206,7 @@ def _read_env(cls: type[Section], environ: Mapping[str, str], prefix: str = "") 
     values: dict[str, Any] = {}
     for name, spec in _specs(cls).items():
         key = prefix + name
-        if _is_section(spec.kind):
+        if spec.section:
             values.update(_read_env(spec.kind, environ, key + "."))
             continue
         variable = spec.meta.get("env")
@@ -258,27 +216,27 @@ def _read_env(cls: type[Section], environ: Mapping[str, str], prefix: str = "") 
                 f"expected text, got {_show(text, typed=True)}",
                 key=key,
                 source=f"environment variable {variable}",
-                allowed=_expected(spec),
+                allowed=expected(spec),
             )
         if text:
             values[key] = _from_text(spec, text, key=key, source=f"environment variable {variable}")
     return values
 
 
-def _from_text(spec: _Spec, text: str, *, key: str, source: str) -> Any:
+def _from_text(spec: Spec, text: str, *, key: str, source: str) -> Any:
     word = text.strip()
     value: Any = text
     if spec.kind is bool and word.lower() in _TRUE_WORDS | _FALSE_WORDS:
         value = word.lower() in _TRUE_WORDS
-    elif spec.kind is int and _DECIMAL.fullmatch(word):
+    elif spec.kind is int and DECIMAL.fullmatch(word):
         try:
             value = int(word)
         except ValueError:  # more digits than Python converts (sys.get_int_max_str_digits)
             raise ConfigError(
-                f"expected {_TEXT_FORMS[spec.kind]}, got {len(word)} digits",
+                f"expected {TEXT_FORMS[spec.kind]}, got {len(word)} digits",
                 key=key,
                 source=source,
-                allowed=_expected(spec),
+                allowed=expected(spec),
             ) from None
     elif spec.kind is float:
         try:
@@ -287,12 +245,12 @@ def _from_text(spec: _Spec, text: str, *, key: str, source: str) -> Any:
             pass
     if spec.kind is not str and isinstance(value, str):
         raise ConfigError(
-            f"expected {_TEXT_FORMS[spec.kind]}, got {_show(text)}",
+            f"expected {TEXT_FORMS[spec.kind]}, got {_show(text)}",
             key=key,
             source=source,
-            allowed=_expected(spec),
+            allowed=expected(spec),
         )
-    return _check_value(spec, value, key=key, source=source)
+    return check_value(spec, value, key=key, source=source)
 
 
 def _flatten(
@@ -322,7 +280,7 @@ def _flatten(
                 source=source,
                 allowed=allowed,
             )
-        if _is_section(spec.kind):
+        if spec.section:
             section = {rest: value} if dotted else _section_mapping(spec, value, key, source)
             values.update(_flatten(spec.kind, section, source=source, prefix=key + "."))
         elif dotted:
@@ -333,11 +291,11 @@ def _flatten(
                 allowed=allowed,
             )
         else:
-            values[key] = _check_value(spec, value, key=key, source=source)
+            values[key] = check_value(spec, value, key=key, source=source)
     return values
 
 
-def _section_mapping(spec: _Spec, value: object, key: str, source: str) -> Mapping[Any, Any]:
+def _section_mapping(spec: Spec, value: object, key: str, source: str) -> Mapping[Any, Any]:
     if isinstance(value, spec.kind):
         return typing.cast(Section, value).to_dict()
     if isinstance(value, Mapping):
@@ -355,7 +313,7 @@ def _apply(base: _SectionT, values: Mapping[str, Any], prefix: str = "") -> _Sec
     changes: dict[str, Any] = {}
     for name, spec in _specs(type(base)).items():
         key = prefix + name
-        if _is_section(spec.kind):
+        if spec.section:
             current = getattr(base, name)
             updated = _apply(current, values, key + ".")
             if updated is not current:
@@ -363,101 +321,3 @@ def _apply(base: _SectionT, values: Mapping[str, Any], prefix: str = "") -> _Sec
         elif key in values:
             changes[name] = values[key]
     return dataclasses.replace(base, **changes) if changes else base
-
-
-def _check_value(spec: _Spec, value: Any, *, key: str, source: str) -> Any:
-    """Return ``value`` (ints widened for float fields) or raise if type or range is off."""
-    if value is None and spec.optional:
-        return None
-    or_none = " or None" if spec.optional else ""
-    if not isinstance(value, spec.accepted) or (spec.kind is not bool and isinstance(value, bool)):
-        raise ConfigError(
-            f"expected {_TYPE_NAMES[spec.kind]}{or_none}, got {_show(value, typed=True)}"
-            + _quote_hint(spec, value),
-            key=key,
-            source=source,
-            allowed=_expected(spec) + or_none,
-        )
-    checked = value
-    if spec.kind is float:
-        try:
-            checked = float(typing.cast(float, value))
-        except OverflowError:
-            checked = math.inf
-        if not math.isfinite(checked):
-            raise ConfigError(
-                f"expected a finite number, got {_show(value)}",
-                key=key,
-                source=source,
-                allowed=_expected(spec) + or_none,
-            )
-    if isinstance(checked, str) and ("\0" in checked or not encodable(checked)):
-        raise ConfigError(
-            "expected text without NUL bytes that is valid UTF-8 (a value taken from bytes "
-            f"in another encoding?), got {_show(checked)}",
-            key=key,
-            source=source,
-            allowed=_expected(spec) + or_none,
-        )
-    if not _within(spec, checked):
-        long_text = isinstance(value, str) and bool(value) and "choices" not in spec.meta
-        shown = f"{len(str(value))} characters" if long_text else _show(value)
-        raise ConfigError(
-            f"expected {_expected(spec)}, got {shown}",
-            key=key,
-            source=source,
-            allowed=_expected(spec) + or_none,
-        )
-    pattern = spec.meta.get("pattern")
-    if isinstance(checked, str) and pattern is not None and not re.fullmatch(pattern, checked):
-        raise ConfigError(
-            "expected letters, digits, '.', '_' and '-' only, not starting with '.' (it names "
-            f"a directory), got {_show(checked)}",
-            key=key,
-            source=source,
-            allowed=f"text matching {pattern}" + or_none,
-        )
-    return checked
-
-
-def _within(spec: _Spec, value: Any) -> bool:
-    if isinstance(value, str):
-        meta = spec.meta
-        if "choices" in meta:
-            return value in meta["choices"]
-        too_long = len(value) > meta.get("max_length", len(value))
-        return not too_long and not (meta.get("nonempty") and not value)
-    for compare, bound in spec.bounds:
-        if not compare(value, bound):
-            return False
-    return True
-
-
-def _expected(spec: _Spec) -> str:
-    """Describe what a field accepts, e.g. 'an integer from 0 to 65535'."""
-    meta = spec.meta
-    if spec.kind is str:
-        if "choices" in meta:
-            return "one of " + ", ".join(repr(choice) for choice in meta["choices"])
-        phrase = "a non-empty string" if meta.get("nonempty") else "a string"
-        if "max_length" in meta:
-            phrase += f" of at most {meta['max_length']} characters"
-        return phrase
-    phrase = _TYPE_NAMES[spec.kind]
-    if "ge" in meta and "le" in meta:
-        return f"{phrase} from {meta['ge']} to {meta['le']}"
-    bounds = [f"{symbol} {meta[name]}" for name, (_, symbol) in _BOUNDS.items() if name in meta]
-    return " ".join([phrase, " and ".join(bounds)]) if bounds else phrase
-
-
-def _quote_hint(spec: _Spec, value: object) -> str:
-    """Suggest dropping the quotes from a number written as text, as in ``port: "9400"``."""
-    if not isinstance(value, str) or spec.kind not in (int, float):
-        return ""
-    if spec.kind is int:
-        return "; write it without quotes" if _DECIMAL.fullmatch(value.strip()) else ""
-    try:
-        float(value)
-    except ValueError:
-        return ""
-    return "; write it without quotes"
