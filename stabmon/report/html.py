@@ -21,6 +21,7 @@ from typing import Any
 from stabmon.errors import StabmonError
 from stabmon.report.events import RankLog, Run, number, read_run
 from stabmon.report.goodput import goodput_section
+from stabmon.report.incidents import incidents_section
 from stabmon.report.plots import KIND_COLORS, Plots, require_matplotlib
 from stabmon.report.verdict import judge, when
 
@@ -138,6 +139,7 @@ def render(run: Run, *, module_rank: int | None = None, now: float | None = None
             "Not recorded: this run used no CUDA device.",
         ),
         _anomaly_section(run),
+        incidents_section(run),
         _notes_section(run),
     ]
     title = f"stabmon report: {run.run_id}"
