@@ -205,6 +205,7 @@ class Monitor:
         samples: int | None = None,
         tokens: int | None = None,
         batch_ids: Sequence[int] | None = None,
+        sample_losses: torch.Tensor | None = None,
     ) -> None:
         """Record this step's training loss: a tensor (kept on device, read later) or a float.
 
@@ -214,7 +215,9 @@ class Monitor:
         ``stabmon_tokens_total``; once given, ``track()`` no longer counts batches.
         ``batch_ids`` (with ``loss``; Python ints: sample indices) name this step's
         batch: a spike or a NaN names the batches of its last steps, in the event log and
-        in ``rank-<rank>.skip_batches.json`` (docs/loops.md).
+        in ``rank-<rank>.skip_batches.json`` (docs/loops.md). ``sample_losses`` (with
+        ``loss``: the batch's per-sample losses, ``reduction="none"``) adds the samples with
+        the highest loss to those records (found on the device, read back later).
         """
         if (samples is not None or tokens is not None) and not self._detached:
             with self._guard.contain("hooks"):
@@ -235,6 +238,10 @@ class Monitor:
                 step -= 1  # observed after the step it belongs to
             if batch_ids is not None:
                 self._batches.observed(step, batch_ids)
+            if sample_losses is not None:
+                top = self._batches.top_samples(sample_losses)
+                if top is not None:
+                    self._measurements.submit_device(self._batches.judge_top, step, top)
             self._measurements.loss(loss, step)
         except Exception as error:  # never break training
             self._guard.record("loss", error)

@@ -8,7 +8,9 @@ passes to ``observe(batch_ids=...)``. When a spike or a non-finite episode is re
 the identities of the last :data:`WINDOW_STEPS` steps up to it go to a
 ``batch_identities`` event and to ``rank-<rank>.skip_batches.json`` in the run directory:
 a JSON list of ``{"step": int, "rank": int, "kind": str, "indices": [int, ...]}``
-(``"ids"`` for the loop's own), ready for a loop to skip those samples when it resumes
+(``"ids"`` for the loop's own; ``"top_samples"``, the highest per-sample losses, when the
+loop passes ``observe(sample_losses=...)``), ready for a loop to skip those samples when it
+resumes
 (docs/loops.md, "Skipping the batches of an incident"). A loader with worker processes
 prefetches indices before a pass can see them: its batches have no indices, and
 ``observe(batch_ids=...)`` is the way to name them.
@@ -21,6 +23,8 @@ import logging
 from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from stabmon.shared.rundir import write_atomic
 
@@ -37,6 +41,8 @@ WINDOW_STEPS = 4
 MAX_FILE_ENTRIES = 1000
 #: Indices kept per batch at most.
 MAX_INDICES = 4096
+#: Samples with the highest loss named per batch, when the loop passes per-sample losses.
+TOP_SAMPLES = 5
 #: Anomalies whose batches are named.
 INCIDENTS = frozenset({"grad_spike", "loss_spike", "nonfinite_grad", "nonfinite_loss"})
 
@@ -51,6 +57,9 @@ class BatchIdentities:
         self._ring: deque[tuple[int, str, list[int]]] = deque(maxlen=RING_STEPS)
         self._drawn: deque[list[int]] = deque(maxlen=RING_STEPS)  # sampler batches not yet out
         self._entries: list[dict[str, Any]] = []
+        # The highest per-sample losses of recent steps: step -> [(position in batch, loss)].
+        self._top: dict[int, list[tuple[int, float]]] = {}
+        self.judge_top = self._judge_top  # bound once: carried by each readback tag
         self._path = context.run_directory / f"rank-{context.rank}.skip_batches.json"
 
     # --- the training thread ------------------------------------------------------------
@@ -72,6 +81,21 @@ class BatchIdentities:
         """``observe(batch_ids=...)`` for ``step``: the loop's own ids (ints), bounded."""
         self._ring.append((step, "ids", [int(i) for i in list(ids)[:MAX_INDICES]]))
 
+    def top_samples(self, losses: torch.Tensor) -> torch.Tensor | None:
+        """The batch's highest per-sample losses and their positions, on the device (read
+        back later for :meth:`judge_top`); None for an empty or non-1-D tensor."""
+        flat = losses.detach().reshape(-1)
+        if flat.numel() == 0:
+            return None
+        values, positions = flat.float().topk(min(TOP_SAMPLES, flat.numel()))
+        return torch.cat([values, positions.float()])
+
+    def _judge_top(self, step: int, values: list[float], extra: object) -> None:
+        half = len(values) // 2
+        self._top[step] = [(int(p), v) for v, p in zip(values[:half], values[half:], strict=True)]
+        while len(self._top) > RING_STEPS:
+            del self._top[min(self._top)]
+
     # --- an incident (whichever thread records it) --------------------------------------
 
     def anomaly_recorded(self, kind: str, step: int | None) -> None:
@@ -79,18 +103,17 @@ class BatchIdentities:
             return
         rank = self._context.rank
         batches = [
-            {"step": at, "rank": rank, "kind": kind, what: list(values)}
+            self._entry(at, rank, kind, what, values)
             for at, what, values in list(self._ring)
             if step - WINDOW_STEPS < at <= step
         ]
         if not batches:
             return
         self._context.event("batch_identities", step=step, kind=kind, batches=batches)
-        listed = {entry["step"] for entry in self._entries}
-        fresh = [batch for batch in batches if batch["step"] not in listed]  # one per step
-        if not fresh:
-            return
-        self._entries = (self._entries + fresh)[-MAX_FILE_ENTRIES:]
+        fresh = {batch["step"] for batch in batches}
+        kept = [entry for entry in self._entries if entry["step"] not in fresh]
+        # One entry per step, the latest (a later incident of the step may know its top samples).
+        self._entries = (kept + batches)[-MAX_FILE_ENTRIES:]
         try:
             write_atomic(self._path, json.dumps(self._entries).encode())
         except OSError as error:
@@ -99,6 +122,16 @@ class BatchIdentities:
                 "stabmon: cannot write %s (%s); the batches are in the event log",
                 self._path, error,
             )  # fmt: skip
+
+    def _entry(self, at: int, rank: int, kind: str, what: str, values: list[int]) -> dict[str, Any]:
+        entry: dict[str, Any] = {"step": at, "rank": rank, "kind": kind, what: list(values)}
+        top = self._top.get(at)
+        if top:  # the samples with the highest loss, by dataset index where known
+            entry["top_samples"] = [
+                {"position": p, "loss": loss, **({"index": values[p]} if p < len(values) else {})}
+                for p, loss in top
+            ]
+        return entry
 
 
 class _Drawn:

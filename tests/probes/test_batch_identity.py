@@ -38,11 +38,12 @@ def test_a_loss_spike_from_two_poisoned_samples_names_their_indices_in_the_skip_
             for index in POISONED:
                 dataset.tensors[1][index] = 1e4
         for inputs, targets in monitor.track(loader):
-            loss = torch.nn.functional.mse_loss(model(inputs), targets)
+            per_sample = torch.nn.functional.mse_loss(model(inputs), targets, reduction="none")
+            loss = per_sample.mean()
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
-            monitor.observe(loss=loss)
+            monitor.observe(loss=loss, sample_losses=per_sample.mean(dim=1))
     monitor.detach()
     spike_step = 100 + 9  # the second pass's batch 9
     records = events(monitor.event_log_path)
@@ -51,6 +52,9 @@ def test_a_loss_spike_from_two_poisoned_samples_names_their_indices_in_the_skip_
     entries = json.loads((tmp_path / "test-run" / "rank-0.skip_batches.json").read_text())
     by_step = {entry["step"]: entry for entry in entries}
     assert by_step[spike_step]["indices"] == [36, 37, 38, 39]
+    top = by_step[spike_step]["top_samples"]
+    assert sorted(sample["index"] for sample in top[:2]) == list(POISONED)  # the highest losses
+    assert top[0]["loss"] > 1e7 and top[0]["position"] in (1, 2)
     assert by_step[spike_step]["rank"] == 0
     assert by_step[spike_step]["kind"] in ("grad_spike", "loss_spike")  # whichever came first
     assert sorted(by_step) == list(range(spike_step - WINDOW_STEPS + 1, spike_step + 1))
