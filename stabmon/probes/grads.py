@@ -345,7 +345,8 @@ def _assign_groups(
     largest by element count keep their own label and the rest share ``other``.
     """
     names = list(names)
-    per_param = automatic_groups(names, max_modules) if depth == 0 else None
+    shapes = [tuple(param.shape) for param in params]
+    per_param = automatic_groups(names, max_modules, shapes) if depth == 0 else None
     if per_param is None:
         per_param = [group_name(name, depth or 1) for name in names]
     sizes: dict[str, int] = {}

@@ -9,8 +9,9 @@ the whole body. Models repeat their blocks under a container whose children are 
 ``decoder.block.N`` in T5), so the automatic grouping (``module_depth: 0``, the default):
 
 - finds every *block container*: a module whose numbered children hold parameters, at
-  least :data:`MIN_BLOCKS` of them, and which is not inside another block container (the
-  experts of an MoE layer inside a block stay in their block);
+  least :data:`MIN_BLOCKS` of them (or two or more identical ones: the same parameter
+  names and shapes, a small model's stack), and which is not inside another block
+  container (the experts of an MoE layer inside a block stay in their block);
 - gives each block its own group (``transformer.h.7``);
 - groups every other parameter by its path down to the first module where it leaves the
   nearest container's path: ``transformer.wte`` and ``transformer.ln_f`` (the stem and the
@@ -36,30 +37,48 @@ MIN_BLOCKS = 4
 ROOT_GROUP = "root"
 
 
-def automatic_groups(names: Sequence[str], max_modules: int) -> list[str] | None:
+def automatic_groups(
+    names: Sequence[str], max_modules: int, shapes: Sequence[tuple[int, ...]] | None = None
+) -> list[str] | None:
     """The group of each parameter of ``names`` (in order), or None when the model has no
-    block container (the caller then groups by top-level module)."""
+    block container (the caller then groups by top-level module). ``shapes`` (each
+    parameter's) lets two or three identical blocks count as a stack too."""
     paths = [name.split(".")[:-1] for name in names]
-    containers = _block_containers(paths)
+    containers = _block_containers(names, shapes)
     if not containers:
         return None
     groups = [_group(path, containers) for path in paths]
     return _within_budget(groups, paths, containers, max_modules)
 
 
-def _block_containers(paths: Sequence[list[str]]) -> list[tuple[str, ...]]:
-    """Outermost modules with at least MIN_BLOCKS numbered children that hold parameters."""
-    children: dict[tuple[str, ...], set[str]] = {}
-    for path in paths:
-        for depth, part in enumerate(path):
+def _block_containers(
+    names: Sequence[str], shapes: Sequence[tuple[int, ...]] | None
+) -> list[tuple[str, ...]]:
+    """Outermost modules with at least MIN_BLOCKS numbered children that hold parameters, or
+    at least two whose parameters are the same names and shapes (a small model's blocks)."""
+    children: dict[tuple[str, ...], dict[str, set[tuple[str, tuple[int, ...]]]]] = {}
+    for index, name in enumerate(names):
+        parts = name.split(".")
+        shape = shapes[index] if shapes is not None else ()
+        for depth, part in enumerate(parts[:-1]):
             if part.isdigit():
-                children.setdefault(tuple(path[:depth]), set()).add(part)
-    found = sorted(prefix for prefix, numbers in children.items() if len(numbers) >= MIN_BLOCKS)
+                block = children.setdefault(tuple(parts[:depth]), {}).setdefault(part, set())
+                block.add((".".join(parts[depth + 1 :]), shape))
+    found = sorted(prefix for prefix, blocks in children.items() if _is_stack(blocks, shapes))
     outermost: list[tuple[str, ...]] = []
     for prefix in found:  # sorted: a container comes before the ones nested in it
         if not any(prefix[: len(outer)] == outer for outer in outermost):
             outermost.append(prefix)
     return outermost
+
+
+def _is_stack(
+    blocks: dict[str, set[tuple[str, tuple[int, ...]]]], shapes: Sequence[tuple[int, ...]] | None
+) -> bool:
+    if len(blocks) >= MIN_BLOCKS:
+        return True
+    signatures = {frozenset(block) for block in blocks.values()}
+    return shapes is not None and len(blocks) >= 2 and len(signatures) == 1
 
 
 def _group(path: list[str], containers: Sequence[tuple[str, ...]]) -> str:

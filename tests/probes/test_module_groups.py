@@ -120,3 +120,15 @@ def test_an_explicit_depth_still_overrides_the_automatic_grouping() -> None:
     params = [(f"transformer.h.{i}.w", nn.Parameter(torch.zeros(2))) for i in range(6)]
     assert GradProbe(params, module_depth=1).groups == ("transformer",)
     assert GradProbe(params, module_depth=0).groups == tuple(f"transformer.h.{i}" for i in range(6))
+
+
+def test_two_identical_blocks_are_a_stack_but_a_small_sequential_is_not() -> None:
+    names = ["tok.weight", "blocks.0.attn.weight", "blocks.0.mlp.weight",
+             "blocks.1.attn.weight", "blocks.1.mlp.weight", "head.weight"]  # fmt: skip
+    shapes = [(64, 32), (32, 32), (128, 32), (32, 32), (128, 32), (64, 32)]
+    assert automatic_groups(names, 32, shapes) == [
+        "tok", "blocks.0", "blocks.0", "blocks.1", "blocks.1", "head"
+    ]  # fmt: skip
+    mlp = ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]
+    mlp_shapes = [(16, 8), (16,), (16, 16), (16,), (1, 16), (1,)]
+    assert automatic_groups(mlp, 32, mlp_shapes) is None  # layers of different shapes
