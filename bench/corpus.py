@@ -58,10 +58,12 @@ import stabmon
 
 LOOPS = ("gpt", "lstm", "cnn", "lightning", "hf")
 FAULTS = ("clean", "lr_blowup", "leak")
+#: Faults only the gpt loop injects (it names the parameter): ``--faults nan_grad --loops gpt``.
+GPT_FAULTS = ("nan_grad",)
 #: The anomaly kind each fault must raise.
-EXPECTED = {"lr_blowup": "grad_spike", "leak": "memory_leak"}
+EXPECTED = {"lr_blowup": "grad_spike", "leak": "memory_leak", "nan_grad": "nonfinite_grad"}
 #: How many steps after the fault the detection may come.
-DEADLINE = {"lr_blowup": 2, "leak": 2000}
+DEADLINE = {"lr_blowup": 2, "leak": 2000, "nan_grad": 0}
 
 
 @dataclass
@@ -72,6 +74,9 @@ class Outcome:
     fault_step: int | None
     detected_at: int | None
     false_positives: list[dict[str, Any]] = field(default_factory=list)
+    #: The module groups and parameters the first nonfinite_grad anomaly names.
+    named_modules: list[str] = field(default_factory=list)
+    named_parameters: list[str] = field(default_factory=list)
     seconds: float = 0.0
     last_preclip_norm: float | None = None
     exported_grad_norm: float | None = None
@@ -96,6 +101,8 @@ class _Injector:
         self.fault = fault
         self.fault_step = fault_step
         self.kept: Any = 0.0  # total_loss, as the leaky loop writes it
+        #: The parameter whose gradient nan_grad poisons (set by the loop: one of a block's).
+        self.target: torch.Tensor | None = None
 
     def before_step(self, step: int, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
         """Called before ``optimizer.step()``; returns what to call after it."""
@@ -112,6 +119,11 @@ class _Injector:
         return _nothing
 
     def after_loss(self, step: int, loss: torch.Tensor) -> None:
+        """Called after each backward (each micro-batch's, under accumulation)."""
+        if self.fault == "nan_grad" and step == self.fault_step and self.target is not None:
+            grad = self.target.grad
+            if grad is not None:
+                grad.view(-1)[0] = float("nan")  # a bad kernel in one block's backward
         if self.fault == "leak" and step >= self.fault_step:
             self.kept = self.kept + loss  # the bug: the graph of every step is kept
 
@@ -175,6 +187,7 @@ def run_gpt(monitor_config: dict[str, Any], steps: int, injector: _Injector,
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     mon = stabmon.attach(model, optimizer, **monitor_config)
     generator = torch.Generator().manual_seed(1)
+    injector.target = model.blocks[1].mlp[0].weight  # type: ignore[index]  # nan_grad's
 
     def get_batch() -> tuple[torch.Tensor, torch.Tensor]:
         ix = torch.randint(len(data) - 33, (8,), generator=generator)
@@ -519,6 +532,9 @@ def _outcome(loop: str, steps: int, injector: _Injector, capture: _Capture) -> O
             # A blow-up that reaches Inf/NaN at once is reported as non-finite: also found.
             if outcome.detected_at is None:
                 outcome.detected_at = step
+                if kind == "nonfinite_grad":
+                    outcome.named_modules = list(event.get("modules") or [])
+                    outcome.named_parameters = list(event.get("parameters") or [])
             continue
         if (
             fault == "lr_blowup"
@@ -564,7 +580,7 @@ def table(outcomes: list[Outcome]) -> str:
     loops = sorted({o.loop for o in outcomes}, key=lambda name: (LOOPS + (name,)).index(name))
     lines = ["| fault \\ loop | " + " | ".join(loops) + " |",
              "|---" * (len(loops) + 1) + "|"]  # fmt: skip
-    for fault in FAULTS:
+    for fault in (*FAULTS, *(f for f in GPT_FAULTS if any(o.fault == f for o in outcomes))):
         cells = []
         for loop in loops:
             found = [o for o in outcomes if o.loop == loop and o.fault == fault]

@@ -45,6 +45,14 @@ def test_corpus_loop_finds_an_lr_blowup_within_two_steps_and_nothing_else(
     assert FAULT_STEP < outcome.detected_at <= FAULT_STEP + 2
 
 
+def test_corpus_gpt_names_the_block_whose_gradient_went_nan(tmp_path: Path) -> None:
+    # nanoGPT-style: clipping, accumulation of 4, get_batch(); a NaN in blocks.1's MLP weight.
+    outcome = corpus.run("gpt", "nan_grad", FAULT_STEP + 5, FAULT_STEP, str(tmp_path))
+    assert outcome.detected_at == FAULT_STEP
+    assert outcome.named_modules == ["blocks.1"]
+    assert outcome.named_parameters[:1] == ["blocks.1.mlp.0.weight"]
+
+
 @pytest.mark.parametrize("loop", LOOPS)
 def test_corpus_loop_exports_the_pre_clip_norm_of_its_last_step(loop: str, tmp_path: Path) -> None:
     outcome = corpus.run(loop, "clean", 60, 0, str(tmp_path))
