@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import sys
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -64,6 +65,9 @@ class NanProvenance:
         self._left = 0  # watched steps still to measure
         self._calls: list[str] = []
         self._flags: list[torch.Tensor] = []
+        # This step's tensors already judged (a module's input is the output before it):
+        # id -> (the tensor, weakly, its flag); cleared at each measure.
+        self._seen: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
         self._waiting: dict[int, list[str]] = {}  # measured steps' module names, by step
         self._verdicts: list[tuple[int, str | None, list[str]]] = []
         self._measured = 0  # watched steps measured for the trigger under way
@@ -107,25 +111,26 @@ class NanProvenance:
     def _forward(self, name: str, inputs: Any, output: Any) -> None:
         if not torch.is_grad_enabled() or len(self._calls) >= MAX_WATCHED_CALLS:
             return  # evaluation is no training step; past the bound, the first calls decide
-        finite_out = _all_finite(output)
+        finite_out = _all_finite(output, self._seen)
         if finite_out is None:
             return
-        finite_in = _all_finite(inputs)
+        finite_in = _all_finite(inputs, self._seen)  # mostly outputs judged already
         self._calls.append(name)
-        self._flags.append(torch.stack([finite_out if finite_in is None else finite_in,
-                                        finite_out]))  # fmt: skip
+        self._flags += (finite_out if finite_in is None else finite_in, finite_out)
 
     def measure(self, step: int) -> torch.Tensor | None:
         if self._arm_pending:
             self._start_watching()  # from the next iteration's forward on
             self._calls, self._flags = [], []
+            self._seen.clear()
             return None
         if not self._calls:
             return None
         device = self._flags[0].device
-        packed = torch.cat([flags.to(device, non_blocking=True) for flags in self._flags])
+        packed = torch.stack([flag.to(device, non_blocking=True) for flag in self._flags])
         self._waiting[step] = self._calls
         self._calls, self._flags = [], []
+        self._seen.clear()
         self._measured += 1
         self._left -= 1
         if self._left <= 0 and self._unwatch is not None:
@@ -207,16 +212,36 @@ def _contains(name: str, inner: str) -> bool:
     return name == "" or inner.startswith(name + ".")
 
 
-def _all_finite(value: Any, depth: int = 0) -> torch.Tensor | None:
-    """A device bool: whether every floating tensor in ``value`` is finite; None without one."""
+def _all_finite(
+    value: Any, seen: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]], depth: int = 0
+) -> torch.Tensor | None:
+    """A device bool: whether every floating tensor in ``value`` is finite; None without one.
+
+    A tensor is judged once a step (``seen``), by its minimum and maximum: one fused
+    reduction that NaN and either infinity reach, and no boolean copy of the tensor.
+    """
     if isinstance(value, torch.Tensor):
-        return value.detach().isfinite().all() if value.is_floating_point() else None
+        if not value.is_floating_point() or value.numel() == 0:
+            return None
+        known = seen.get(id(value))
+        if known is not None and known[0]() is value:
+            return known[1]
+        low, high = torch.aminmax(value.detach())
+        if value.element_size() < 4:  # half precision: add in fp32, so no finite sum overflows
+            low, high = low.float(), high.float()
+        flag = (low + high).isfinite()  # a NaN or an infinity at either end stays one
+        seen[id(value)] = (weakref.ref(value), flag)
+        return flag
     if depth >= 3:
         return None
     items: Any = value.values() if isinstance(value, Mapping) else value
     if not isinstance(items, (tuple, list)) and not isinstance(value, Mapping):
         return None
-    found = [flag for item in items if (flag := _all_finite(item, depth + 1)) is not None]
+    found: list[torch.Tensor] = []
+    for item in items:
+        item_flag = _all_finite(item, seen, depth + 1)
+        if item_flag is not None:
+            found.append(item_flag)
     if not found:
         return None
     return found[0] if len(found) == 1 else torch.stack(found).all()
