@@ -94,6 +94,25 @@ class DeviceJudge:
             self._guard.record(self._plugin.component, error)
 
 
+#: A plug-in's hook, bound once at attach, and the component its failures count against.
+_Bound = tuple[Callable[..., Any], str]
+
+
+def _bound(plugins: Sequence[Any], protocol: type, hook: str) -> tuple[_Bound, ...]:
+    """``hook`` of each plug-in that implements ``protocol``, bound, with its component."""
+    found: list[Any] = [plugin for plugin in plugins if isinstance(plugin, protocol)]
+    return tuple((getattr(plugin, hook), plugin.component) for plugin in found)
+
+
+def _call(guard: Guard, hooks: tuple[_Bound, ...], *args: object) -> None:
+    """Call each bound hook, each call contained under its plug-in's component."""
+    for hook, component in hooks:
+        try:
+            hook(*args)
+        except Exception as error:
+            guard.record(component, error)
+
+
 class Plugged:
     """The plug-ins of one Monitor, sorted by hook at attach."""
 
@@ -102,17 +121,17 @@ class Plugged:
         self.plugins: tuple[Any, ...] = ()
         self._before_step: tuple[tuple[MeasuresOnDevice, DeviceJudge], ...] = ()
         self._after_step: tuple[tuple[MeasuresOnDevice, DeviceJudge], ...] = ()
-        self._grads_judged: tuple[GradsJudged, ...] = ()
-        self._loss_judged: tuple[LossJudged, ...] = ()
-        self._clip_judged: tuple[ClipJudged, ...] = ()
-        self._scale_judged: tuple[ScaleJudged, ...] = ()
-        self._anomaly_recorded: tuple[AnomalyRecorded, ...] = ()
+        self._grads_judged: tuple[_Bound, ...] = ()
+        self._loss_judged: tuple[_Bound, ...] = ()
+        self._clip_judged: tuple[_Bound, ...] = ()
+        self._scale_judged: tuple[_Bound, ...] = ()
+        self._anomaly_recorded: tuple[_Bound, ...] = ()
         self._step_end: tuple[StepEnd, ...] = ()
-        self._epoch_end: tuple[EpochEnd, ...] = ()
+        self._epoch_end: tuple[_Bound, ...] = ()
         self._epoch_memory: tuple[EpochMemory, ...] = ()
         self._stateful: tuple[Stateful, ...] = ()
-        self._finish: tuple[Finishes, ...] = ()
-        self._detach: tuple[Detaches, ...] = ()
+        self._finish: tuple[_Bound, ...] = ()
+        self._detach: tuple[_Bound, ...] = ()
         #: The plug-ins that publish metrics (each gets a collector in the registry).
         self.publishing: tuple[Publishes, ...] = ()
         #: Whether a plug-in measures on the device before / after each optimizer step.
@@ -147,17 +166,17 @@ class Plugged:
             (p, DeviceJudge(p, self._guard)) for p in device if p.measure_at != "before_step"
         )
         self.measures_before, self.measures_after = bool(self._before_step), bool(self._after_step)
-        self._grads_judged = tuple(p for p in plugins if isinstance(p, GradsJudged))
-        self._loss_judged = tuple(p for p in plugins if isinstance(p, LossJudged))
-        self._clip_judged = tuple(p for p in plugins if isinstance(p, ClipJudged))
-        self._scale_judged = tuple(p for p in plugins if isinstance(p, ScaleJudged))
-        self._anomaly_recorded = tuple(p for p in plugins if isinstance(p, AnomalyRecorded))
+        self._grads_judged = _bound(plugins, GradsJudged, "grads_judged")
+        self._loss_judged = _bound(plugins, LossJudged, "loss_judged")
+        self._clip_judged = _bound(plugins, ClipJudged, "clip_judged")
+        self._scale_judged = _bound(plugins, ScaleJudged, "scale_judged")
+        self._anomaly_recorded = _bound(plugins, AnomalyRecorded, "anomaly_recorded")
         self._step_end = tuple(p for p in plugins if isinstance(p, StepEnd))
-        self._epoch_end = tuple(p for p in plugins if isinstance(p, EpochEnd))
+        self._epoch_end = _bound(plugins, EpochEnd, "epoch_end")
         self._epoch_memory = tuple(p for p in plugins if isinstance(p, EpochMemory))
         self._stateful = tuple(p for p in plugins if isinstance(p, Stateful))
-        self._finish = tuple(p for p in plugins if isinstance(p, Finishes))
-        self._detach = tuple(p for p in plugins if isinstance(p, Detaches))
+        self._finish = _bound(plugins, Finishes, "finish")
+        self._detach = _bound(plugins, Detaches, "detach")
         self.publishing = tuple(p for p in plugins if isinstance(p, Publishes))
         self.next_step = self._next_step()
         keys = [p.state_key for p in self._stateful]
@@ -208,33 +227,33 @@ class Plugged:
         return drift
 
     def epoch_end(self, step: int | None) -> None:
-        self._each(self._epoch_end, "epoch_end", step)
+        _call(self._guard, self._epoch_end, step)
         self.next_step = self._next_step()
 
     # --- under the judging lock ---------------------------------------------------------------
 
     def grads_judged(self, step: int, summary: GradSummary) -> None:
-        self._each(self._grads_judged, "grads_judged", step, summary)
+        _call(self._guard, self._grads_judged, step, summary)
         self.next_step = self._next_step()  # a verdict may ask for a step end (arming a watch)
 
     def loss_judged(self, step: int, value: float) -> None:
-        self._each(self._loss_judged, "loss_judged", step, value)
+        _call(self._guard, self._loss_judged, step, value)
         self.next_step = self._next_step()
 
     def clip_judged(self, step: int, max_norm: float) -> None:
-        self._each(self._clip_judged, "clip_judged", step, max_norm)
+        _call(self._guard, self._clip_judged, step, max_norm)
 
     def scale_judged(self, step: int, scale: float) -> None:
-        self._each(self._scale_judged, "scale_judged", step, scale)
+        _call(self._guard, self._scale_judged, step, scale)
 
     def anomaly_recorded(self, kind: str, step: int | None) -> None:
-        self._each(self._anomaly_recorded, "anomaly_recorded", kind, step)
+        _call(self._guard, self._anomaly_recorded, kind, step)
 
     def finish(self) -> None:
-        self._each(self._finish, "finish")
+        _call(self._guard, self._finish)
 
     def detach(self) -> None:
-        self._each(self._detach, "detach")
+        _call(self._guard, self._detach)
 
     # --- resume ------------------------------------------------------------------------------
 
@@ -257,14 +276,6 @@ class Plugged:
             for plugin, saved in before:
                 plugin.load_state_dict(saved)
             raise
-
-    def _each(self, plugins: Sequence[Any], hook: str, *args: object) -> None:
-        """Call ``hook`` of each of ``plugins``, each call contained under its component."""
-        for plugin in plugins:
-            try:
-                getattr(plugin, hook)(*args)
-            except Exception as error:
-                self._guard.record(plugin.component, error)
 
     def _next_step(self) -> int:
         return min((plugin.next_step for plugin in self._step_end), default=sys.maxsize)
