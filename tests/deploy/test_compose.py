@@ -299,6 +299,10 @@ def test_alertmanager_yml_routes_everything_to_one_receiver_grouped_by_alert_and
     assert [receiver["name"] for receiver in config["receivers"]] == ["default"]
     assert config["route"]["receiver"] == "default"
     assert config["route"]["group_by"] == ["alertname", "run"]
+    # Node alerts carry no run: grouped by node instead, as deploy/alertmanager/ does.
+    (node_route,) = config["route"]["routes"]
+    assert node_route["matchers"] == ['run=""']
+    assert node_route["group_by"] == ["alertname", "node", "instance"]
 
 
 def test_amtool_accepts_alertmanager_yml_with_its_examples_uncommented(tmp_path: Path) -> None:
@@ -311,7 +315,9 @@ def test_amtool_accepts_alertmanager_yml_with_its_examples_uncommented(tmp_path:
         "slack",
         "pagerduty",
     ]
-    assert [route["receiver"] for route in config["route"]["routes"]] == ["pagerduty", "slack"]
+    node_alerts, run_alerts = config["route"]["routes"]
+    for child in (node_alerts, run_alerts):  # each group by its key, then by severity
+        assert [route["receiver"] for route in child["routes"]] == ["pagerduty", "slack"]
     result = run_tool(amtool, "check-config", example)
     assert result.returncode == 0, result.stdout + result.stderr
 
