@@ -234,8 +234,8 @@ class Monitor:
                 if self._observes_before_step is None:
                     self._observes_before_step = self._readings.steps == 0
                 in_iteration = self._observes_before_step
-            if not in_iteration and step:
-                step -= 1  # observed after the step it belongs to
+            if not in_iteration and step and not timer.iteration_was_skipped:
+                step -= 1  # observed after the step it belongs to (not after a skipped one)
             if batch_ids is not None:
                 self._batches.observed(step, batch_ids)
             if sample_losses is not None:

@@ -76,6 +76,9 @@ class LoopTimer:
         self._loader_tracked = False
         #: True from the first forward of an iteration until its optimizer step.
         self.in_iteration = False
+        #: The last iteration ended without a step (GradScaler skipped it): a loss observed
+        #: now is that iteration's, whose index is the step still in progress.
+        self.iteration_was_skipped = False
         #: Whether a training forward was ever seen; never, when the forward runs compiled.
         self.forward_seen = False
         #: Inside ``mon.phase(...)``: an attribute, not a property, for observe() on every step.
@@ -103,6 +106,7 @@ class LoopTimer:
             if not self._loader_tracked and self._last_step_end is not None:
                 self._readings.data_wait.observe(elapsed)
             self.in_iteration = True
+            self.iteration_was_skipped = False
         elif state == EVAL_PHASE:
             self.in_iteration = True  # training resumes after an evaluation
         self.forward_seen = True
@@ -186,6 +190,7 @@ class LoopTimer:
         readings.last_step_unix = time.time()
         self._heartbeat.beat(now, step_seconds)
         self.in_iteration = False
+        self.iteration_was_skipped = False
         if not named:
             self._state = self._heartbeat.phase = _DATA_WAIT
             self._mark = now
@@ -219,6 +224,7 @@ class LoopTimer:
         now = self._clock()
         self._readings.add_phase_time(self._state, now - self._mark)
         self.in_iteration = False
+        self.iteration_was_skipped = True
         self._enter(_DATA_WAIT, now)
 
     def enter_named(self, name: str) -> None:

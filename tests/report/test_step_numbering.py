@@ -199,3 +199,29 @@ def test_a_stall_ended_by_its_phase_ending_does_not_claim_the_hung_step_complete
     (rank,) = run.ranks
     assert (rank.last_step, rank.steps) == (2, 3)
     assert "3 steps on 1 rank" in judge(run).headline
+
+
+def test_a_skipped_amp_iteration_has_one_index_in_its_loss_and_gradient_records(
+    tmp_path: Path,
+) -> None:
+    # GradScaler skips iteration 40 (a NaN loss): its nonfinite_loss and its nonfinite_grad
+    # records name the same step, the one still in progress (docs/steps.md: one index each).
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    with stabmon.attach(model, optimizer, scaler=scaler, port=0, run_dir=str(tmp_path),
+                        run_id="r", judge_seconds=0, measure_every=1) as monitor:  # fmt: skip
+        for iteration in range(45):
+            loss = model(torch.randn(4, 8)).pow(2).mean()
+            if iteration == 40:
+                loss = loss * float("nan")
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            monitor.observe(loss=loss)
+    records = events(monitor.event_log_path)
+    (nonfinite_loss,) = [r for r in records if r.get("kind") == "nonfinite_loss"]
+    skips = [r for r in records if r["event"] == "amp_skip"]
+    assert [r["step"] for r in skips] == [40]
+    assert nonfinite_loss["step"] == 40
