@@ -398,6 +398,10 @@ class _ModuleWatch:
         self._name, self._target = name, target
 
     def __call__(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
+        # Traced code (torch.compile, export): a constant no-op, so no graph break and no
+        # side effect in the graph; a compiled forward is not watched.
+        if _is_dynamo_compiling() or _export_state._is_compiling_flag:
+            return
         if self._target is not None:
             self._target(self._name, inputs, output)
 

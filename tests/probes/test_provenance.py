@@ -172,3 +172,22 @@ def test_forward_producer_tells_the_producer_from_its_containers_and_propagators
     flags = [1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 1, 0]  # (inputs finite, output finite) per call
     assert forward_producer(names, [float(f) for f in flags]) == ("layers.7", ["layers.8", "head"])
     assert forward_producer(names[:1], [1.0, 1.0]) == (None, [])
+
+
+def test_a_watched_model_compiled_with_fullgraph_still_trains(attach: MonitorFactory) -> None:
+    # The watch arms after a NaN; under torch.compile its hooks are constant no-ops, so a
+    # fullgraph compile neither breaks nor errors (a compiled forward is not watched).
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    monitor = attach(model, optimizer, judge_seconds=0, provenance_always=True)
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    for step in range(4):
+        inputs = torch.randn(4, 8)
+        if step == 1:
+            inputs[0, 0] = float("nan")
+        loss = compiled(inputs).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        monitor.observe(loss=loss)
+    assert _provenance(monitor) == []  # not watched under compile, and nothing broke
