@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -614,6 +615,13 @@ def test_docs_example_yaml_spells_out_the_defaults(tmp_path: Path) -> None:
     path = write_yaml(tmp_path, blocks[-1])
 
     assert load_config(path, env={}) == Config()
+
+
+def test_docs_example_yaml_names_every_key(tmp_path: Path) -> None:
+    # The "every key" example cannot miss one: a new field fails here until it is listed.
+    blocks = re.findall(r"```yaml\n(.*?)```", DOCS.read_text(encoding="utf-8"), flags=re.DOTALL)
+    example = yaml.safe_load(blocks[-1])
+    assert sorted(dotted_keys(example)) == sorted(dotted_keys(Config().to_dict()))
 
 
 def test_config_fields_each_have_a_doc() -> None:
