@@ -31,7 +31,10 @@ The hooks, each optional, each call contained by the guard under ``component``:
   device, or None when it has nothing to measure at this step. It must never read a value
   back (no ``.item()``, ``.cpu()``, ``.tolist()`` or truth test of a device tensor): the
   tensor is copied back asynchronously with the Monitor's other results and handed to
-  ``judge`` as host floats, a step or more later, under the judging lock.
+  ``judge`` as host floats, a step or more later, under the judging lock. A plug-in that
+  measures only now and then has a ``measuring`` attribute (or property): while it is
+  False ``measure`` is not called (re-read after each measurement, ``grads_judged`` and
+  ``loss_judged``), so a disarmed probe costs a step nothing.
 - ``grads_judged(step, summary)``: once per measured step's
   :class:`~stabmon.probes.grads.GradSummary`, under the judging lock.
 - ``loss_judged(step, value)``: once per training loss observed, as a host float, under

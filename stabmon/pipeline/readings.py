@@ -144,7 +144,10 @@ class Readings:
     # Throughput (stabmon/pipeline/throughput.py): counters from attach; MFU only with a CUDA peak.
     samples: int = 0
     tokens: int = 0
-    model_flops: float | None = None  # None until the FLOPs of a step are known
+    #: FLOPs of one training step (None until known), counted for every step completed
+    #: from ``flops_from_steps`` on: model_flops is derived at scrape, no work a step.
+    flops_per_step: float | None = None
+    flops_from_steps: int = 0
     peak_flops: float | None = None
     mfu: float | None = None
     slowdown_active: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PHASES, 0))
@@ -181,6 +184,12 @@ class Readings:
 
     def add_device_phase_time(self, phase: str, seconds: float) -> None:
         self.device_phase_seconds[phase] = self.device_phase_seconds.get(phase, 0.0) + seconds
+
+    @property
+    def model_flops(self) -> float | None:
+        """Model FLOPs of the steps completed since the count was known (this process)."""
+        per_step = self.flops_per_step
+        return None if per_step is None else per_step * (self.steps - self.flops_from_steps)
 
     def count_anomaly(self, kind: str) -> None:
         self.anomalies[kind] = self.anomalies.get(kind, 0) + 1

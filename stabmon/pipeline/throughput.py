@@ -195,7 +195,7 @@ class ThroughputWatch:
         self.due = now + config.slowdown_block_seconds
         self._record_due = now + config.record_seconds
         if self.flops_per_step is not None:
-            readings.model_flops = 0.0
+            readings.flops_per_step, readings.flops_from_steps = self.flops_per_step, readings.steps
         self._update_peak()
 
     # --- samples and tokens -------------------------------------------------------------------
@@ -286,7 +286,8 @@ class ThroughputWatch:
                 )
         if flops > 0:
             self.flops_per_step = float(flops)
-            self._readings.model_flops = 0.0  # each step adds its FLOPs from this one on
+            readings = self._readings  # this step on counts (derived at scrape: no work a step)
+            readings.flops_per_step, readings.flops_from_steps = self.flops_per_step, readings.steps
             self._write("flops", step=self._global_step(), flops_per_step=flops, dtype=self._dtype)
             self._fresh_flops = True
             self.due = float("-inf")  # close this block now: the next one holds MFU

@@ -2,7 +2,8 @@
 it on.
 
 After one step, every parameter upstream of a fault is non-finite too, so the gradient
-norms alone cannot tell the producer from the propagators. Disarmed, this costs nothing.
+norms alone cannot tell the producer from the propagators. Disarmed, this costs nothing:
+the step hooks do not call it (``measuring`` is False).
 When a non-finite gradient or loss is judged at step K, it arms (at the next optimizer
 step, or the end of an iteration GradScaler skipped: the training thread) a forward hook
 on every module for ``provenance_steps`` training steps. Each hook records on the device,
@@ -75,6 +76,12 @@ class NanProvenance:
         self._arm_pending = self._always  # set under the judging lock, read by measure()
         # Explained: no new watch until a finite value is judged (one verdict per episode).
         self._explained = False
+
+    @property
+    def measuring(self) -> bool:
+        """Whether :meth:`measure` has work at a step: a watch asked for or under way. Read by
+        the Monitor after each judged value and measurement; disarmed, no call a step."""
+        return self._arm_pending or self._unwatch is not None
 
     # --- judged values (under the judging lock) -----------------------------------------
 

@@ -165,7 +165,6 @@ class Plugged:
         self._after_step = tuple(
             (p, DeviceJudge(p, self._guard)) for p in device if p.measure_at != "before_step"
         )
-        self.measures_before, self.measures_after = bool(self._before_step), bool(self._after_step)
         self._grads_judged = _bound(plugins, GradsJudged, "grads_judged")
         self._loss_judged = _bound(plugins, LossJudged, "loss_judged")
         self._clip_judged = _bound(plugins, ClipJudged, "clip_judged")
@@ -178,7 +177,7 @@ class Plugged:
         self._finish = _bound(plugins, Finishes, "finish")
         self._detach = _bound(plugins, Detaches, "detach")
         self.publishing = tuple(p for p in plugins if isinstance(p, Publishes))
-        self.next_step = self._next_step()
+        self._refresh()
         keys = [p.state_key for p in self._stateful]
         clashes = sorted({k for k in keys if keys.count(k) > 1 or k in RESERVED_STATE_KEYS})
         if clashes:
@@ -192,9 +191,11 @@ class Plugged:
 
     def measure_before(self, step: int, submit: Submit) -> None:
         self._measure(self._before_step, step, submit)
+        self._refresh()
 
     def measure_after(self, step: int, submit: Submit) -> None:
         self._measure(self._after_step, step, submit)
+        self._refresh()
 
     def _measure(
         self, plugins: tuple[tuple[MeasuresOnDevice, DeviceJudge], ...], step: int, submit: Submit
@@ -234,11 +235,11 @@ class Plugged:
 
     def grads_judged(self, step: int, summary: GradSummary) -> None:
         _call(self._guard, self._grads_judged, step, summary)
-        self.next_step = self._next_step()  # a verdict may ask for a step end (arming a watch)
+        self._refresh()  # a verdict may arm a measurement or ask for a step end
 
     def loss_judged(self, step: int, value: float) -> None:
         _call(self._guard, self._loss_judged, step, value)
-        self.next_step = self._next_step()
+        self._refresh()
 
     def clip_judged(self, step: int, max_norm: float) -> None:
         _call(self._guard, self._clip_judged, step, max_norm)
@@ -276,6 +277,13 @@ class Plugged:
             for plugin, saved in before:
                 plugin.load_state_dict(saved)
             raise
+
+    def _refresh(self) -> None:
+        """Re-read what the step hooks compare each step: the next step_end due, and whether
+        a device plug-in measures now (one that says ``measuring = False`` costs no call)."""
+        self.next_step = self._next_step()
+        self.measures_before = any(getattr(p, "measuring", True) for p, _ in self._before_step)
+        self.measures_after = any(getattr(p, "measuring", True) for p, _ in self._after_step)
 
     def _next_step(self) -> int:
         return min((plugin.next_step for plugin in self._step_end), default=sys.maxsize)

@@ -180,9 +180,6 @@ class StepHooks:
             except Exception as error:
                 self._guard.record("hooks", error)
             self._poll(now)
-        flops = self._throughput.flops_per_step
-        if flops is not None:  # the FLOPs counter moves with every step, not every block
-            self._readings.model_flops = (self._readings.model_flops or 0.0) + flops
         if now >= self._throughput.due:  # one comparison a step; a block every few seconds
             with self._guard.contain("detectors"):
                 self._throughput.step_end(now)

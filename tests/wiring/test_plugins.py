@@ -349,3 +349,33 @@ def test_a_failing_device_measurement_is_contained_and_counted(attach: MonitorFa
     samples = scrape(monitor.metrics_url)
     assert value(samples, "stabmon_steps_total") == 3
     assert value(samples, "stabmon_internal_errors_total", component="grads") == 3
+
+
+class Sometimes(ParameterNorm):
+    """A device plug-in that measures only while ``measuring`` (an armed probe)."""
+
+    measuring = False
+    calls: list[int] = []
+
+    def __init__(self, context: Context) -> None:
+        super().__init__(context)
+        Sometimes.calls = []
+        Sometimes.last = self
+
+    def measure(self, step: int) -> torch.Tensor:
+        Sometimes.calls.append(step)
+        return super().measure(step)
+
+    def loss_judged(self, step: int, value: float) -> None:
+        self.measuring = step == 2  # armed by a verdict, for the next step only
+
+
+def test_a_device_plug_in_that_is_not_measuring_is_not_called_at_all(
+    attach: MonitorFactory,
+) -> None:
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    monitor = attach(model, optimizer, judge_seconds=0, plugins=[Sometimes])
+    for _ in range(6):
+        train_step(model, optimizer, monitor)
+    assert Sometimes.calls == [3]  # armed by step 2's loss, disarmed by step 3's
