@@ -10,11 +10,9 @@ report of a running run is a snapshot.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
-import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +20,7 @@ from typing import Any, BinaryIO
 
 from stabmon.errors import StabmonError
 from stabmon.shared.rundir import ProcessRecord, boot_id, read_records, run_directory_name
-from stabmon.shared.safefs import UnsafePathError
+from stabmon.shared.safefs import open_regular
 
 __all__ = ["RankLog", "Run", "Selector", "count", "find_run", "number", "read_log", "read_run"]
 
@@ -254,24 +252,10 @@ def _open_log(path: Path, follow_symlinks: bool) -> BinaryIO:
     """``path`` opened for reading as :func:`stabmon.shared.safefs.read_regular` opens it: no final
     symlink unless ``follow_symlinks``, never blocking, a regular file of at most
     ``MAX_LOG_BYTES`` (else an error)."""
-    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_symlinks else os.O_NOFOLLOW)
-    try:
-        fd = os.open(path, flags)
-    except OSError as error:
-        if error.errno == errno.ELOOP:  # the final component is a symlink
-            raise UnsafePathError(
-                error.errno, "is a symbolic link; not followed", str(path)
-            ) from None
-        raise
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise UnsafePathError(0, "not a regular file (a FIFO, device or directory)", str(path))
-        if info.st_size > MAX_LOG_BYTES:
-            raise ValueError(f"{path}: larger than {MAX_LOG_BYTES} bytes")
-    except BaseException:
+    fd, info = open_regular(path, os.O_RDONLY, follow_symlinks=follow_symlinks)
+    if info.st_size > MAX_LOG_BYTES:
         os.close(fd)
-        raise
+        raise ValueError(f"{path}: larger than {MAX_LOG_BYTES} bytes")
     return open(fd, "rb", buffering=2**16)
 
 

@@ -25,6 +25,7 @@ so a rename between check and use changes nothing.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from pathlib import Path
@@ -47,6 +48,31 @@ class UnsafePathError(OSError):
         return f"{self.filename}: {self.strerror}"
 
 
+def open_regular(
+    path: str | os.PathLike[str], flags: int, *, follow_symlinks: bool = False, mode: int = 0o600
+) -> tuple[int, os.stat_result]:
+    """A descriptor for ``path`` opened with ``flags`` (never blocking, closed on exec) and
+    its stat; raises :class:`UnsafePathError` for a symlink (unless ``follow_symlinks``: a
+    path the user named), FIFO, device or directory, leaving nothing open."""
+    flags |= os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_symlinks else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags, mode)
+    except OSError as error:
+        if error.errno == errno.ELOOP:  # the final component is a symlink
+            raise UnsafePathError(
+                error.errno, "is a symbolic link; not followed", str(path)
+            ) from None
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise UnsafePathError(0, "not a regular file (a FIFO, device or directory)", str(path))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, info
+
+
 def read_regular(
     path: str | os.PathLike[str], limit: int, *, follow_symlinks: bool = False
 ) -> bytes:
@@ -63,21 +89,8 @@ def read_regular_with_owner(
     path the user named, such as a report's input), FIFO, device or directory,
     and ValueError for a file over ``limit``; never blocks on a special file.
     """
-    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
-    if not follow_symlinks:
-        flags |= os.O_NOFOLLOW
+    fd, info = open_regular(path, os.O_RDONLY, follow_symlinks=follow_symlinks)
     try:
-        fd = os.open(path, flags)
-    except OSError as error:
-        if error.errno == 40:  # ELOOP: the final component is a symlink
-            raise UnsafePathError(
-                error.errno, "is a symbolic link; not followed", str(path)
-            ) from None
-        raise
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise UnsafePathError(0, "not a regular file (a FIFO, device or directory)", str(path))
         data = read_at_most(fd, limit)
     finally:
         os.close(fd)
@@ -116,24 +129,10 @@ def owned_directory(path: Path, *, create: bool = True) -> None:
 def open_owned(path: Path, flags: int, mode: int = 0o600) -> int:
     """A descriptor for ``path`` opened with ``flags``, never through a symlink, never
     blocking: it must be a regular file owned by this process's effective uid."""
-    flags |= os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-    try:
-        fd = os.open(path, flags, mode)
-    except OSError as error:
-        if error.errno == 40:  # ELOOP: the final component is a symlink
-            raise UnsafePathError(
-                error.errno, "is a symbolic link; not followed", str(path)
-            ) from None
-        raise
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise UnsafePathError(0, "not a regular file", str(path))
-        if info.st_uid != os.geteuid():
-            raise UnsafePathError(0, f"is owned by uid {info.st_uid}, not by us", str(path))
-    except BaseException:
+    fd, info = open_regular(path, flags, mode=mode)
+    if info.st_uid != os.geteuid():
         os.close(fd)
-        raise
+        raise UnsafePathError(0, f"is owned by uid {info.st_uid}, not by us", str(path))
     return fd
 
 
