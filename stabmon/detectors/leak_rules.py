@@ -18,7 +18,7 @@ memory there too and judges it under the judging lock.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from stabmon.detectors.leak import LeakDetector
@@ -94,7 +94,7 @@ class MemoryLeaks:
     def trend(
         self,
         samples: Mapping[str, float],
-        limits: Any,
+        limits: Callable[[], Mapping[str, float]],
         step_seconds: float | None,
     ) -> None:
         """Memory samples taken every ``leak_sample_steps`` steps: the trend rule, drift in
@@ -155,7 +155,7 @@ class MemoryLeaks:
         label: str,
         value: float,
         verdict: TrendVerdict,
-        limits: Any,
+        limits: Callable[[], Mapping[str, float]],
         step_seconds: float | None,
     ) -> None:
         """Seconds until ``label`` runs out at the window's trend; +Inf while it does not grow."""

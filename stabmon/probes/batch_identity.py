@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from stabmon.shared.rundir import write_atomic
+from stabmon.shared.rundir import prepare_run_directory, write_atomic
 
 if TYPE_CHECKING:
     from stabmon.extension import Context
@@ -115,6 +115,7 @@ class BatchIdentities:
         # One entry per step, the latest (a later incident of the step may know its top samples).
         self._entries = (kept + batches)[-MAX_FILE_ENTRIES:]
         try:
+            prepare_run_directory(self._path.parent)  # ours, not a directory planted for us
             write_atomic(self._path, json.dumps(self._entries).encode())
         except OSError as error:
             self._context.log(

@@ -190,7 +190,7 @@ class NanProvenance:
             direction=direction, propagators=propagators, watched_steps=watched,
             rank=context.rank, reproduced=producer is not None,
         )  # fmt: skip
-        context.log("provenance", logging.WARNING, "stabmon: %s", message)
+        context.log("provenance", logging.WARNING, "stabmon: rank %d: %s", context.rank, message)
         self._trigger, self._backward, self._explained = None, None, True
         if not self._always:
             self._waiting.clear()  # steps still in flight for this trigger: explained already
