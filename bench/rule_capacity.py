@@ -54,13 +54,14 @@ from typing import TextIO
 
 import yaml
 
+from stabmon.contract import PHASES, THROTTLE_REASONS  # the contract needs no third-party module
+
 ROOT = Path(__file__).resolve().parents[1]
 RULES = ROOT / "deploy" / "prometheus" / "rules" / "stabmon.rules.yml"
 RULES_PATH = "deploy/prometheus/rules/stabmon.rules.yml"
 
 RANKS_PER_NODE = 8
 RANKS_PER_RUN = 64
-PHASES = ("data_wait", "forward", "backward", "optimizer")
 LOOP_PHASES = ("startup", "data_wait", "forward", "backward", "optimizer", "eval")
 KINDS = (
     "nonfinite_grad",
@@ -70,17 +71,6 @@ KINDS = (
     "memory_leak",
     "stall",
     "dead_grad",
-)
-THROTTLE_REASONS = (
-    "gpu_idle",
-    "applications_clocks_setting",
-    "sw_power_cap",
-    "hw_slowdown",
-    "sync_boost",
-    "sw_thermal_slowdown",
-    "hw_thermal_slowdown",
-    "hw_power_brake_slowdown",
-    "display_clock_setting",
 )
 
 
