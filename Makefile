@@ -54,7 +54,7 @@ bench: $(STAMP)
 # On a machine with an NVIDIA GPU, in under five minutes: $(PYTHON)'s own CUDA torch (nothing
 # installed, no network; GPU_CHECK_FLAGS=--install makes a .venv-gpu with one instead), the
 # gpu-marked tests of an explicit list of files (the daemon on real NVML and the real-device sync
-# check among them), the fake-CUDA sync audit and a short GPU overhead run, each step bounded,
+# check among them), the fake-CUDA sync audit and a GPT loop (MFU, overhead per step, sync-checked), each step bounded,
 # into gpu-check-report.md. Elsewhere it lists what it needs and exits 2, changing nothing.
 # `make gpu-check GPU_CHECK_FLAGS=--dry-run` prints the plan; bench/gpu_check.py --help lists the rest.
 gpu-check:

@@ -14,8 +14,11 @@ Then, each step bounded by its own timeout and all of them by ``--budget-seconds
    that skips there fails the check;
 3. the sync audit on fake CUDA (``tests/test_sync_audit.py -m "not gpu"``; its real-device
    half ran in step 2);
-4. the overhead benchmark's GPU workload, short (``bench/overhead.py --device cuda``: plain,
-   the floor and stabmon on a GPT-2-small, every segment under sync-debug "error");
+4. a GPT loop on the GPU (``bench/gpu_gpt.py --compile no``): the FLOPs and MFU stabmon exports
+   for nanoGPT's GPT-2-small against the PaLM formula and ``FlopCounterMode``, and stabmon's
+   cost per step on it and on a launch-bound small GPT, every attached block under sync-debug
+   "error" (``--compile only`` measures the compiled loops: run it apart, its compiles do not
+   fit the budget);
 
 and writes one Markdown report (``gpu-check-report.md``): the machine, each step's command,
 exit status, time and output. A step that runs out of time is stopped (its process group
@@ -32,7 +35,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import datetime
-import json
 import os
 import platform
 import shlex
@@ -52,8 +54,9 @@ DEFAULT_INDEX_URL = "https://download.pytorch.org/whl/cu128"
 #: A CUDA torch with its NVIDIA libraries takes about 6 GB installed; pip needs room to unpack.
 MIN_FREE_GB = 10.0
 OUTPUT_LINES = 80
-#: Every test file that holds ``gpu``-marked tests, but the overhead benchmark's (step 4 runs
-#: the same measurement and writes its JSON). tests/bench/test_gpu_check.py keeps it complete.
+#: Every test file that holds ``gpu``-marked tests, but the overhead benchmark's (step 4
+#: measures the same, sync-checked, on nanoGPT's shape). tests/bench/test_gpu_check.py keeps
+#: it complete.
 GPU_TEST_FILES = (
     "tests/test_gpu.py",
     "tests/test_sync_audit.py",
@@ -232,17 +235,16 @@ def plan(
     # addopts cleared: the project's `--dist loadgroup` needs pytest-xdist, which need not be here.
     pytest = [python, "-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=", "-rA", "-q",
               "--strict-markers"]  # fmt: skip
-    overhead_json = report_dir / "gpu-check-overhead.json"
+    gpt_json = report_dir / "gpu-check-gpt.json"
     steps += [
         Step("torch sees the GPU", [python, "-c", probe], environment, timeout=30),
         Step("gpu-marked tests", [*pytest, "-m", "gpu", *GPU_TEST_FILES], environment,
              timeout=120),
         Step("sync audit on fake CUDA", [*pytest, "-m", "not gpu", "tests/test_sync_audit.py"],
              environment, timeout=30),
-        Step("overhead benchmark, GPU workload (plain, floor, stabmon), short",
-             [python, "bench/overhead.py", "--device", "cuda", "--rounds", "4", "--steps", "50",
-              "--no-peers", "--skip-interleaved", "--skip-rss", "--skip-exporter",
-              "--json", str(overhead_json)], environment, timeout=100),
+        Step("GPT loop: MFU and overhead per step (GPT-2-small, small GPT), sync-checked",
+             [python, "bench/gpu_gpt.py", "--compile", "no", "--json", str(gpt_json)],
+             environment, timeout=100),
     ]  # fmt: skip
     return python, steps
 
@@ -366,9 +368,9 @@ def main(argv: Sequence[str] | None = None, probes: Probes | None = None) -> int
     run_steps(steps, args.budget_seconds)
     ran = [step for step in steps if step.returncode is not None]
     report(report_path, found, ran, smi)
-    overhead = report_path.parent / "gpu-check-overhead.json"
-    if overhead.exists():
-        print(json.dumps(json.loads(overhead.read_text()).get("header", {}), indent=1))
+    gpt = report_path.parent / "gpu-check-gpt.json"
+    if gpt.exists():
+        print(gpt.read_text())
     passed = len(ran) == len(steps) and all(step.returncode == 0 for step in ran)
     print(f"gpu-check {'PASSED' if passed else 'FAILED'}: {report_path} ({python})")
     return 0 if passed else 1

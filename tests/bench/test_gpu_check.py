@@ -73,7 +73,8 @@ def test_gpu_check_dry_run_on_a_gpu_machine_plans_every_step_and_runs_none(
     out = capsys.readouterr().out
     assert "[ok] an NVIDIA GPU, listed by `nvidia-smi -L`: GPU 0: NVIDIA H100" in out
     for expected in ("-m venv", "torch==2.13.0 --index-url https://example.invalid/cu128",
-                     "-m gpu tests/test_gpu.py", "tests/test_sync_audit.py", "--device cuda",
+                     "-m gpu tests/test_gpu.py", "tests/test_sync_audit.py",
+                     "bench/gpu_gpt.py --compile no",
                      "tests/integration/test_daemon_real_nvml.py"):  # fmt: skip
         assert expected in out, expected
     assert not venv.exists()
@@ -158,7 +159,7 @@ def test_gpu_check_collects_the_gpu_tests_of_every_file_that_has_some() -> None:
         for path in tests.rglob("test_*.py")
         if "pytest.mark" + ".gpu" in path.read_text()  # split: this file is not one of them
     }
-    # The overhead benchmark's test is step 4's measurement, run as a step of its own.
+    # The overhead benchmark's test measures what step 4 (bench/gpu_gpt.py) measures.
     assert set(gpu_check.GPU_TEST_FILES) == marked - {"tests/bench/test_gpu_overhead.py"}
 
 
