@@ -416,6 +416,19 @@ class Monitor:
         """For adapters that step the Monitor before the framework clips (Lightning)."""
         self._measurements.clips_after_measuring()
 
+    def _watch_output(self, hook: Callable[[Any, Any], None]) -> Callable[[], None]:
+        """For adapters that read what the model returns (Hugging Face's unfiltered loss):
+        ``hook(kwargs, output)`` after each forward of the root model, held weakly, removed
+        by the returned callable or at detach."""
+        hooks = self._resources.hooks
+        if hooks is None or self._detached:
+            return _nothing
+        return hooks.watch_output(hook)
+
+
+def _nothing() -> None:
+    """What removing a watch that was never installed does."""
+
 
 def _plugin_factories(plugins: Sequence[Factory]) -> tuple[Factory, ...]:
     """``attach(plugins=...)``, checked: a sequence of callables (classes or factories)."""

@@ -11,8 +11,13 @@ Example::
 
 At ``on_train_begin`` the callback attaches a Monitor to the model and to the
 optimizer inside Accelerate's wrapper (with its GradScaler under fp16). The loss is
-the ``loss`` of each training ``on_log`` record, a float the Trainer has already
-read back (``logging_steps`` sets how often); epochs end at ``on_epoch_end``;
+read from what the model returns (``output["loss"]``, or ``output[0]``) at each training
+forward, on the device, and observed at ``on_step_end``: one loss per optimizer step, NaN
+included. (The Trainer's own ``loss`` record is not enough: with its default
+``logging_nan_inf_filter=True`` a NaN step's record holds the mean of the steps before
+it, 0.0 when logged every step.) A model whose output holds no loss (a
+``compute_loss_func``, label smoothing) falls back to the ``loss`` of each training
+``on_log`` record. Epochs end at ``on_epoch_end``;
 evaluation and checkpointing are phases, entered when ``TrainerControl`` says they
 come next and left at ``on_evaluate`` and ``on_save``.
 
@@ -31,6 +36,7 @@ restores the Trainer's step, and ``on_train_begin`` loads the file from
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +53,7 @@ from stabmon.integrations._common import (
 )
 from stabmon.monitor import Monitor
 
-__all__ = ["StabmonCallback", "state_file"]
+__all__ = ["ModelLoss", "StabmonCallback", "state_file"]
 
 
 def state_file(checkpoint_folder: str | Path, rank: int) -> Path:
@@ -70,6 +76,8 @@ class StabmonCallback(TrainerCallback):
         self._batches: EpochBatches | None = None
         self._tokens_at_start = 0  # the Trainer's token count when this training began
         self._tokens_reported = 0  # this rank's share of the tokens since then, observed
+        self._losses = ModelLoss()
+        self._unwatch: Callable[[], None] | None = None
 
     @property
     def monitor(self) -> Monitor | None:
@@ -101,6 +109,9 @@ class StabmonCallback(TrainerCallback):
             **self._overrides,
         )
         self._monitor, self._phase = monitor, PhaseSwitch(monitor)
+        self._losses = ModelLoss()
+        with monitor.contain():  # without it the logged loss is observed, as before
+            self._unwatch = monitor._watch_output(self._losses)
         with monitor.contain():  # an odd loader goes uncounted; training goes on
             self._batches = EpochBatches.of(train_dataloader)
         if state.global_step > 0:
@@ -110,6 +121,10 @@ class StabmonCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         if self._monitor is not None:
+            with self._monitor.contain():  # the model's unfiltered loss of the step just taken
+                loss = self._losses.take()
+                if loss is not None:
+                    self._monitor.observe(loss=loss)
             with self._monitor.contain():  # uncounted rather than a stopped training
                 self._count_throughput(args, state)
         self._after_training_work(control)
@@ -155,7 +170,7 @@ class StabmonCallback(TrainerCallback):
         if self._monitor is None or not self._awaiting_log:
             return
         loss = (logs or {}).get("loss")
-        if isinstance(loss, int | float):
+        if isinstance(loss, int | float) and not self._losses.seen:
             self._monitor.observe(loss=float(loss))
         self._awaiting_log = False
         self._next_phase(control)
@@ -210,9 +225,55 @@ class StabmonCallback(TrainerCallback):
     def _detach(self) -> None:
         if self._phase is not None:
             self._phase.close()
+        if self._unwatch is not None:
+            self._unwatch()
         if self._monitor is not None:
             self._monitor.detach()
         self._monitor, self._phase, self._awaiting_log = None, None, False
+        self._unwatch = None
+
+
+class ModelLoss:
+    """The training loss of each optimizer step, from what the model returns, on the device.
+
+    Called after each forward of the model with its keyword arguments and output; a
+    forward without gradients (evaluation) is left out. The Trainer reads the loss as
+    ``output["loss"]`` (``output[0]`` for a tuple); with ``num_items_in_batch`` among the
+    arguments each micro-batch's loss is its share of the step's (summed), otherwise the
+    step's loss is the mean over its micro-batches, as the Trainer logs it. Never a sync.
+    """
+
+    def __init__(self) -> None:
+        self._total: torch.Tensor | None = None
+        self._count = 0
+        self._shares = False
+        #: Whether any forward returned a loss: the logged loss is then not observed.
+        self.seen = False
+
+    def __call__(self, kwargs: Any, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        if isinstance(output, Mapping):
+            loss = output.get("loss")
+        elif isinstance(output, tuple | list) and output:
+            loss = output[0]
+        else:
+            return
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.is_complex():
+            return
+        value = loss.detach().reshape(())
+        self._total = value if self._total is None else self._total + value
+        self._count += 1
+        self._shares = isinstance(kwargs, Mapping) and "num_items_in_batch" in kwargs
+        self.seen = True
+
+    def take(self) -> torch.Tensor | None:
+        """The loss of the step just taken (None when no forward returned one); starts anew."""
+        total, count = self._total, self._count
+        self._total, self._count = None, 0
+        if total is None:
+            return None
+        return total if self._shares or count == 1 else total / count
 
 
 def _tokens_seen(state: TrainerState) -> int:

@@ -330,6 +330,27 @@ class HookSet:
         self._handles.append(_Removal(unwatch))
         return unwatch
 
+    def watch_output(self, hook: Callable[[Any, Any], None]) -> Callable[[], None]:
+        """A forward hook on the root model, ``hook(kwargs, output)``, until the returned
+        callable removes it (or ``remove()`` does).
+
+        For an adapter that reads the loss a trainer's model returns (Hugging Face: the
+        Trainer filters NaN losses out of what it logs): held weakly, inert and left out
+        when the model is copied or pickled, as the other root-module hooks are.
+        """
+        owned = _own_hook_dicts(self._model, ("_forward_hooks",))
+        handle = self._model.register_forward_hook(_OutputWatch(_WeakHook(hook)), with_kwargs=True)
+        hook_dict = vars(self._model).get("_forward_hooks")
+        if isinstance(hook_dict, _HookDict):  # ours now, or since install()
+            hook_dict.ours.add(handle.id)
+
+        def unwatch() -> None:
+            handle.remove()
+            _restore_hook_dicts(self._model, owned)
+
+        self._handles.append(_Removal(unwatch))
+        return unwatch
+
     def keep(self, handle: Any) -> None:
         """Remove ``handle`` (anything with ``remove()``, e.g. a clip watch) with the hooks."""
         self._handles.append(handle)
@@ -380,13 +401,13 @@ class _WeakHook:
 
     __slots__ = ("_ref",)
 
-    def __init__(self, hook: Callable[[str, Any, Any], None]) -> None:
+    def __init__(self, hook: Callable[..., None]) -> None:
         self._ref: Any = weakref.WeakMethod(hook) if hasattr(hook, "__self__") else (lambda: hook)
 
-    def __call__(self, name: str, inputs: Any, output: Any) -> None:
+    def __call__(self, *args: Any) -> None:
         hook = self._ref()
         if hook is not None:
-            hook(name, inputs, output)
+            hook(*args)
 
 
 class _ModuleWatch:
@@ -410,6 +431,27 @@ class _ModuleWatch:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_ModuleWatch, (self._name, None))
+
+
+class _OutputWatch:
+    """The root module's output hook for :meth:`HookSet.watch_output`; inert when copied."""
+
+    __slots__ = ("_target",)
+
+    def __init__(self, target: _WeakHook | None) -> None:
+        self._target = target
+
+    def __call__(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if _is_dynamo_compiling() or _export_state._is_compiling_flag:
+            return  # a constant no-op in traced code, as the other forward hooks
+        if self._target is not None:
+            self._target(kwargs, output)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _OutputWatch:
+        return _OutputWatch(None)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_OutputWatch, (None,))
 
 
 class _Removal:

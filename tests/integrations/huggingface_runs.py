@@ -97,6 +97,7 @@ class Probe(transformers.TrainerCallback):  # type: ignore[misc]
         self.stabmon = stabmon
         self.reference_norms: list[float] = []
         self.logged_losses: list[float] = []
+        self.logged_grad_norms: list[float] = []
         self.samples: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
         self.state: dict[str, Any] = {}
         self.url = ""
@@ -108,6 +109,8 @@ class Probe(transformers.TrainerCallback):  # type: ignore[misc]
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
         if logs and "loss" in logs:
             self.logged_losses.append(logs["loss"])
+        if logs and "grad_norm" in logs:
+            self.logged_grad_norms.append(logs["grad_norm"])
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         monitor = self.stabmon.monitor

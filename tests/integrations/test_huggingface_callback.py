@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 import torch
-from helpers import import_on_framework
+from helpers import events, import_on_framework
 
 if TYPE_CHECKING:
     from huggingface_runs import Run
@@ -148,3 +148,29 @@ def test_huggingface_callback_resume_keeps_step_numbering_and_spike_statistics(
     assert resumed.probe.state["loss_spikes"]["count"] == 4 * steps_per_epoch  # kept
     assert resumed.metric("stabmon_steps_total") == 2 * steps_per_epoch  # per process
     assert resumed.metric("stabmon_epoch") == 4
+
+
+def test_huggingface_callback_sees_a_nan_loss_the_trainers_nan_filter_hides(
+    tmp_path: Path, runs: ModuleType
+) -> None:
+    """``logging_nan_inf_filter=True`` (the default) logs the mean of the steps before a NaN
+    step (0.0 when logging each step): the loss is read from the model's output instead."""
+    last = runs.SAMPLES // runs.BATCH - 1
+    run = runs.train(tmp_path, runs.TinyRegressor(nan_at=last), epochs=1)
+    assert run.trainer.args.logging_nan_inf_filter
+    assert run.probe.logged_losses[-1] == 0.0  # what the Trainer logged for the NaN step
+    assert run.metric("stabmon_nonfinite_loss_total") == 1
+    records = events(tmp_path / "runs" / "hf-test" / "rank-0.events.jsonl")
+    anomalies = [(r["kind"], r["step"]) for r in records if r["event"] == "anomaly"]
+    assert ("nonfinite_loss", last) in anomalies
+
+
+def test_huggingface_callback_exports_the_pre_clip_norm_the_trainer_logs(
+    tmp_path: Path, runs: ModuleType
+) -> None:
+    """``max_grad_norm`` clips before ``optimizer.step()``; stabmon measures before the clip."""
+    run = runs.train(tmp_path, runs.TinyRegressor(), epochs=1, max_grad_norm=1e-3)
+    logged = run.probe.logged_grad_norms
+    assert len(logged) == run.trainer.state.global_step and min(logged) > 1e-2  # all clipped
+    assert run.metric("stabmon_grad_norm") == pytest.approx(logged[-1], rel=1e-5)
+    assert run.metric("stabmon_grad_clipped_steps_total") == len(logged)
