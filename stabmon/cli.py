@@ -103,7 +103,15 @@ def _add_status(commands: argparse._SubParsersAction[_Parser]) -> None:
         "--run-dir", help="run directory (default: $STABMON_DIR or /var/tmp/stabmon)"
     )
     status.add_argument("--run", help="only this run id's ranks")
-    status.add_argument("--timeout", type=float, default=5.0, help="seconds per scrape (default 5)")
+    status.add_argument(
+        "--all", action="store_true",
+        help="every user's runs in the run directory (default: only yours; never sent "
+        "--basic-auth-file)",
+    )  # fmt: skip
+    status.add_argument(
+        "--timeout", type=float, default=5.0,
+        help="seconds for the whole command: every rank is scraped at once (default 5)",
+    )  # fmt: skip
     status.add_argument(
         "--cafile", help="PEM certificate(s) to trust for https:// exporters (their tls_certfile)"
     )
@@ -249,36 +257,29 @@ def _print_to_pipe(text: str) -> None:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from stabmon.report.status import (
-        Credentials,
-        format_table,
-        registered_targets,
-        require_urls,
-        scrape_status,
-    )
-    from stabmon.shared.rundir import DEFAULT_RUN_DIR
+    from stabmon.report.status import Credentials, format_table, require_urls, scrape_status
+    from stabmon.report.status_targets import RegisteredTarget, registered
+    from stabmon.shared.rundir import DEFAULT_RUN_DIR, check_root
+    from stabmon.shared.safefs import UnsafePathError
 
     if not (args.timeout > 0 and args.timeout < 86400):
         raise StabmonError(f"--timeout must be a number of seconds above 0, got {args.timeout}")
     credentials = Credentials.from_files(args.cafile, args.basic_auth_file)
-    urls = list(args.urls)
-    untrusted: set[str] = set()
-    names: dict[str, tuple[str, str]] = {}
-    if not urls:
+    targets: list[str | RegisteredTarget] = list(args.urls)
+    if not targets:
         source = "--run-dir" if args.run_dir else "$STABMON_DIR"
         given = args.run_dir or os.environ.get("STABMON_DIR")
         _directory_or_absent(given, source)
         root = Path(given or DEFAULT_RUN_DIR)
-        targets = registered_targets(root, args.run)
-        urls = [target.url for target in targets]
-        # Written by another user: scraped, but never sent our credentials.
-        untrusted = {target.url for target in targets if target.owner_uid != os.geteuid()}
-        # A rank that does not answer keeps the name its record gives it.
-        names = {target.url: (target.run, target.rank) for target in targets}
-        require_urls(urls, root)
-    statuses = scrape_status(
-        urls, timeout=args.timeout, credentials=credentials, untrusted=untrusted, names=names
-    )
+        try:  # a root another user owns (or a symlink) could list anything as ours
+            check_root(root.parent if any(root.glob("rank-*.json")) else root)
+        except UnsafePathError as error:
+            raise StabmonError(f"{source}: {error}") from None
+        # Keyed by record: each row is one record's run and rank, never a shared URL's.
+        found = registered(root, args.run, everyone=args.all)
+        targets = list(found.targets)
+        require_urls(targets, root, found.others)
+    statuses = scrape_status(targets, timeout=args.timeout, credentials=credentials)
     print(format_table(statuses))
     from stabmon.report.hang import format_verdicts
 

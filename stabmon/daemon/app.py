@@ -50,7 +50,7 @@ from stabmon.shared.rundir import DEFAULT_RUN_DIR
 
 __all__ = ["DaemonApp"]
 
-_COMPONENTS = ("nvml", "processes", "placement", "xid", "exporter")
+_COMPONENTS = ("nvml", "processes", "placement", "xid", "exporter", "rundir")
 #: How long stop() may take in all: every thread is signalled first, then joined against it.
 STOP_SECONDS = 1.0
 
@@ -71,7 +71,9 @@ class DaemonApp:
         self._guard = Guard(self._limiter, _COMPONENTS)
         self._reader = reader if reader is not None else PynvmlReader(lock_timeout=0.2)
         self._gpus = GpuPoller(self._reader, limiter=self._limiter)
-        self._processes = ProcessTable(self.run_dir, limiter=self._limiter)
+        self._processes = ProcessTable(
+            self.run_dir, limiter=self._limiter, on_refused=self._count_refused
+        )
         self._placement = PlacementCollector(limiter=self._limiter)
         self._hangs = NodeHangJudge(limiter=self._limiter)
         self._xid_state = XidState(state_path(self.run_dir), limiter=self._limiter)
@@ -118,6 +120,11 @@ class DaemonApp:
     @property
     def url(self) -> str | None:
         return self._exporter.url if self._exporter else None
+
+    def _count_refused(self, count: int) -> None:
+        """Records (or the root) refused by trust by owner: ``{component="rundir"}``."""
+        for _ in range(count):
+            self._guard.count("rundir")
 
     def _targets(self, environ: Mapping[str, Any]) -> tuple[str, bytes]:
         """``GET /targets``: Prometheus HTTP service discovery of this node's ranks."""

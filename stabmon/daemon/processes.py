@@ -46,7 +46,16 @@ from stabmon.daemon.process_metrics import ProcessCollector, ProcessSample
 from stabmon.daemon.tree import ProcessTree
 from stabmon.shared import rundir
 from stabmon.shared.log import LogLimiter
-from stabmon.shared.rundir import OwnedRecord, ProcessRecord, RunPaths, read_owned_records
+from stabmon.shared.rundir import (
+    OwnedRecord,
+    ProcessRecord,
+    ReadBudget,
+    RecordProblem,
+    RunPaths,
+    check_root,
+    read_owned_records,
+)
+from stabmon.shared.safefs import UnsafePathError
 
 __all__ = ["ProcessCollector", "ProcessSample", "ProcessTable"]
 
@@ -62,6 +71,11 @@ _CLEAN_EXIT = "clean"
 MAX_CHILDREN = 256
 #: Seconds one record's children may take to sample; the rest wait for the next poll.
 RECORD_BUDGET_SECONDS = 0.25
+#: Unusable files logged one by one per owner uid and poll; the rest go into one summary line
+#: a poll (rate-limited), so 20,000 junk files never flood the daemon's log.
+LOGGED_PROBLEMS_PER_OWNER = 4
+#: Seconds one poll may spend sampling processes; records past it keep their last sample.
+POLL_SECONDS = 3.0
 
 _RecordKey = tuple[str, int, int, float]  # run, rank, pid, create_time
 _ChildKey = tuple[int, float]  # pid, create_time
@@ -119,6 +133,8 @@ class ProcessTable:
         boot_id: Callable[[], str] = rundir.boot_id,
         budget_clock: Callable[[], float] = time.monotonic,
         proc: Path = Path("/proc"),
+        read_budget: ReadBudget | None = None,
+        on_refused: Callable[[int], None] | None = None,
     ) -> None:
         self._run_dir = run_dir
         self._limiter = limiter
@@ -130,9 +146,15 @@ class ProcessTable:
         self._forget_after = forget_after_seconds
         self._boot_id = boot_id
         self._samples: tuple[ProcessSample, ...] = ()
+        #: The last sample of each record (by path), reused when a poll runs out of time.
+        self._by_path: dict[Path, ProcessSample] = {}
         self._host_pids = HostPids(limiter=limiter)
         self._ledgers: dict[_RecordKey, _WorkerLedger] = {}
         self._run_dir_present: bool | None = None
+        #: What one read of the run directory may cost (files per owner uid, seconds).
+        self._read_budget = read_budget or ReadBudget(clock=budget_clock)
+        #: Told how many records or roots this poll refused (the daemon counts them).
+        self._on_refused = on_refused
 
     def poll(self) -> list[ProcessSample]:
         """Read the records and sample every process; never raises for OS or psutil errors."""
@@ -141,32 +163,42 @@ class ProcessTable:
             self._ledgers.clear()
             self._samples = ()
             return []
-        owned, problems = read_owned_records(self._run_dir)
-        for problem in problems:
-            self._limiter.once(
-                f"record:{problem.path}:{problem.reason}",
-                logging.WARNING,
-                "stabmon daemon: skipping %s, not a usable registration record: %s",
-                problem.path,
-                problem.reason,
-            )
+        if not self._root_is_safe():
+            self._ledgers.clear()
+            self._samples = ()
+            return []
+        owned, problems = read_owned_records(self._run_dir, budget=self._read_budget)
+        self._report(problems)
         boot = self._boot_id()
         self._host_pids.new_poll([entry.record for entry in owned])
         node = _NodeReads(trust.ListeningSockets(self._proc), ProcessTree(self._proc))
         chosen: dict[tuple[str, int], ProcessSample] = {}
         followed: set[_RecordKey] = set()
         seen: dict[Path, tuple[float, float]] = {}
-        for entry in owned:
+        by_path: dict[Path, ProcessSample] = {}
+        deadline = self._budget_clock() + POLL_SECONDS
+        late = 0
+        for entry in owned:  # one user's records after another's in turn (read_owned_records)
             record = entry.record
             if not self._is_this_nodes(record, boot):
                 continue
             if record.exit_status == _CLEAN_EXIT:
                 continue  # finished normally without detach: nothing is down
             key = _record_key(record)
-            sample = self._sample(entry, key, now, node)
+            if self._budget_clock() > deadline:
+                late += 1  # out of this poll's time: the last sample stands, if any
+                last = self._by_path.get(entry.path)
+                if last is None:
+                    continue
+                sample: ProcessSample | None = last
+                if last.alive:
+                    followed.add(key)
+            else:
+                sample = self._sample(entry, key, now, node)
             if sample is None:
                 continue  # cannot tell which process it is, or may not believe it
             sample = replace(sample, uid=entry.owner_uid)
+            by_path[entry.path] = sample
             written = _last_written(record)
             previous = self._seen.get(entry.path)
             if previous is not None and previous[0] == written:
@@ -190,9 +222,20 @@ class ProcessTable:
                 sample = _preferred(chosen[identity], sample)
             chosen[identity] = sample
         self._seen = seen
+        self._by_path = by_path
+        if late:
+            self._limiter.limited(
+                "poll:late",
+                logging.WARNING,
+                "stabmon daemon: a poll ran out of its %.1f s; %d record(s) keep their last "
+                "sample until the next",
+                POLL_SECONDS,
+                late,
+            )
         for key in [key for key in self._ledgers if key not in followed]:
             del self._ledgers[key]  # dead or deregistered: its workers are no longer counted
-        self._samples = tuple(chosen.values())
+        # Live processes first: what reads the samples in order sees them before the dead.
+        self._samples = tuple(sorted(chosen.values(), key=lambda sample: not sample.alive))
         return list(self._samples)
 
     def samples(self) -> list[ProcessSample]:
@@ -211,6 +254,65 @@ class ProcessTable:
             )
         self._run_dir_present = present
         return present
+
+    def _root_is_safe(self) -> bool:
+        """The root is checked at every poll: it may be swapped for a symlink at any time."""
+        try:
+            check_root(self._run_dir)
+        except UnsafePathError as error:
+            self._limiter.limited(
+                f"unsafe-root:{self._run_dir}",
+                logging.ERROR,
+                "stabmon daemon: not reading the run directory: %s; following no process "
+                'until it is fixed (counted in stabmon_internal_errors_total{component="rundir"})',
+                error,
+            )
+            if self._on_refused is not None:
+                self._on_refused(1)
+            return False
+        return True
+
+    def _report(self, problems: list[RecordProblem]) -> None:
+        """Log a few problems per owner uid one by one, the rest in one line; count refusals.
+
+        Each file is logged once (by path and reason) while the limiter remembers it, at most
+        a few new lines per owner uid a poll; the rest wait for later polls and are summed up
+        in one rate-limited line, so no user can flood the log with junk files, nor push
+        another user's problems out of it.
+        """
+        logged: dict[int | None, int] = {}
+        beyond: dict[int | None, int] = {}
+        refused = 0
+        for problem in problems:
+            refused += problem.refused
+            owner = problem.owner_uid
+            if logged.get(owner, 0) >= LOGGED_PROBLEMS_PER_OWNER:
+                beyond[owner] = beyond.get(owner, 0) + 1  # logged at a later poll, or summed
+                continue
+            if self._limiter.once(
+                f"record:{problem.path}:{problem.reason}",
+                logging.WARNING,
+                "stabmon daemon: skipping %s (owner uid %s), not a usable registration record: %s",
+                problem.path,
+                "unknown" if owner is None else owner,
+                problem.reason,
+            ):
+                logged[owner] = logged.get(owner, 0) + 1
+        if beyond:
+            self._limiter.limited(
+                "record:summary",
+                logging.WARNING,
+                "stabmon daemon: this poll skipped %d more unusable record file(s), by owner "
+                "uid: %s (logged %d per owner and poll)",
+                sum(beyond.values()),
+                ", ".join(
+                    f"{owner}: {count}"
+                    for owner, count in sorted(beyond.items(), key=lambda item: -item[1])[:8]
+                ),
+                LOGGED_PROBLEMS_PER_OWNER,
+            )
+        if refused and self._on_refused is not None:
+            self._on_refused(refused)
 
     def _is_this_nodes(self, record: ProcessRecord, boot: str) -> bool:
         if not (record.boot_id and boot and record.boot_id != boot):

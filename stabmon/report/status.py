@@ -3,18 +3,23 @@
 Each URL is scraped once over HTTP, or HTTPS with ``--cafile`` and
 ``--basic-auth-file`` for exporters that serve TLS and basic auth, and parsed
 with prometheus-client's parser; metric names come from :mod:`stabmon.contract`.
-Without URLs, the exporters registered in the run directory (``metrics_url`` of
-each live process record, see :mod:`stabmon.shared.rundir`) are scraped. A rank is
-unhealthy when it is stalled, suspected of leaking memory, has seen a
-non-finite gradient or loss, or does not answer; ``stabmon status`` then exits
-1, so it serves as a health check in scripts and Kubernetes probes.
+Without URLs, the ranks registered in the run directory are scraped
+(:mod:`stabmon.report.status_targets`): the caller's own runs, or every user's
+with ``--all``. A rank is unhealthy when it is stalled, suspected of leaking
+memory, has seen a non-finite gradient or loss, or does not answer; ``stabmon
+status`` then exits 1, so it serves as a health check in scripts and Kubernetes
+probes.
 
-Records in the run directory may be written by any user of the node, so a URL
-taken from one is not trusted: only ``http``/``https`` URLs are scraped, never
-a redirect, and the operator's ``--basic-auth-file`` credentials go only to
-URLs given on the command line or registered in records owned by the
-operator's own uid. Each scrape, from connecting to the last byte, ends within
-``--timeout`` (a server that trickles, or never answers, is unreachable).
+Records in the run directory may be written by any user of the node, so each
+row is keyed by its record, never by URL: a record's row shows only what its
+exporter says of the record's own run and rank, and two records naming one URL
+are two rows. Only ``http``/``https`` URLs are scraped, never a redirect, and
+the operator's ``--basic-auth-file`` credentials go only to URLs given on the
+command line and to records :func:`~stabmon.report.status_targets.may_authenticate`
+allows (the caller's own live process, listening on that port). A record whose
+process is gone is not scraped. All scrapes run at once, against one deadline,
+``--timeout`` after the start (a server that trickles, or never answers, is
+unreachable; twenty of them cost the same ``--timeout`` as one).
 
 The step rate is the steps counted by the step-duration histogram divided by
 its sum: steps per second of training time, over the process's life.
@@ -30,34 +35,30 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from stabmon import contract
 from stabmon.errors import StabmonError
 from stabmon.export.security import Security
-from stabmon.shared.rundir import (
-    ProcessRecord,
-    boot_id,
-    read_owned_records,
-    run_directory_name,
-)
+from stabmon.report.status_targets import RegisteredTarget, may_authenticate
 from stabmon.shared.safefs import read_regular
 
 __all__ = [
     "Credentials",
+    "MAX_PARALLEL",
     "RankStatus",
-    "format_table",
     "RegisteredTarget",
-    "registered_targets",
-    "registered_urls",
+    "format_table",
     "require_urls",
     "scrape_status",
 ]
+
+#: Scrapes in flight at once; the rest start as these end, all within one deadline.
+MAX_PARALLEL = 32
 
 _MAX_BYTES = 8 * 2**20
 _MAX_CA_BYTES = 2**20
@@ -108,41 +109,6 @@ class RankStatus:
         return not self.problems
 
 
-def registered_urls(root: Path, run: str | None = None) -> list[str]:
-    """Metrics URLs of the live processes registered under ``root`` (a run dir root or one run)."""
-    return [target.url for target in registered_targets(root, run)]
-
-
-class RegisteredTarget(NamedTuple):
-    """A live rank's metrics URL, the uid that owns the record naming it, and its run and rank."""
-
-    url: str
-    owner_uid: int
-    run: str
-    rank: str
-
-
-def registered_targets(root: Path, run: str | None = None) -> list[RegisteredTarget]:
-    """As :func:`registered_urls`, each URL with its record's owner, run and rank."""
-    records, _ = read_owned_records(root)
-    if not records and any(root.glob("rank-*.json")):  # ``root`` is one run's directory
-        records = [r for r in read_owned_records(root.parent)[0] if _in_directory(r.record, root)]
-    this_boot = boot_id()
-    targets = []
-    for owned in sorted(records, key=lambda r: (r.record.run, r.record.rank)):
-        record = owned.record
-        if run is not None and record.run != run:
-            continue
-        if record.exited_unix is not None or not record.metrics_url:
-            continue
-        if record.boot_id and this_boot and record.boot_id != this_boot:
-            continue  # from before a reboot: nothing serves there any more
-        targets.append(
-            RegisteredTarget(record.metrics_url, owned.owner_uid, record.run, str(record.rank))
-        )
-    return targets
-
-
 @dataclass(frozen=True)
 class Credentials:
     """How to reach exporters served with ``tls_certfile`` and ``basic_auth_file``."""
@@ -174,46 +140,84 @@ class Credentials:
 
 
 def scrape_status(
-    urls: Sequence[str],
+    targets: Sequence[str | RegisteredTarget],
     *,
     timeout: float = 5.0,
     credentials: Credentials = Credentials(),  # noqa: B008 - frozen, so one shared default is safe
     clock: Callable[[], float] = time.time,
-    untrusted: Collection[str] = (),
-    names: Mapping[str, tuple[str, str]] | None = None,
+    authenticate: Callable[[RegisteredTarget], bool] = may_authenticate,
 ) -> list[RankStatus]:
-    """One status per URL; a URL that does not answer is a status with ``error`` set.
+    """The statuses of ``targets``, in their order: URLs (given on the command line) or records.
 
-    URLs in ``untrusted`` (written by another user) are scraped without the
-    basic-auth credentials. Only http and https are scraped; each scrape ends
-    within ``timeout`` seconds in all. ``names`` (URL to run and rank, from the run
-    directory's records) names a rank that does not answer.
+    A URL's statuses are what its exporter says (one per rank it serves) and get the
+    credentials. A record's status is what its exporter says of the record's own run and
+    rank only; it gets the credentials only when ``authenticate(record)`` allows it, and
+    a record whose process is gone is not scraped. Only http and https are scraped.
+    Scrapes run in parallel (at most :data:`MAX_PARALLEL` at once) and every one ends
+    within ``timeout`` seconds of the call, in all.
     """
-    statuses = []
-    for url in urls:
-        run, rank = (names or {}).get(url, ("?", "?"))
-        scheme = urllib.parse.urlsplit(url).scheme.lower()
-        if scheme not in _SCHEMES:
-            refused = f"not scraped: {scheme or 'no'} scheme; stabmon status reads only http(s)"
-            statuses.append(RankStatus(url=url, run=run, rank=rank, error=refused + ":// URLs"))
+    deadline = time.monotonic() + timeout
+    plans = [_plan(target, credentials, authenticate) for target in targets]
+    outcomes = _scrape_all(
+        [(url, sent) for url, sent, _ in plans if sent is not None], deadline, timeout
+    )
+    statuses: list[RankStatus] = []
+    for (url, sent, early), target in zip(plans, targets, strict=True):
+        if sent is None:
+            assert early is not None
+            statuses.append(early)
             continue
-        sent = credentials
-        if url in untrusted and credentials.authorization is not None:
-            sent = Credentials(tls=credentials.tls)
-        try:
-            samples = _scrape_within(url, timeout, sent)
-        except urllib.error.HTTPError as error:  # before URLError, its base class
-            hint = " (see --basic-auth-file)" if error.code == 401 else ""
-            problem = f"HTTP {error.code} {error.reason}{hint}"
-            statuses.append(RankStatus(url=url, run=run, rank=rank, error=problem))
+        outcome = outcomes.pop(0)
+        run, rank = ("?", "?") if isinstance(target, str) else (target.run, target.rank)
+        if isinstance(outcome, BaseException):
+            statuses.append(RankStatus(url=url, run=run, rank=rank, error=_problem(outcome)))
             continue
-        except (OSError, ValueError, urllib.error.URLError) as error:
-            reason = getattr(error, "reason", None) or error
-            statuses.append(RankStatus(url=url, run=run, rank=rank,
-                                       error=f"{type(error).__name__}: {reason}"))  # fmt: skip
+        found = _statuses(url, outcome, clock())
+        if isinstance(target, str):
+            statuses.extend(found)
             continue
-        statuses.extend(_statuses(url, samples, clock()))
+        own = [status for status in found if (status.run, status.rank) == (run, rank)]
+        if not own:
+            served = ", ".join(f"{s.run}/{s.rank}" for s in found if s.error is None)
+            problem = next((s.error for s in found if s.error is not None), None)
+            if served or problem is None:
+                problem = f"does not serve rank {rank} of run {run} (it serves {served[:200]})"
+            own = [RankStatus(url=url, run=run, rank=rank, error=problem)]
+        statuses.extend(own)
     return statuses
+
+
+def _plan(
+    target: str | RegisteredTarget,
+    credentials: Credentials,
+    authenticate: Callable[[RegisteredTarget], bool],
+) -> tuple[str, Credentials | None, RankStatus | None]:
+    """(url, the credentials to send, None) to scrape; (url, None, status) when not."""
+    url = target if isinstance(target, str) else target.url
+    run, rank = ("?", "?") if isinstance(target, str) else (target.run, target.rank)
+    scheme = urllib.parse.urlsplit(url).scheme.lower()
+    if scheme not in _SCHEMES:
+        refused = f"not scraped: {scheme or 'no'} scheme; stabmon status reads only http(s)"
+        return url, None, RankStatus(url=url, run=run, rank=rank, error=refused + ":// URLs")
+    if isinstance(target, str):
+        return url, credentials, None
+    if not target.alive:
+        gone = (f"not scraped: process {target.pid} is not running (killed or crashed; its "
+                "record remains, and its port may be anyone's now)")  # fmt: skip
+        return url, None, RankStatus(url=url, run=run, rank=rank, error=gone)
+    if credentials.authorization is not None and not authenticate(target):
+        return url, Credentials(tls=credentials.tls), None
+    return url, credentials, None
+
+
+def _problem(error: BaseException) -> str:
+    if isinstance(error, urllib.error.HTTPError):  # before URLError, its base class
+        hint = " (see --basic-auth-file)" if error.code == 401 else ""
+        return f"HTTP {error.code} {error.reason}{hint}"
+    if isinstance(error, TimeoutError) and str(error).startswith("no whole answer"):
+        return str(error)
+    reason = getattr(error, "reason", None) or error
+    return f"{type(error).__name__}: {reason}"
 
 
 def format_table(statuses: Sequence[RankStatus]) -> str:
@@ -257,29 +261,44 @@ class _NoRedirects(urllib.request.HTTPRedirectHandler):
         return None
 
 
-def _scrape_within(url: str, timeout: float, credentials: Credentials) -> Samples:
-    """:func:`_scrape` in a thread of its own, given up after ``timeout`` seconds in all.
+def _scrape_all(
+    jobs: Sequence[tuple[str, Credentials]], deadline: float, timeout: float
+) -> list[Samples | BaseException]:
+    """Each job's samples or error, scraped by up to :data:`MAX_PARALLEL` threads, given up
+    at ``deadline`` (``time.monotonic``).
 
-    Socket timeouts bound each read, not a request: a server that sends one
-    byte a second would hold a plain read for ever. The thread is a daemon and
-    holds nothing, so one that is given up on ends with the command.
+    Socket timeouts bound each read, not a request: a server that sends one byte a second
+    would hold a plain read for ever, so the caller waits on the deadline, not on the
+    threads. They are daemons and hold nothing: any still working end with the command.
     """
-    outcome: queue.Queue[Samples | BaseException] = queue.Queue(maxsize=1)
+    results: list[Samples | BaseException | None] = [None] * len(jobs)
+    pending: queue.Queue[int] = queue.Queue()
+    for index in range(len(jobs)):
+        pending.put(index)
+    done = threading.Semaphore(0)
 
     def work() -> None:
-        try:
-            outcome.put(_scrape(url, timeout, credentials))
-        except BaseException as error:  # handed to the caller, who raises it
-            outcome.put(error)
+        while time.monotonic() < deadline:
+            try:
+                index = pending.get_nowait()
+            except queue.Empty:
+                return
+            url, sent = jobs[index]
+            try:
+                results[index] = _scrape(url, max(deadline - time.monotonic(), 0.001), sent)
+            except BaseException as error:  # handed to the caller, who reports it
+                if isinstance(error, urllib.error.HTTPError):
+                    error.close()  # its response's socket: the status line is all we keep
+                results[index] = error
+            done.release()
 
-    threading.Thread(target=work, name="stabmon-status-scrape", daemon=True).start()
-    try:
-        result = outcome.get(timeout=timeout)
-    except queue.Empty:
-        raise TimeoutError(f"no whole answer within {timeout:g} s (see --timeout)") from None
-    if isinstance(result, BaseException):
-        raise result
-    return result
+    for _ in range(min(len(jobs), MAX_PARALLEL)):
+        threading.Thread(target=work, name="stabmon-status-scrape", daemon=True).start()
+    for _ in jobs:
+        if not done.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
+            break
+    late = TimeoutError(f"no whole answer within {timeout:g} s (see --timeout)")
+    return [late if result is None else result for result in results]
 
 
 def _scrape(url: str, timeout: float, credentials: Credentials) -> Samples:
@@ -356,10 +375,6 @@ def _status(url: str, run: str, rank: str, samples: Samples, now: float) -> Rank
     )
 
 
-def _in_directory(record: ProcessRecord, directory: Path) -> bool:
-    return run_directory_name(record.run) == directory.name
-
-
 def _count(value: float | None) -> str:
     return "-" if value is None else f"{value:,.0f}"
 
@@ -370,10 +385,13 @@ def _memory(status: RankStatus) -> str:
     return f"{status.memory_bytes / 2**20:,.0f}MiB {status.memory_device}".strip()
 
 
-def require_urls(urls: Sequence[str], root: Path) -> None:
+def require_urls(urls: Sequence[object], root: Path, others: int = 0) -> None:
+    """Raise the one-line error of a run directory with nothing of ours to scrape."""
     if not urls:
         missing = "" if root.exists() else " (it does not exist)"
+        hidden = f" for you ({others} rank(s) of other users; --all shows them)" if others else ""
         raise StabmonError(
-            f"no running stabmon process is registered under {root}{missing}; pass exporter "
-            "URLs (stabmon status http://host:9400/metrics) or the --run-dir the training uses"
+            f"no running stabmon process is registered under {root}{missing}{hidden}; "
+            "pass exporter URLs (stabmon status http://host:9400/metrics) or the --run-dir "
+            "the training uses"
         )

@@ -28,17 +28,22 @@ import json
 import math
 import os
 import re
+import stat
 import threading
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stabmon.shared.safefs import owned_directory, read_regular_with_owner
+from stabmon.shared.safefs import UnsafePathError, owned_directory, read_regular_with_owner
 
 __all__ = [
     "DEFAULT_RUN_DIR",
+    "MAX_FILES_PER_OWNER",
     "MAX_RECORDS",
+    "READ_SECONDS",
+    "ReadBudget",
     "OwnedRecord",
     "RECORD_VERSION",
     "RUN_ID_PATTERN",
@@ -46,6 +51,7 @@ __all__ = [
     "RecordProblem",
     "RunPaths",
     "boot_id",
+    "check_root",
     "pid_namespace",
     "prepare_run_directory",
     "read_owned_records",
@@ -60,9 +66,17 @@ DEFAULT_RUN_DIR = Path("/var/tmp/stabmon")
 RECORD_VERSION = 1
 #: Records larger than this are not records (a person's file, a corrupted disk).
 MAX_RECORD_BYTES = 64 * 1024
-#: Records read from one run-directory root at most: the rest are problems, not records
-#: (every user of the node can write there; the daemon's memory and series stay bounded).
+#: Records read from one run-directory root at most per owner uid: the rest are problems,
+#: not records (every user of the node can write there; the daemon's memory and series stay
+#: bounded, and one user's records never push out another's).
 MAX_RECORDS = 512
+#: Files opened per owner uid in one read (records or not): 20,000 junk files of one user
+#: cost a bounded read, and the other users' files are read first or between them.
+MAX_FILES_PER_OWNER = 1024
+#: Entries listed per directory (the root, and each run's directory) in one read.
+MAX_ENTRIES = 65536
+#: Seconds one read of a root may take; the files left are read at the next one.
+READ_SECONDS = 1.0
 
 #: The run ids used as directory names as they are: letters, digits, ``.``, ``_`` and ``-``,
 #: 1 to 128 characters, not starting with a dot (so never ``.`` or ``..``).
@@ -214,10 +228,28 @@ class OwnedRecord:
 
 @dataclass(frozen=True)
 class RecordProblem:
-    """A file in the run directory that is not a usable record, and why."""
+    """A file in the run directory that is not a usable record, and why.
+
+    ``refused``: a well-formed record that is not believed, because it names a run that
+    belongs to another uid (counted by the daemon as a refusal, not a broken file).
+    ``owner_uid`` is the uid that owns the file or directory (None when unknown), so that
+    readers can summarise one user's junk without a line per file.
+    """
 
     path: Path
     reason: str
+    owner_uid: int | None = None
+    refused: bool = False
+
+
+@dataclass(frozen=True)
+class ReadBudget:
+    """What one read of a root may cost: files per owner uid, and time on ``clock``."""
+
+    seconds: float = READ_SECONDS
+    files_per_owner: int = MAX_FILES_PER_OWNER
+    records_per_owner: int = MAX_RECORDS
+    clock: Callable[[], float] = time.monotonic
 
 
 def boot_id() -> str:
@@ -268,40 +300,123 @@ def prepare_run_directory(run_directory: Path) -> None:
     (another user who pre-created it could read, replace or plant its files).
     """
     root = run_directory.parent
-    if not root.exists():
+    if not os.path.lexists(root):
         root.mkdir(parents=True, exist_ok=True)
         try:
             os.chmod(root, 0o1777)  # shared by every user of the node, like /tmp
         except OSError:
             pass  # someone else created it first, or may not change it: theirs to set
+    check_root(root)
     owned_directory(run_directory)
 
 
-def read_records(root: Path) -> tuple[list[ProcessRecord], list[RecordProblem]]:
+def check_root(root: Path, *, uid: int | None = None) -> None:
+    """Raise :class:`UnsafePathError` unless ``root`` is a run-directory root we may trust.
+
+    It must be a real directory (not a symlink, which another user could point anywhere),
+    owned by root or by ``uid`` (this process's effective uid): a root another user owns
+    (any name under /tmp that did not exist yet) is theirs to empty, swap or read. When
+    others may write it, it must be sticky (mode 1777, like /tmp), so no user can rename
+    or remove another's run directory. A root that does not exist is no error here.
+    """
+    mine = os.geteuid() if uid is None else uid
+    try:
+        info = os.lstat(root)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(info.st_mode):
+        raise UnsafePathError(
+            0, "is a symbolic link; the run-directory root must be a real directory", str(root)
+        )
+    if not stat.S_ISDIR(info.st_mode):
+        raise UnsafePathError(0, "is not a directory", str(root))
+    if info.st_uid not in (0, mine):
+        raise UnsafePathError(
+            0,
+            f"is owned by uid {info.st_uid}, neither root nor this user (uid {mine}): its owner "
+            "could swap or remove every run in it. Create it as root (mode 1777) or use a "
+            "run_dir of your own",
+            str(root),
+        )
+    if info.st_mode & (stat.S_IWOTH | stat.S_IWGRP) and not info.st_mode & stat.S_ISVTX:
+        raise UnsafePathError(
+            0,
+            f"is writable by others (mode {stat.S_IMODE(info.st_mode):o}) without the sticky "
+            "bit: any user could rename or remove another's run. chmod 1777 it",
+            str(root),
+        )
+
+
+def read_records(
+    root: Path, *, budget: ReadBudget | None = None
+) -> tuple[list[ProcessRecord], list[RecordProblem]]:
     """Every record under ``root`` (``<run>/rank-*.json``), and the files that are not records.
 
     Never raises for what is on disk: a missing root is no records; an
     unreadable, oversized, partial or malformed file is a problem, not an error.
     """
-    owned, problems = read_owned_records(root)
+    owned, problems = read_owned_records(root, budget=budget)
     return [entry.record for entry in owned], problems
 
 
-def read_owned_records(root: Path) -> tuple[list[OwnedRecord], list[RecordProblem]]:
+def read_owned_records(
+    root: Path, *, budget: ReadBudget | None = None
+) -> tuple[list[OwnedRecord], list[RecordProblem]]:
     """:func:`read_records`, each record with its file's path and owner uid.
 
-    At most :data:`MAX_RECORDS` records are read; run directories that are
-    symlinks are not entered, and record files are opened without following
-    symlinks or blocking (a FIFO or ``/dev/zero`` under a record's name is a
-    problem, never a hang).
+    Trust by owner: a run's name belongs to the uid that owns its directory
+    (``<root>/<run_directory_name(run)>``). A record is believed only in the directory of
+    the run it names, and only when its file has the directory's owner; any other is a
+    ``refused`` problem (another user's record claiming a victim's run, or planted in
+    the victim's name).
+
+    Bounded per owner uid, so no user's files push out another's: at most
+    ``budget.records_per_owner`` records and ``budget.files_per_owner`` files are read per
+    uid, taking one file of each uid in turn, and the whole read ends after
+    ``budget.seconds`` (what is left is one summary problem per uid). Run directories
+    that are symlinks are not entered, and record files are opened without following
+    symlinks or blocking (a FIFO or ``/dev/zero`` under a record's name is a problem,
+    never a hang).
     """
+    budget = budget or ReadBudget()
+    deadline = budget.clock() + budget.seconds
     records: list[OwnedRecord] = []
     problems: list[RecordProblem] = []
-    for path in _record_paths(root):
-        if len(records) >= MAX_RECORDS:
-            problems.append(RecordProblem(path, f"more than {MAX_RECORDS} records; not read"))
-            break
-        _read_one(path, records, problems)
+    queues = _paths_by_owner(root)
+    opened = dict.fromkeys(queues, 0)
+    kept = dict.fromkeys(queues, 0)
+    left = dict.fromkeys(queues, 0)
+    active = [owner for owner in sorted(queues) if queues[owner]]
+    while active:
+        for owner in list(active):
+            paths = queues[owner]
+            if not paths:
+                active.remove(owner)
+                continue
+            if (
+                budget.clock() > deadline
+                or opened[owner] >= budget.files_per_owner
+                or kept[owner] >= budget.records_per_owner
+            ):
+                left[owner] += len(paths)
+                paths.clear()
+                active.remove(owner)
+                continue
+            directory_owner, path = paths.pop()
+            opened[owner] += 1
+            if _read_one(path, directory_owner, records, problems):
+                kept[owner] += 1
+    for owner, count in sorted(left.items()):
+        if count:
+            problems.append(
+                RecordProblem(
+                    root,
+                    f"{count} more file(s) owned by uid {owner} not read: past the "
+                    f"{budget.files_per_owner} files, {budget.records_per_owner} records or "
+                    f"{budget.seconds:g} s one read allows each user",
+                    owner,
+                )
+            )
     return records, problems
 
 
@@ -309,28 +424,58 @@ def read_run_records(run_directory: Path) -> tuple[list[OwnedRecord], list[Recor
     """:func:`read_owned_records` of one run's directory only (not entered through a symlink)."""
     records: list[OwnedRecord] = []
     problems: list[RecordProblem] = []
-    if run_directory.is_symlink() or not run_directory.is_dir():
-        return records, problems
     try:
-        paths = sorted(run_directory.glob("rank-*.json"))
+        info = os.lstat(run_directory)
     except OSError:
         return records, problems
-    for path in paths[:MAX_RECORDS]:
-        _read_one(path, records, problems)
+    if not stat.S_ISDIR(info.st_mode):
+        return records, problems
+    for path in _listed(run_directory)[:MAX_RECORDS]:
+        _read_one(path, info.st_uid, records, problems)
     return records, problems
 
 
-def _read_one(path: Path, records: list[OwnedRecord], problems: list[RecordProblem]) -> None:
+def _read_one(
+    path: Path, directory_owner: int, records: list[OwnedRecord], problems: list[RecordProblem]
+) -> bool:
+    """Read ``path`` into ``records`` (True) or ``problems``."""
+    owner: int | None = None
     try:
         raw, owner = read_regular_with_owner(path, MAX_RECORD_BYTES)
         data = json.loads(raw)
         if not isinstance(data, dict):
             raise ValueError("not a JSON object")
-        records.append(OwnedRecord(ProcessRecord.from_mapping(data), path, owner))
+        record = ProcessRecord.from_mapping(data)
     except FileNotFoundError:
-        pass  # removed at detach between listing and reading: not a problem
+        return False  # removed at detach between listing and reading: not a problem
     except (OSError, ValueError, RecursionError) as error:
-        problems.append(RecordProblem(path, f"{type(error).__name__}: {_short(error)}"))
+        reason = f"{type(error).__name__}: {_short(error)}"
+        problems.append(RecordProblem(path, reason, directory_owner if owner is None else owner))
+        return False
+    refusal = _refusal(record, path, owner, directory_owner)
+    if refusal is not None:
+        problems.append(RecordProblem(path, refusal, owner, refused=True))
+        return False
+    records.append(OwnedRecord(record, path, owner))
+    return True
+
+
+def _refusal(record: ProcessRecord, path: Path, owner: int, directory_owner: int) -> str | None:
+    """Why a well-formed record is not believed (trust by owner), or None."""
+    if path.name != f"rank-{record.rank}.json":
+        return f"ignored: it names rank {record.rank}, whose record is rank-{record.rank}.json"
+    expected = run_directory_name(record.run)
+    if path.parent.name != expected:
+        return (
+            f"ignored: it names run {record.run!r}, whose records live in {expected}/ "
+            "(a run belongs to the user who owns its directory)"
+        )
+    if owner != directory_owner:
+        return (
+            f"ignored: the file belongs to uid {owner} but run {record.run!r} belongs to "
+            f"uid {directory_owner}, who owns its directory"
+        )
+    return None
 
 
 def _short(error: BaseException) -> str:
@@ -339,17 +484,47 @@ def _short(error: BaseException) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
-def _record_paths(root: Path) -> Iterator[Path]:
+def _paths_by_owner(root: Path) -> dict[int, list[tuple[int, Path]]]:
+    """Each owner uid's record paths under ``root``, by run directory, last read first.
+
+    Lists at most :data:`MAX_ENTRIES` entries of the root and of each run directory; never
+    enters a symlink (``lstat``, not ``is_dir()``, which follows a link anywhere).
+    """
+    by_owner: dict[int, list[tuple[int, Path]]] = {}
     try:
-        # Not entry.is_dir(), which follows a symlink to a directory anywhere on the node.
-        runs = [entry for entry in root.iterdir() if entry.is_dir() and not entry.is_symlink()]
+        with os.scandir(root) as entries:
+            runs = []
+            for index, entry in enumerate(entries):
+                if index >= MAX_ENTRIES:
+                    break
+                try:
+                    if entry.is_dir(follow_symlinks=False):
+                        runs.append((entry.name, entry.stat(follow_symlinks=False).st_uid))
+                except OSError:
+                    continue
     except OSError:
-        return
-    for run in sorted(runs):
-        try:
-            yield from sorted(run.glob("rank-*.json"))
-        except OSError:
-            continue
+        return by_owner
+    for name, owner in sorted(runs):
+        paths = [(owner, path) for path in _listed(root / name)]
+        by_owner.setdefault(owner, []).extend(paths)
+    for paths in by_owner.values():
+        paths.reverse()  # popped from the end: read in name order
+    return by_owner
+
+
+def _listed(run: Path) -> list[Path]:
+    """The ``rank-*.json`` files of one run directory, in name order (bounded)."""
+    names: list[str] = []
+    try:
+        with os.scandir(run) as entries:
+            for index, entry in enumerate(entries):
+                if index >= MAX_ENTRIES:
+                    break
+                if entry.name.startswith("rank-") and entry.name.endswith(".json"):
+                    names.append(entry.name)
+    except OSError:
+        return []
+    return [run / name for name in sorted(names)]
 
 
 def _int(data: Mapping[str, Any], key: str, *, minimum: int, default: int | None = None) -> int:

@@ -569,9 +569,11 @@ def test_process_table_lists_the_worker_pids_of_a_process(run_dir: Path, spawn: 
     assert _only(table.poll()).worker_pids == ()
 
 
-def test_process_table_follows_the_live_one_of_two_records_for_one_rank_and_warns_once(
+def test_process_table_ignores_a_record_outside_its_runs_directory_and_logs_it_once(
     run_dir: Path, spawn: Spawn, caplog: pytest.LogCaptureFixture
 ) -> None:
+    # A run's records live in its own directory (trust by owner, issue 40): a second record
+    # for rank 0 of "job" elsewhere is never followed, so there is no duplicate to choose.
     caplog.set_level(logging.INFO, logger="stabmon")
     dead = _dead_pid(spawn)
     _register(run_dir, dead, create_time=1.0, path=run_dir / "job-old" / "rank-0.json")
@@ -581,16 +583,17 @@ def test_process_table_follows_the_live_one_of_two_records_for_one_rank_and_warn
         sample = _only(table.poll())
         assert sample.alive and sample.record.pid == os.getpid()
     assert value(_scrape(table), "stabmon_process_up", pid=str(dead)) is None
-    logged = [r for r in caplog.records if "more than one record" in r.getMessage()]
+    logged = [r for r in caplog.records if "job-old" in r.getMessage()]
     assert len(logged) == 1 and logged[0].levelno == logging.WARNING
+    assert "ignored: it names run 'job'" in logged[0].getMessage()
 
 
-def test_process_table_follows_the_most_recently_updated_of_two_dead_records_for_one_rank(
+def test_process_table_follows_the_record_in_the_runs_directory_not_an_older_one_elsewhere(
     run_dir: Path, spawn: Spawn
 ) -> None:
     older, newer = _dead_pid(spawn), _dead_pid(spawn)
-    _register(run_dir, newer, create_time=1.0, updated_unix=2000.0)
-    _register(run_dir, older, create_time=1.0, updated_unix=1000.0,
+    _register(run_dir, newer, create_time=1.0, updated_unix=1000.0)
+    _register(run_dir, older, create_time=1.0, updated_unix=2000.0,
               path=run_dir / "job-old" / "rank-0.json")  # fmt: skip
     sample = _only(_table(run_dir, clock=lambda: 2100.0).poll())
     assert sample.record.pid == newer and not sample.alive

@@ -24,10 +24,10 @@ from stabmon.daemon.processes import ProcessTable
 from stabmon.export.exporter import Exporter
 from stabmon.shared.guard import Guard
 from stabmon.shared.log import LogLimiter
-from stabmon.shared.rundir import ProcessRecord, boot_id, write_atomic
+from stabmon.shared.rundir import ProcessRecord, boot_id, run_directory_name, write_atomic
 from tests.daemon.fake_nvml import FakeNvml
 from tests.helpers import scrape, value
-from tests.security.conftest import Hostile
+from tests.security.conftest import NOBODY, Hostile
 
 
 @pytest.fixture
@@ -135,7 +135,7 @@ def _own_record(run_dir: Path, run: str, **fields: object) -> None:
         boot_id=boot_id(), updated_unix=time.time(),
     )  # fmt: skip
     data = json.loads(record.to_json()) | {"run": run} | fields
-    directory = run_dir / f"d{len(list(run_dir.iterdir()))}"
+    directory = run_dir / run_directory_name(run)  # a run's records live in its directory
     directory.mkdir()
     (directory / "rank-0.json").write_text(json.dumps(data))
 
@@ -253,3 +253,126 @@ def test_the_log_limiter_remembers_a_bounded_number_of_keys_and_bounds_each_valu
         caplog.clear()
         limiter.once("huge", logging.WARNING, "value %s", "v" * 60_000)
     assert len(caplog.records[0].getMessage()) < MAX_ARG_CHARS + 100
+
+
+# Issue 40: trust by owner. A run's name belongs to the uid owning its directory.
+
+_DEAD_RECORDS = (
+    "import json, os, sys\n"
+    "for index in range(int(sys.argv[2])):\n"
+    "    run = f'{index:04d}'\n"  # digits: sort before any letter
+    "    os.mkdir(os.path.join(sys.argv[1], run))\n"
+    "    open(os.path.join(sys.argv[1], run, 'rank-0.json'), 'w').write(json.dumps({'version': 1,"
+    "'pid': 4194303, 'create_time': 1.0, 'run': run, 'rank': 0, 'updated_unix': 4e9}))\n"
+)
+
+
+@pytest.fixture
+def listening() -> Iterator[int]:
+    """A port this (the victim's) process listens on, as its exporter would."""
+    import socket
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        yield int(listener.getsockname()[1])
+
+
+def _victim(root: Path, port: int, run: str = "victim") -> None:
+    record = ProcessRecord(
+        pid=os.getpid(), create_time=psutil.Process().create_time(), run=run, rank=0,
+        boot_id=boot_id(), updated_unix=time.time(), metrics_url=f"http://127.0.0.1:{port}/metrics",
+    )  # fmt: skip
+    (root / run).mkdir()
+    write_atomic(root / run / "rank-0.json", record.to_json())
+
+
+def test_600_dead_records_of_another_user_sorted_first_do_not_hide_a_live_rank(
+    hostile: Hostile, shared: Path, daemon_for, listening: int
+) -> None:
+    hostile.run(_DEAD_RECORDS, str(shared), "600")
+    _victim(shared, listening)
+    app = daemon_for(shared)
+    app.poll_processes()
+    samples = scrape(app.url)
+    assert value(samples, contract.PROCESS_UP.name, run="victim") == 1.0
+    status, body = _get(app.url, "/targets")
+    assert [group["targets"] for group in json.loads(body)] == [[f"gpu-node-3:{listening}"]]
+
+
+_IMPOSTER = textwrap.dedent(
+    """
+    import json, os, socket, sys, time
+    import psutil
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    directory = os.path.join(sys.argv[1], sys.argv[2])
+    os.makedirs(directory, exist_ok=True)
+    record = {"version": 1, "pid": os.getpid(), "create_time": psutil.Process().create_time(),
+              "run": "victim", "rank": 0, "boot_id": sys.argv[3],
+              "metrics_url": f"http://127.0.0.1:{port}/metrics"}
+    print(port, flush=True)
+    while True:  # rewritten often, always the freshest record of rank 0 of "victim"
+        record["updated_unix"] = time.time() + 3600
+        open(os.path.join(directory, "rank-0.json"), "w").write(json.dumps(record))
+        time.sleep(0.05)
+    """
+)
+
+
+def test_another_users_record_naming_the_victims_run_is_ignored_and_counted(
+    hostile: Hostile, shared: Path, daemon_for, listening: int
+) -> None:
+    _victim(shared, listening)
+    imposter = hostile.start(_IMPOSTER, str(shared), "victim-2", boot_id())
+    try:
+        assert imposter.stdout is not None
+        theirs = int(imposter.stdout.readline())
+        app = daemon_for(shared)
+        for _ in range(5):
+            app.poll_processes()
+            status, body = _get(app.url, "/targets")
+            assert [group["targets"] for group in json.loads(body)] == [[f"gpu-node-3:{listening}"]]
+        samples = scrape(app.url)
+    finally:
+        imposter.kill()
+        imposter.wait()
+        if imposter.stdout is not None:
+            imposter.stdout.close()
+    assert theirs != listening
+    assert value(samples, contract.PROCESS_UP.name, run="victim", pid=str(os.getpid())) == 1.0
+    assert value(samples, contract.PROCESS_UP.name, run="victim", pid=str(imposter.pid)) is None
+    assert (value(samples, contract.INTERNAL_ERRORS.name, component="rundir") or 0) >= 1
+
+
+_JUNK = (
+    "import os, sys\n"
+    "d = os.path.join(sys.argv[1], 'aaa'); os.mkdir(d)\n"
+    "for index in range(int(sys.argv[2])):\n"
+    "    open(os.path.join(d, f'rank-{index}.json'), 'w').write('{not json')\n"
+)
+
+
+def test_thousands_of_junk_records_of_one_user_cost_a_bounded_poll_and_log(
+    hostile: Hostile, shared: Path, listening: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    from stabmon.daemon.processes import LOGGED_PROBLEMS_PER_OWNER
+    from stabmon.shared.rundir import MAX_FILES_PER_OWNER
+
+    hostile.run(_JUNK, str(shared), "3000")
+    _victim(shared, listening)
+    table = ProcessTable(shared, limiter=LogLimiter())
+    with caplog.at_level(logging.WARNING, logger="stabmon"):
+        for _ in range(3):
+            (sample,) = table.poll()
+            assert sample.alive and sample.record.run == "victim"
+    per_file = [r for r in caplog.records if "not a usable registration record" in r.getMessage()]
+    assert len(per_file) <= 3 * LOGGED_PROBLEMS_PER_OWNER  # not one line per file
+    summaries = [r.getMessage() for r in caplog.records if "more unusable" in r.getMessage()]
+    assert summaries and f"{NOBODY}: " in summaries[0]
+    from stabmon.shared.rundir import read_owned_records
+
+    _, problems = read_owned_records(shared)
+    assert len(problems) <= MAX_FILES_PER_OWNER + 1  # the rest: one summary, not read
