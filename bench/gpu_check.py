@@ -21,7 +21,8 @@ Then, each step bounded by its own timeout and all of them by ``--budget-seconds
    fit the budget);
 
 and writes one Markdown report (``gpu-check-report.md``): the machine, each step's command,
-exit status, time and output. A step that runs out of time is stopped (its process group
+exit status, time and the end of its output (the whole output beside it, in
+``gpu-check-report-stepN.log``). A step that runs out of time is stopped (its process group
 killed) and reported with exit 124. It exits 0 when every step passed, 1 otherwise.
 
 Where something it needs is missing (no GPU, no driver, a module the interpreter lacks, no
@@ -305,9 +306,13 @@ def report(path: Path, found: Sequence[Need], steps: Sequence[Step], smi: str) -
             for step in steps
         ),
     ]
-    for step in steps:
+    for number, step in enumerate(steps, 1):
+        # The whole output beside the report (a failure's cause is often above the tail).
+        log = path.with_name(f"{path.stem}-step{number}.log")
+        log.write_text(step.output)
         tail = step.output.splitlines()[-OUTPUT_LINES:]
-        lines += ["", f"## {step.name}", "", f"`{step.command}`: exit {step.returncode}", "",
+        lines += ["", f"## {step.name}", "", f"`{step.command}`: exit {step.returncode}; "
+                  f"its last {OUTPUT_LINES} lines (all of them in {log.name}):", "",
                   "```text", *tail, "```"]  # fmt: skip
     text = "\n".join(lines) + "\n"
     path.write_text(text)

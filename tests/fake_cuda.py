@@ -353,6 +353,10 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCuda]:
     def reset_peak(device_: object = None) -> None:
         device.peak = device.allocated
 
+    if torch.version.cuda is not None and torch.cuda.is_available():
+        # A CUDA build on a GPU machine: its lazy initialisation (which asks for the device's
+        # properties) runs now, on the real runtime, not later against the fakes below.
+        torch.cuda.init()
     stream = FakeStream(audit)
     replacements: dict[str, Any] = {
         "is_available": lambda: True,

@@ -127,6 +127,32 @@ def audited(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCuda]:
         yield cuda
 
 
+def test_an_epoch_end_reads_the_device_time_of_the_steps_before_it(
+    audited: FakeCuda, tmp_path: Path
+) -> None:
+    """A step's phase events pass on the device after the host's step end; the epoch end that
+    follows (training thread) reads them, so one step and an epoch end show the step's device
+    time and the device utilization (on an H200 one step showed neither: issue 38)."""
+    model = _Net()
+    optimizer = torch.optim.AdamW(model.body.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cuda")
+    monitor = stabmon.attach(
+        model, optimizer, scaler=scaler, port=0, address="127.0.0.1", run_dir=str(tmp_path),
+        run_id="one-step", device_check="warn", sample_seconds=3600,
+    )  # fmt: skip
+    try:
+        _step(audited, model, optimizer, scaler, monitor)
+        audited.device.catch_up()  # the device gets past the step's last event
+        monitor.epoch_end()
+        samples = scrape(monitor.metrics_url)
+    finally:
+        monitor.detach()
+
+    audited.assert_clean()
+    assert value(samples, "stabmon_device_phase_seconds_total", phase="forward") > 0
+    assert 0 <= value(samples, "stabmon_device_utilization_ratio", device="cuda:0") <= 1
+
+
 def test_monitored_cuda_loop_never_waits_for_the_device(audited: FakeCuda, tmp_path: Path) -> None:
     samples = run_audited_loop(audited, tmp_path)
 
@@ -222,7 +248,8 @@ def test_monitored_cuda_loop_never_synchronises_a_real_device(tmp_path: Path) ->
         if poison:  # an Inf gradient: non-finite, and GradScaler skips the step
             grad = model.body[0].weight.grad
             assert grad is not None
-            grad.view(-1)[0] = float("inf")
+            # A slice's fill_: ``grad[0] = inf`` copies a host scalar in, a sync of its own.
+            grad.view(-1)[:1].fill_(float("inf"))
         scaler.unscale_(optimizer)
         nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
         scaler.step(optimizer)

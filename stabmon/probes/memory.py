@@ -11,6 +11,7 @@ the device; psutil reads ``/proc``.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,6 +118,8 @@ class MemorySampler:
         #: Device seconds the phase events spanned, and those of them not input wait, at the
         #: last sample that saw any: the next utilization is over the time between.
         self._device_seconds = (0.0, 0.0)
+        #: The sampler thread and the training thread's epoch end both move it.
+        self._utilization_lock = threading.Lock()
 
     def sample(self) -> None:
         """Host RSS, and each device's allocated, reserved and epoch-peak bytes; the first
@@ -144,6 +147,10 @@ class MemorySampler:
         the daemon's ``stabmon_gpu_utilization_ratio``) is a point read of the driver's
         last sample period, which flickered when read once per interval.
         """
+        with self._utilization_lock:
+            self._utilization_since_last(label)
+
+    def _utilization_since_last(self, label: str) -> None:
         phases = self._readings.device_phase_seconds
         for _ in range(3):  # the training thread adds phases: a copy may meet a new key
             try:
@@ -187,11 +194,13 @@ class MemorySampler:
         starts the next epoch's peak window."""
         samples: dict[str, float] = {}
         peaks: dict[str, float] = {}
-        for device in self._devices():
+        for index, device in enumerate(self._devices()):
             label = device_label(device)
             memory = sample_device(device, reset_peak=True)
             samples[label] = memory.allocated
             peaks[label] = memory.peak_allocated
+            if index == 0:  # an epoch's end is a sample too: the utilization up to it
+                self._utilization(label)
         if self._host is not None:
             rss = self._host.rss_bytes()
             self._readings.host_rss = rss

@@ -110,6 +110,8 @@ def test_gpu_check_counts_a_skipped_gpu_test_as_a_failure(tmp_path: Path) -> Non
     report = tmp_path / "report.md"
     text = gpu_check.report(report, [], [step], "GPU 0: test")
     assert "**FAILED**" in text and report.read_text() == text
+    # The whole output lies beside the report: a failure's cause is often above the tail.
+    assert (tmp_path / "report-step1.log").read_text() == step.output
 
 
 def _plan(argv: list[str], probes: gpu_check.Probes) -> list[gpu_check.Step]:
