@@ -158,6 +158,19 @@ def _directory_or_absent(path: str | None, flag: str) -> None:
         )
 
 
+def _safe_root(run_dir: str | None, flag: str) -> None:
+    """The daemon's run-directory root must be one no other user controls (a ConfigError)."""
+    from stabmon.shared.rundir import DEFAULT_RUN_DIR, check_root
+    from stabmon.shared.safefs import UnsafePathError
+
+    try:
+        check_root(Path(run_dir) if run_dir else DEFAULT_RUN_DIR)
+    except UnsafePathError as error:
+        raise ConfigError(
+            str(error), key=flag, source="the command line" if flag.startswith("--") else "config"
+        ) from None
+
+
 def _demo(args: argparse.Namespace) -> int:
     from stabmon.demo import DemoPlan, run_demo
 
@@ -300,6 +313,7 @@ def _run_daemon(args: argparse.Namespace) -> int:
     _directory_or_absent(
         config.run_dir, "--run-dir" if args.run_dir else "run_dir (config file or $STABMON_DIR)"
     )
+    _safe_root(config.run_dir, "--run-dir" if args.run_dir else "run_dir")
     address = config.daemon.address
     try:
         socket.getaddrinfo(address, None)

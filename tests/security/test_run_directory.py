@@ -171,3 +171,76 @@ def test_a_registration_in_another_users_run_directory_is_refused(
     with pytest.raises(UnsafePathError, match="owned by uid 65534"):
         registration.write(last_step_unix=None, steps=0, now=0.0)
     assert read_records(shared) == ([], [])
+
+
+# Issue 40: the root itself. Any name under /tmp that does not exist yet is anyone's to create.
+
+
+@pytest.mark.parametrize("planted", ["owned", "symlink"])
+def test_training_writes_nothing_into_a_root_another_user_created_or_symlinked(
+    attach, hostile: Hostile, shared: Path, planted: str
+) -> None:
+    theirs = shared / "their-dir"
+    root = shared / "stabmon-root"
+    if planted == "owned":  # their directory, mode 1777 as a root should be: still theirs
+        hostile.run("import os, sys; os.mkdir(sys.argv[1]); os.chmod(sys.argv[1], 0o1777)",
+                    str(root))  # fmt: skip
+    else:  # a root that is a link to a directory they own
+        hostile.run("import os, sys; os.mkdir(sys.argv[1]); os.chmod(sys.argv[1], 0o1777);"
+                    "os.symlink(sys.argv[1], sys.argv[2])", str(theirs), str(root))  # fmt: skip
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = attach(model, optimizer, run_dir=str(root), run_id="victim")
+    for _ in range(3):
+        train_step(model, optimizer, monitor)  # training goes on
+    samples = scrape(monitor.metrics_url)
+    monitor.detach()
+    written = list((theirs if planted == "symlink" else root).rglob("*"))
+    assert written == []  # no record, no event log in a directory they control
+    assert (value(samples, contract.INTERNAL_ERRORS.name, component="event_log") or 0.0) >= 1.0
+
+
+def test_the_daemon_refuses_a_root_another_user_owns_with_one_line(
+    hostile: Hostile, shared: Path
+) -> None:
+    root = shared / "stabmon-root"
+    hostile.run("import os, sys; os.mkdir(sys.argv[1]); os.chmod(sys.argv[1], 0o1777)", str(root))
+    result = subprocess.run(
+        [sys.executable, "-c", "import sys; from stabmon.cli import main; sys.exit(main())",
+         "daemon", "--run-dir", str(root), "--port", "0", "--address", "127.0.0.1"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "owned by uid 65534" in result.stderr
+
+
+def test_a_world_writable_root_without_the_sticky_bit_is_refused(tmp_path: Path) -> None:
+    import os
+
+    from stabmon.shared.rundir import check_root
+    from stabmon.shared.safefs import UnsafePathError
+
+    root = tmp_path / "root"
+    root.mkdir()
+    os.chmod(root, 0o777)
+    with pytest.raises(UnsafePathError, match="sticky"):
+        check_root(root)
+    os.chmod(root, 0o1777)
+    check_root(root)
+
+
+def test_the_daemon_counts_and_logs_a_root_swapped_for_a_symlink(
+    hostile: Hostile, shared: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from stabmon.daemon.processes import ProcessTable
+    from stabmon.shared.log import LogLimiter
+
+    theirs = shared / "theirs"
+    hostile.run("import os, sys; os.mkdir(sys.argv[1])", str(theirs))
+    root = shared / "root"
+    root.symlink_to(theirs)
+    refused: list[int] = []
+    table = ProcessTable(root, limiter=LogLimiter(), on_refused=refused.append)
+    assert table.poll() == []
+    assert refused == [1]
+    assert "symbolic link" in caplog.text

@@ -126,3 +126,48 @@ def test_record_reader_never_crashes_on_arbitrary_bytes(payload: bytes, name: st
 # One interpreter imports torch and stabmon, then forks a child per ending (a fresh interpreter
 # each costs seconds of CPU); each child attaches, ends as told, and leaves through the
 # interpreter's own exit (its atexit, its excepthook), as a training script does.
+
+
+def _chowned(path: Path, uid: int) -> None:
+    os.chown(path, uid, uid)
+    for child in path.iterdir():
+        os.chown(child, uid, uid)
+
+
+def test_one_owners_junk_never_pushes_out_another_owners_record_under_a_tight_budget(
+    tmp_path: Path,
+) -> None:
+    import pytest
+
+    from stabmon.shared.rundir import ReadBudget, read_owned_records
+
+    if os.geteuid() != 0:
+        pytest.skip("Requires: root, to give files a second owner")
+    junk = tmp_path / "aaa"
+    junk.mkdir()
+    for index in range(50):
+        (junk / f"rank-{index}.json").write_text("{not json")
+    _chowned(junk, 65534)
+    (tmp_path / "zzz").mkdir()
+    record = ProcessRecord(pid=1, create_time=1.0, run="zzz", rank=0)
+    write_atomic(tmp_path / "zzz" / "rank-0.json", record.to_json())
+    ticks = iter(range(10**6))
+    budget = ReadBudget(seconds=6, clock=lambda: float(next(ticks)))  # a few files in all
+    records, problems = read_owned_records(tmp_path, budget=budget)
+    assert [entry.record.run for entry in records] == ["zzz"]  # read in turn, not after theirs
+    summary = [p for p in problems if "not read" in p.reason]
+    assert len(summary) == 1 and summary[0].owner_uid == 65534
+    assert len(problems) < 10  # not one problem per junk file
+
+
+def test_a_record_outside_its_runs_directory_or_under_another_rank_is_refused(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "elsewhere").mkdir()
+    record = ProcessRecord(pid=1, create_time=1.0, run="victim", rank=0)
+    write_atomic(tmp_path / "elsewhere" / "rank-0.json", record.to_json())
+    (tmp_path / "victim").mkdir()
+    write_atomic(tmp_path / "victim" / "rank-3.json", record.to_json())
+    records, problems = read_records(tmp_path)
+    assert records == []
+    assert [p.refused for p in problems] == [True, True]
