@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from stabmon._version import __version__
 from stabmon.errors import (
     AlreadyAttachedError,
+    AnomalyStop,
     ConfigError,
     DeviceMismatchError,
     StabmonError,
@@ -47,6 +48,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "AlreadyAttachedError",
+    "AnomalyStop",
     "Config",
     "ConfigError",
     "DeviceMismatchError",

@@ -15,6 +15,7 @@ from typing import Literal
 __all__ = [
     "ALERT_NAMES",
     "ANOMALY_KINDS",
+    "BETWEEN_STEPS",
     "DAEMON_EXTENSION_METRICS",
     "DAEMON_HANG_METRICS",
     "DAEMON_METRICS",
@@ -29,6 +30,7 @@ __all__ = [
     "MetricDef",
     "PHASES",
     "PUBLISHED_ANOMALY_KINDS",
+    "STEP_LOOP_PHASES",
     "THROTTLE_REASONS",
     "TRAINING_METRICS",
 ]
@@ -58,6 +60,12 @@ ANOMALY_KINDS: tuple[str, ...] = PUBLISHED_ANOMALY_KINDS + EXTENSION_ANOMALY_KIN
 
 #: Built-in values of ``stabmon_phase_seconds_total{phase}``; user-named phases add to these.
 PHASES: tuple[str, ...] = ("data_wait", "forward", "backward", "optimizer")
+#: The loop phase (``stabmon_loop_phase``, a stall's ``phase``) between two steps outside a
+#: batch fetch: the loop's own code, which is not waiting for input (its time is still
+#: booked as ``data_wait`` in ``stabmon_phase_seconds_total`` when no fetch is tracked).
+BETWEEN_STEPS = "between_steps"
+#: The loop's own phases, which have the step's stall limit (named phases have their own).
+STEP_LOOP_PHASES: tuple[str, ...] = (*PHASES, BETWEEN_STEPS)
 
 #: Values of ``stabmon_internal_errors_total{component}`` known at start (exported as 0).
 INTERNAL_COMPONENTS: tuple[str, ...] = (
@@ -572,12 +580,13 @@ HANG_REASONS: tuple[str, ...] = (
     "deadlock",
 )
 #: Built-in values of ``stabmon_loop_phase{phase}`` beyond PHASES (user-named phases add to these).
-LOOP_PHASES: tuple[str, ...] = ("startup", *PHASES)
+LOOP_PHASES: tuple[str, ...] = ("startup", *PHASES, BETWEEN_STEPS)
 LOOP_PHASE = MetricDef(
     "stabmon_loop_phase",
     "gauge",
     "1 for the loop phase the training thread is in now (startup, data_wait, forward, backward, "
-    "optimizer or a named phase such as eval or checkpoint), 0 for the others it has been in.",
+    "optimizer, between_steps or a named phase such as eval or checkpoint), 0 for the others "
+    "it has been in.",
     ("phase",),
 )
 COLLECTIVES = MetricDef(

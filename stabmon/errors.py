@@ -9,14 +9,17 @@ nothing raised inside a hook or a background thread reaches the training loop
      ├── AlreadyAttachedError     the model or optimizer already has a Monitor
      ├── DeviceMismatchError      a tensor is on the wrong device (only with
      │                            ``device_check: raise``, which asks for it)
-     └── TrainingStalled          no step completed within the stall limit (only
-                                  with ``stall_action: raise``, which asks for it)
+     ├── TrainingStalled          no step completed within the stall limit (only
+     │                            with ``stall_action: raise``, which asks for it)
+     └── AnomalyStop              an anomaly whose ``on_anomaly`` action is ``stop``,
+                                  raised by ``optimizer.step()`` on every rank at once
 """
 
 from __future__ import annotations
 
 __all__ = [
     "AlreadyAttachedError",
+    "AnomalyStop",
     "ConfigError",
     "DeviceMismatchError",
     "StabmonError",
@@ -74,3 +77,36 @@ class TrainingStalled(StabmonError, RuntimeError):
         ),
     ) -> None:
         super().__init__(message)
+
+
+class AnomalyStop(StabmonError, RuntimeError):
+    """An anomaly whose ``on_anomaly`` action is ``stop`` (docs/policies.md).
+
+    Raised by ``optimizer.step()`` (from its pre-hook, so that step is not applied) in the
+    training thread of every rank, at the same step: the ranks agree on it with one small
+    all-reduce. Catch it to save what you need and exit; the rank's ``verdict.json`` names
+    the decision, the last good checkpoint and what to do next.
+    """
+
+    def __init__(self, kind: str, step: int, rank: int, *, anomaly_step: int | None = None) -> None:
+        #: The anomaly kind (``nonfinite_grad``, ``loss_spike``, ...).
+        self.kind = kind
+        #: The optimizer step that was not applied (0-based, across resumes).
+        self.step = step
+        #: This process's rank.
+        self.rank = rank
+        #: The step the anomaly was recorded at (on whichever rank saw it first).
+        self.anomaly_step = step if anomaly_step is None else anomaly_step
+        super().__init__(
+            f"stabmon: {kind} at step {self.anomaly_step} (on_anomaly.{kind}: stop); rank {rank} "
+            f"stopped before applying step {step}. The rank's verdict.json in the run directory "
+            "names the last good checkpoint to resume from"
+        )
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Pickled across processes (multiprocessing, Ray) with its keyword argument intact.
+        return (_anomaly_stop, (self.kind, self.step, self.rank, self.anomaly_step))
+
+
+def _anomaly_stop(kind: str, step: int, rank: int, anomaly_step: int) -> AnomalyStop:
+    return AnomalyStop(kind, step, rank, anomaly_step=anomaly_step)

@@ -47,6 +47,18 @@ The hooks, each optional, each call contained by the guard under ``component``:
 - ``anomaly_recorded(kind, step)``: after any anomaly was counted and written (a built-in's
   or a plug-in's), on the thread that recorded it; for evidence of an incident (the
   batches it trained on). It must not record an anomaly itself.
+- ``gate_step(step, optimizer)`` and ``step_applied()`` (:class:`GatesStep`): the training
+  thread, in the optimizer's step pre-hook once the gradients were measured (``step`` is
+  the index of the step about to be applied), and in its post-hook. A gate may change what
+  the step does (hold gradients back, pass the optimizer a device flag, scale the LR) and
+  must undo it in ``step_applied``; it may raise :class:`stabmon.AnomalyStop`, the one
+  exception the guard lets through (the step is then not applied). While a gate is
+  plugged in, ``gate_step`` runs at every optimizer step: what it does there is the cost.
+  Built-in: :mod:`stabmon.policies` (``on_anomaly``).
+- ``checkpoint_saved(step, path, completed)``: training thread, after a
+  ``with mon.phase("checkpoint", path=...)`` block or an adapter's save: the last
+  completed step, the path saved to (None when not told) and whether the block ended
+  without an exception.
 - ``step_end(steps)``: training thread, after an optimizer step, once ``steps`` (steps
   completed in this process) reaches the plug-in's ``next_step``; the Monitor compares
   one integer a step, the smallest ``next_step`` of all, re-read after each call and after
@@ -84,6 +96,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AnomalyRecorded",
+    "CheckpointSaved",
     "ClipJudged",
     "Context",
     "Detaches",
@@ -91,6 +104,7 @@ __all__ = [
     "EpochMemory",
     "Factory",
     "Finishes",
+    "GatesStep",
     "GradSummary",
     "GradsJudged",
     "Heartbeat",
@@ -219,6 +233,12 @@ class Context(Protocol):
     def log(self, key: str, level: int, message: str, *args: object) -> None:
         """Log through the Monitor's limiter: at most a few lines a minute per ``key``."""
 
+    def gradient_norms(self) -> torch.Tensor | list[float] | None:
+        """The norm of each gradient in place now, before any clip (this step's clip measured
+        them before it scaled them): a 1-D device tensor, or host floats for a few CPU
+        tensors; None when no gradient is present. Training thread, in ``gate_step`` or a
+        ``before_step`` ``measure``; never a sync."""
+
     def watch_modules(self, hook: Callable[[str, Any, Any], None]) -> Callable[[], None]:
         """Call ``hook(module name, inputs, output)`` after every module's forward (the
         unwrapped model's, root included, in completion order) until the returned callable
@@ -290,6 +310,22 @@ class AnomalyRecorded(Protocol):
     component: str
 
     def anomaly_recorded(self, kind: str, step: int | None) -> None: ...
+
+
+@runtime_checkable
+class GatesStep(Protocol):
+    component: str
+
+    def gate_step(self, step: int, optimizer: torch.optim.Optimizer) -> None: ...
+
+    def step_applied(self) -> None: ...
+
+
+@runtime_checkable
+class CheckpointSaved(Protocol):
+    component: str
+
+    def checkpoint_saved(self, step: int | None, path: str | None, completed: bool) -> None: ...
 
 
 @runtime_checkable

@@ -308,11 +308,14 @@ class Monitor:
             self._steps.loader_wait(timer.clock() - start)
 
     @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[None]:
+    def phase(self, name: str, *, path: str | os.PathLike[str] | None = None) -> Iterator[None]:
         """Attribute the time inside the block to the named phase (``eval``, ``checkpoint``).
 
         Inside it, the stall limit is ``phase_stall_seconds``, forward hooks are
-        not timed as training, and observed losses are not training losses.
+        not timed as training, and observed losses are not training losses. A
+        ``checkpoint`` phase is a save: ``path`` (where it writes) goes with its step into
+        the rank's ``verdict.json`` as the last good checkpoint when no anomaly had
+        damaged the parameters before it (docs/policies.md).
         """
         label = self._phases.label(name)
         # A phase may take long (eval, checkpoint): what is on the host is judged before it,
@@ -322,12 +325,27 @@ class Monitor:
         with self._guard.contain("hooks"):
             self._throughput.abandon(self._readings.steps)  # an eval is not the step's FLOPs
             self._timer.enter_named(label)
+        completed = False
         try:
             yield
+            completed = True
         finally:
             with self._guard.contain("hooks"):
                 self._timer.exit_named()
             self._engine.judge_waiting()
+            if label == "checkpoint" and not self._detached:
+                saved = None if path is None else os.fspath(path)
+                self._plugged.checkpoint_saved(self._recorder.last_step, saved, completed)
+
+    def on_checkpoint_action(self, save: Callable[[int], object]) -> None:
+        """Give ``on_anomaly``'s ``checkpoint`` action the loop's save: ``save(step)`` is
+        called once, in the training thread, before the anomalous step is applied (or, for a
+        kind judged late, at the next step), with the index of that step. Save inside
+        ``with mon.phase("checkpoint", path=...)`` so the verdict knows the file.
+        """
+        for plugin in self._plugged.plugins:
+            if hasattr(plugin, "save") and hasattr(plugin, "gate_step"):
+                plugin.save = save
 
     def mark_forward(self) -> None:
         """A training step's forward pass begins now; the time before it was input wait.

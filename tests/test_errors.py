@@ -7,6 +7,7 @@ import pytest
 from stabmon import errors
 from stabmon.errors import (
     AlreadyAttachedError,
+    AnomalyStop,
     ConfigError,
     DeviceMismatchError,
     StabmonError,
@@ -21,6 +22,7 @@ from stabmon.errors import (
         (AlreadyAttachedError, Exception),
         (DeviceMismatchError, RuntimeError),
         (TrainingStalled, RuntimeError),
+        (AnomalyStop, RuntimeError),
     ],
 )
 def test_every_error_is_a_stabmon_error_and_the_builtin_its_callers_expect(
@@ -56,3 +58,13 @@ def test_config_error_without_a_key_names_only_the_source() -> None:
 def test_training_stalled_says_where_the_evidence_is_by_default() -> None:
     assert "event log" in str(TrainingStalled())
     assert str(TrainingStalled("custom")) == "custom"
+
+
+def test_anomaly_stop_carries_kind_step_and_rank_and_survives_a_pickle() -> None:
+    import pickle
+
+    stop = AnomalyStop("grad_spike", 301, 2, anomaly_step=300)
+    copy = pickle.loads(pickle.dumps(stop))
+
+    assert (copy.kind, copy.step, copy.rank, copy.anomaly_step) == ("grad_spike", 301, 2, 300)
+    assert "verdict.json" in str(copy) and "on_anomaly.grad_spike" in str(copy)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
+from typing import Any
 
 import pytest
 import torch
@@ -12,7 +15,15 @@ from stabmon.detectors.stall import Heartbeat
 from stabmon.pipeline.readings import Readings
 from stabmon.probes.timing import LoopTimer
 from tests.conftest import MonitorFactory
-from tests.helpers import scrape, train_step, value
+from tests.helpers import (
+    LoopClock,
+    events,
+    interruptible_sleep,
+    scrape,
+    train_step,
+    value,
+    wait_until,
+)
 
 
 def _model() -> torch.nn.Module:
@@ -155,3 +166,216 @@ def test_data_wait_context_times_a_get_batch_call(attach: MonitorFactory) -> Non
         optimizer.zero_grad()
     samples = scrape(monitor.metrics_url)
     assert value(samples, "stabmon_data_wait_seconds_count") == 3
+
+
+# --- where a hang is: input wait only while a batch is fetched; evaluation's own limit --------
+
+
+class _Blocking(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """An mnist-sized data set whose item ``block_at`` hangs (a stuck read) until released."""
+
+    def __init__(self, clock: LoopClock, block_at: int | None, release: threading.Event) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.x, self.y = (
+            torch.randn(32, 8, generator=generator),
+            torch.randn(32, 1, generator=generator),
+        )
+        self.clock, self.block_at, self.release = clock, block_at, release
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if index == self.block_at:
+            self.clock.advance(100.0)
+            interruptible_sleep(self.release)
+        return self.x[index], self.y[index]
+
+
+def _stall_while_blocked(monitor: stabmon.Monitor, release: threading.Event) -> threading.Thread:
+    """Sets ``release`` once the stall is exported: the loop stays blocked until then."""
+
+    def watch() -> None:
+        wait_until(lambda: value(scrape(monitor.metrics_url), "stabmon_stalled") == 1, "stalled")
+        release.set()
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    return watcher
+
+
+def _mnist_epoch(
+    monitor: stabmon.Monitor,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loader: torch.utils.data.DataLoader[tuple[torch.Tensor, torch.Tensor]],
+    after_step: Any = None,
+) -> None:
+    """pytorch/examples mnist's train(): batches through track(), a log line every few."""
+    model.train()
+    for batch_idx, (data, target) in enumerate(monitor.track(loader)):
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(data), target)
+        loss.backward()
+        optimizer.step()
+        if after_step is not None:
+            after_step(batch_idx)
+
+
+def test_a_hang_in_the_loops_own_code_between_steps_is_not_called_input_wait(
+    attach: MonitorFactory,
+) -> None:
+    model, clock, release = _model(), LoopClock(), threading.Event()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = attach(model, optimizer, stall_seconds=10, clock=clock)
+    loader = torch.utils.data.DataLoader(_Blocking(clock, None, release), batch_size=4)
+
+    def log_line(batch_idx: int) -> None:  # the loop's own logging, stuck after step 2
+        if batch_idx == 2:
+            clock.advance(100.0)
+            watcher = _stall_while_blocked(monitor, release)
+            interruptible_sleep(release)
+            watcher.join(timeout=30)
+
+    _mnist_epoch(monitor, model, optimizer, loader, log_line)
+    records = events(monitor.event_log_path)
+    stall = next(r for r in records if r.get("kind") == "stall")
+    assert (stall["phase"], stall["step"]) == ("between_steps", 3)
+    evidence = next(r for r in records if r["event"] == "hang_evidence")
+    assert evidence["state"] == "lock_wait"  # interruptible_sleep waits on an Event
+
+
+def test_a_hang_while_the_loader_fetches_a_batch_is_input_wait(attach: MonitorFactory) -> None:
+    model, clock, release = _model(), LoopClock(), threading.Event()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = attach(model, optimizer, stall_seconds=10, clock=clock)
+    loader = torch.utils.data.DataLoader(_Blocking(clock, 13, release), batch_size=4)
+    watcher = _stall_while_blocked(monitor, release)  # item 13: batch 3, after step 2
+    _mnist_epoch(monitor, model, optimizer, loader)
+    watcher.join(timeout=30)
+    records = events(monitor.event_log_path)
+    stall = next(r for r in records if r.get("kind") == "stall")
+    assert (stall["phase"], stall["step"]) == ("data_wait", 3)
+    evidence = next(r for r in records if r["event"] == "hang_evidence")
+    assert evidence["state"] == "data_wait"
+
+
+class _SlowEvaluation(torch.nn.Module):
+    """A model whose evaluation forward takes 30 s on the loop clock (a 1,000-image batch)."""
+
+    def __init__(self, clock: LoopClock, stalled: threading.Event) -> None:
+        super().__init__()
+        self.net, self.clock, self.stalled = _model(), clock, stalled
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            self.clock.advance(30.0)
+            interruptible_sleep(self.stalled, timeout=1.5)  # the watchdog polls meanwhile
+        return self.net(x)  # type: ignore[no-any-return]
+
+
+def test_an_unwrapped_evaluation_longer_than_stall_seconds_gets_the_phase_limit(
+    attach: MonitorFactory,
+) -> None:
+    """mnist's test(): model.eval() and no_grad(), no mon.phase; its one batch takes 30 s."""
+    clock, stalled = LoopClock(), threading.Event()
+    model = _SlowEvaluation(clock, stalled)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = attach(model, optimizer, stall_seconds=10, phase_stall_seconds=600, clock=clock)
+
+    def watch() -> None:  # ends with the test; sets `stalled` if the watchdog calls it a stall
+        with contextlib.suppress(AssertionError):
+            wait_until(lambda: value(scrape(monitor.metrics_url), "stabmon_stalled") == 1, "", 5)
+            stalled.set()
+
+    loader = torch.utils.data.DataLoader(_Blocking(clock, None, threading.Event()), batch_size=4)
+    _mnist_epoch(monitor, model, optimizer, loader)
+    threading.Thread(target=watch, daemon=True).start()
+    model.eval()
+    with torch.no_grad():
+        for data, _ in torch.utils.data.DataLoader(loader.dataset, batch_size=32):
+            model(data)
+    assert not stalled.is_set()
+    assert [r for r in events(monitor.event_log_path) if r.get("kind") == "stall"] == []
+
+
+# --- LBFGS: step(closure) runs forward and backward many times inside one step ----------------
+
+
+class _Sequence(torch.nn.Module):
+    """pytorch/examples time_sequence_prediction's model: two LSTM cells and a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lstm1, self.lstm2 = torch.nn.LSTMCell(1, 8), torch.nn.LSTMCell(8, 8)
+        self.linear = torch.nn.Linear(8, 1)
+
+    def forward(self, inputs: torch.Tensor, future: int = 0) -> torch.Tensor:
+        h1 = c1 = h2 = c2 = torch.zeros(inputs.size(0), 8)
+        outputs = []
+        output = torch.zeros(inputs.size(0), 1)
+        for value_t in [*inputs.split(1, dim=1), *([None] * future)]:
+            h1, c1 = self.lstm1(output if value_t is None else value_t, (h1, c1))
+            h2, c2 = self.lstm2(h1, (h2, c2))
+            output = self.linear(h2)
+            outputs.append(output)
+        return torch.cat(outputs, dim=1)
+
+
+class _GradNorms:
+    """A plug-in keeping each measured step's gradient norm, as the Monitor judged it."""
+
+    component = "test_grad_norms"
+
+    def __init__(self) -> None:
+        self.norms: dict[int, float] = {}
+
+    def grads_judged(self, step: int, summary: Any) -> None:
+        self.norms[step] = summary.total_norm
+
+
+def test_lbfgs_closure_passes_are_progress_and_each_step_records_its_own_gradient(
+    attach: MonitorFactory,
+) -> None:
+    """Each closure pass takes 4 s on the loop clock, a step up to 25 of them (100 s), with
+    stall_seconds 10: no stall. A step's gradient record is its closure's last gradient."""
+    clock, stalled, norms = LoopClock(), threading.Event(), _GradNorms()
+    seq = _Sequence()
+    optimizer = torch.optim.LBFGS(seq.parameters(), lr=0.8)
+    monitor = attach(seq, optimizer, stall_seconds=10, clock=clock, plugins=[lambda _: norms])
+    wave = torch.sin(torch.arange(24.0).view(1, 24) / 4 + torch.arange(4.0).view(4, 1))
+    inputs, target = wave[:, :-1], wave[:, 1:]
+
+    def watch() -> None:  # sets `stalled` if the watchdog ever calls it a stall
+        with contextlib.suppress(AssertionError):
+            wait_until(lambda: value(scrape(monitor.metrics_url), "stabmon_stalled") == 1, "", 8)
+            stalled.set()
+
+    threading.Thread(target=watch, daemon=True).start()
+    last_norm: dict[int, float] = {}
+    for i in range(3):
+        passes = 0
+
+        def closure(i: int = i) -> torch.Tensor:
+            nonlocal passes
+            optimizer.zero_grad()
+            clock.advance(4.0)
+            loss = torch.nn.functional.mse_loss(seq(inputs), target)
+            loss.backward()
+            last_norm[i] = float(torch.nn.utils.get_total_norm([p.grad for p in seq.parameters()]))
+            passes += 1
+            if i == 1 and passes == 4:  # 16 s into the step: the watchdog polls meanwhile
+                interruptible_sleep(stalled, timeout=1.5)
+            return loss
+
+        loss = optimizer.step(closure)
+        monitor.observe(loss=loss)
+        with torch.no_grad():  # the example predicts after each step
+            seq(inputs[:, :4], future=8)
+    monitor.detach()
+    assert not stalled.is_set()
+    assert [r for r in events(monitor.event_log_path) if r.get("kind") == "stall"] == []
+    assert sorted(norms.norms) == [0, 1, 2]
+    for step in range(3):
+        assert norms.norms[step] == pytest.approx(last_norm[step], rel=1e-5)

@@ -6,6 +6,7 @@ import stabmon
 def test_public_api_exports_exactly_the_documented_names() -> None:
     assert sorted(stabmon.__all__) == [
         "AlreadyAttachedError",
+        "AnomalyStop",
         "Config",
         "ConfigError",
         "DeviceMismatchError",
@@ -26,3 +27,4 @@ def test_errors_form_one_hierarchy() -> None:
     assert issubclass(stabmon.AlreadyAttachedError, stabmon.StabmonError)
     assert issubclass(stabmon.DeviceMismatchError, stabmon.StabmonError)
     assert issubclass(stabmon.TrainingStalled, stabmon.StabmonError)
+    assert issubclass(stabmon.AnomalyStop, stabmon.StabmonError)

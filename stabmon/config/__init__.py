@@ -44,7 +44,7 @@ from stabmon.config.loading import field_meta as _meta
 from stabmon.config.loading import load_sections
 from stabmon.shared.rundir import RUN_ID_PATTERN
 
-__all__ = ["Config", "DaemonConfig", "ThroughputConfig", "load_config"]
+__all__ = ["AnomalyPolicyConfig", "Config", "DaemonConfig", "ThroughputConfig", "load_config"]
 
 _CONFIG_FILE_VARIABLE = "STABMON_CONFIG"
 
@@ -154,6 +154,49 @@ class ThroughputConfig(_Section):
             "samples, FLOPs), which `stabmon report` turns into goodput.",
             gt=0,
         ),
+    )
+
+
+#: What each action of ``on_anomaly`` does (docs/policies.md).
+POLICY_ACTIONS: tuple[str, ...] = ("none", "skip", "lr_scale", "checkpoint", "stop")
+# Checked on the step's own gradients before the optimizer applies them: every action.
+_BEFORE_THE_STEP = POLICY_ACTIONS
+# Judged a step or more late: no skip (the step is applied); no checkpoint where the
+# parameters may already be damaged when the host knows (a NaN loss, diverged replicas).
+_JUDGED_LATE = ("none", "lr_scale", "checkpoint", "stop")
+_DAMAGED_WHEN_KNOWN = ("none", "lr_scale", "stop")
+
+
+def _action(kind: str, choices: tuple[str, ...], when: str) -> Any:
+    return field(
+        default="none",
+        metadata=_meta(f"What a {kind} anomaly does ({when}).", choices=choices),
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class AnomalyPolicyConfig(_Section):
+    """``on_anomaly``: what each anomaly kind makes every rank do (docs/policies.md)."""
+
+    nonfinite_grad: str = _action(
+        "nonfinite_grad", _BEFORE_THE_STEP, "checked on the step's gradients before it"
+    )
+    grad_spike: str = _action(
+        "grad_spike", _BEFORE_THE_STEP, "the pre-clip norm checked before the step"
+    )
+    nonfinite_loss: str = _action("nonfinite_loss", _DAMAGED_WHEN_KNOWN, "judged a step late")
+    loss_spike: str = _action("loss_spike", _JUDGED_LATE, "judged a step late")
+    replica_mismatch: str = _action("replica_mismatch", ("none", "stop"), "judged late")
+    stall: str = _action("stall", ("none", "checkpoint", "stop"), "once the loop moves again")
+    slowdown: str = _action("slowdown", ("none", "checkpoint", "stop"), "judged late")
+    memory_leak: str = _action("memory_leak", ("none", "checkpoint", "stop"), "judged late")
+    lr_scale_factor: float = field(
+        default=0.1,
+        metadata=_meta("What lr_scale multiplies every param group's LR by.", gt=0, le=1),
+    )
+    lr_scale_steps: int = field(
+        default=100,
+        metadata=_meta("Optimizer steps lr_scale lasts; then the LR is the loop's own.", ge=1),
     )
 
 
@@ -496,6 +539,12 @@ class Config(_Section):
     throughput: ThroughputConfig = field(
         default_factory=ThroughputConfig,
         metadata=_meta("Throughput, MFU and slowdown detection: throughput.<key>."),
+    )
+    on_anomaly: AnomalyPolicyConfig = field(
+        default_factory=AnomalyPolicyConfig,
+        metadata=_meta(
+            "What each anomaly kind makes every rank do: on_anomaly.<kind> (docs/policies.md)."
+        ),
     )
 
 

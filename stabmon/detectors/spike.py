@@ -181,6 +181,25 @@ class SpikeDetector:
         self._count = count + 1
         return spike
 
+    def limit(self) -> float | None:
+        """The smallest value :meth:`update` would call a spike now (in the original space);
+        None during warm-up. Known before the next value arrives, so a policy can judge that
+        value on the device (stabmon.policies) without the value ever reaching the host."""
+        if self._count < self._warmup:
+            return None
+        mean = self._mean
+        std = math.sqrt(self._var)
+        relative = REL_STD_FLOOR if self._log_scale else REL_STD_FLOOR * abs(mean)
+        std = max(std, relative, ABS_STD_FLOOR)
+        edge = mean + self._threshold * std
+        level = math.exp(mean) if self._log_scale else mean
+        if self._log_scale:
+            edge = math.exp(min(edge, 700.0))
+        floor = level + self._min_delta
+        if level > 0:
+            floor = max(floor, level * self._min_ratio)
+        return max(edge, floor)
+
     def state_dict(self) -> dict[str, float | int]:
         """The running statistics, as JSON-able numbers; see :meth:`load_state_dict`."""
         return {"count": self._count, "mean": self._mean, "var": self._var}

@@ -109,6 +109,8 @@ class Measurements:
         # A measurement taken by a clip call before the step it belongs to (pre-clip norms):
         # (steps completed when taken, sample, layout), used by that step's pre-hook.
         self._preclip: tuple[int, Any, GradLayout] | None = None
+        # This step's measurement (steps completed when taken, sample), for current_norms().
+        self._current: tuple[int, Any] | None = None
         # Lightning measures at on_before_optimizer_step, before it clips: its clip belongs
         # to the step just measured (see clips_after_measuring()).
         self._clip_after_measure = False
@@ -156,12 +158,23 @@ class Measurements:
                 probe = self.current_probe(optimizer)
                 sample = probe.measure()
                 layout = probe.layout  # measure() rebuilt it first if the model moved
+            self._current = (self._readings.steps, sample)
             if sample is not None:
                 tag = _tuple_new(Tag, (self._judge_grads_ref, self._recorder.global_step, layout))
                 with self.engine.lock:
                     self.engine.readback.submit(tag, sample.packed)
         except Exception as error:
             self._guard.record("grads", error)
+
+    def current_norms(self) -> torch.Tensor | list[float] | None:
+        """The norm of each gradient in place now, before any clip: this step's measurement
+        when the step pre-hook (or its clip, before clipping) took one, else measured now;
+        None without gradients. Training thread, at the step pre-hook; never a sync."""
+        current = self._current
+        if current is None or current[0] != self._readings.steps:
+            current = (self._readings.steps, self.current_probe(self._optimizer).measure())
+        sample = current[1]
+        return None if sample is None else sample.packed
 
     def submit_device(self, judge: Judge, step: int, values: torch.Tensor) -> None:
         """A device plug-in's measurement (:mod:`stabmon.extension`), judged by ``judge``."""

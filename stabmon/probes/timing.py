@@ -15,7 +15,13 @@ the hook boundaries they contain are ignored. A forward outside training (under
 ``torch.no_grad()``/``inference_mode()``, or of a model in ``eval()`` mode) outside
 a named phase enters an automatic ``eval`` phase: it keeps the heartbeat alive (an
 evaluation that nobody wrapped in ``mon.phase`` is no stall), its time is ``eval``
-rather than ``data_wait``, and a stall inside it is reported in phase ``eval``.
+rather than ``data_wait``, and a stall inside it is reported in phase ``eval``, against the
+named phases' limit (``phase_stall_seconds``) until training resumes.
+
+The loop phase the heartbeat names (what a stall reports, ``stabmon_loop_phase``) is
+``data_wait`` only while a batch is being fetched (``track()``'s ``next()``, a
+``data_wait()`` block); between steps outside a fetch it is ``between_steps``: a loop
+stuck in its own code after its batch arrived is not waiting for input.
 
 These are host timestamps. On CUDA they measure when the host got there, not
 when the device finished: a sync-free loop runs ahead of the device, so host
@@ -30,8 +36,9 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
+from stabmon.contract import BETWEEN_STEPS
 from stabmon.pipeline.readings import Readings
-from stabmon.shared.heartbeat import Heartbeat
+from stabmon.shared.heartbeat import STARTUP_PHASE, Heartbeat
 
 __all__ = ["LoopTimer", "TrackedLoader", "timed_iteration"]
 
@@ -83,6 +90,10 @@ class LoopTimer:
         self.forward_seen = False
         #: Inside ``mon.phase(...)``: an attribute, not a property, for observe() on every step.
         self.in_named_phase = False
+        #: The heartbeat's phase before the fetch in progress, put back when it ends.
+        self._before_fetch: str | None = None
+        #: Inside ``optimizer.step()``: a forward there is a closure pass (LBFGS).
+        self._in_step = False
 
     @property
     def phase(self) -> str:
@@ -109,6 +120,12 @@ class LoopTimer:
             self.iteration_was_skipped = False
         elif state == EVAL_PHASE:
             self.in_iteration = True  # training resumes after an evaluation
+            self._heartbeat.named_phase = False  # and the step's limit with it
+        elif self._in_step:
+            # A closure pass inside step(closure) (LBFGS): progress, and the step in progress
+            # is what a loss observed in the closure belongs to.
+            self._heartbeat.progress(now)
+            self.in_iteration = True
         self.forward_seen = True
         phases = self._phases
         phases[state] = phases.get(state, 0.0) + elapsed
@@ -132,6 +149,7 @@ class LoopTimer:
             self._mark = now
             self._loader_seconds = 0.0
             self._state = self._heartbeat.phase = EVAL_PHASE
+            self._heartbeat.named_phase = True  # an evaluation has the named phases' limit
             if self._device_mark is not None:
                 self._device_mark(EVAL_PHASE, False)
         self._heartbeat.progress(now)
@@ -165,6 +183,8 @@ class LoopTimer:
             phases = self._phases
             phases[self._state] = phases.get(self._state, 0.0) + elapsed
         self._state = self._heartbeat.phase = _OPTIMIZER
+        self._heartbeat.named_phase = False  # an evaluation before step(closure) is over
+        self._in_step = True
         self._mark = now
         self._loader_seconds = 0.0
         if self._device_mark is not None:
@@ -191,13 +211,33 @@ class LoopTimer:
         self._heartbeat.beat(now, step_seconds)
         self.in_iteration = False
         self.iteration_was_skipped = False
+        self._in_step = False
         if not named:
-            self._state = self._heartbeat.phase = _DATA_WAIT
+            self._state = _DATA_WAIT
+            self._heartbeat.phase = BETWEEN_STEPS
+            self._heartbeat.named_phase = False
             self._mark = now
             self._loader_seconds = 0.0
             if self._device_mark is not None:
                 self._device_mark(_DATA_WAIT, True)
         return now
+
+    def fetch_start(self) -> None:
+        """A batch fetch begins (``track()``'s ``next()``, ``data_wait()``): the loop waits
+        for input until :meth:`loader_wait` ends it."""
+        if self._named or self._state == EVAL_PHASE:
+            return  # a validation loader is part of its evaluation
+        heartbeat = self._heartbeat
+        if heartbeat.phase != _DATA_WAIT:
+            self._before_fetch = heartbeat.phase
+            heartbeat.phase = _DATA_WAIT
+
+    def fetch_over(self) -> None:
+        """The fetch in progress ended without a batch (the loader's end, an error): the loop
+        is back in its own code. :meth:`loader_wait` does this for a fetched batch."""
+        before, self._before_fetch = self._before_fetch, None
+        if before is not None and self._heartbeat.phase == _DATA_WAIT:
+            self._heartbeat.phase = before
 
     def loader_wait(self, seconds: float) -> None:
         """Input wait measured around a batch fetch (``track()``'s ``next()``, ``data_wait()``).
@@ -208,6 +248,8 @@ class LoopTimer:
         """
         if self._named:  # a validation loader inside mon.phase("eval") is not input wait
             return
+        if self._before_fetch is not None:
+            self.fetch_over()
         self._readings.data_wait.observe(seconds)
         state = self._state
         if state == _DATA_WAIT:
@@ -225,6 +267,8 @@ class LoopTimer:
         self._readings.add_phase_time(self._state, now - self._mark)
         self.in_iteration = False
         self.iteration_was_skipped = True
+        self._in_step = False
+        self._heartbeat.named_phase = False
         self._enter(_DATA_WAIT, now)
 
     def enter_named(self, name: str) -> None:
@@ -257,16 +301,22 @@ class LoopTimer:
             self._heartbeat.phase = self._named[-1]
         else:
             self._heartbeat.named_phase = False
-            # Back in the loop: whatever comes next (a batch fetch, usually) is input wait.
+            # Back in the loop: whatever comes next (a batch fetch, usually) is booked as input
+            # wait; the loop is in its own code until a fetch begins.
             self._state = _DATA_WAIT
-            self._heartbeat.phase = _DATA_WAIT
+            self._heartbeat.phase = self._idle_phase()
+
+    def _idle_phase(self) -> str:
+        """The heartbeat's phase between steps: ``startup`` before the first one."""
+        return BETWEEN_STEPS if self._heartbeat.steps else STARTUP_PHASE
 
     def _enter(self, state: str, now: float) -> None:
         """Enter ``state`` at ``now``; the per-step boundaries above do the same inline."""
         self._state = state
         self._mark = now
         self._loader_seconds = 0.0
-        self._heartbeat.phase = state
+        self._before_fetch = None
+        self._heartbeat.phase = self._idle_phase() if state == _DATA_WAIT else state
         if self._device_mark is not None:
             self._device_mark(state, False)
 
@@ -332,16 +382,20 @@ def timed_iteration(
     clock: Callable[[], float] = time.perf_counter,
     on_iterator: Callable[[Iterator[T]], None] | None = None,
     on_error: Callable[[BaseException], None] | None = None,
+    on_fetch: Callable[[], None] | None = None,
 ) -> Iterator[T]:
     """Yield from ``iterable``, timing each ``next()``; call ``on_exhausted`` at its end.
 
     ``on_iterator`` sees the iterator once; ``on_error`` sees an exception from
-    ``next()`` before it propagates (it must not raise).
+    ``next()`` before it propagates (it must not raise); ``on_fetch`` is called before
+    each ``next()`` (it must not raise either).
     """
     iterator = iter(iterable)
     if on_iterator is not None:
         on_iterator(iterator)
     while True:
+        if on_fetch is not None:
+            on_fetch()
         start = clock()
         try:
             item = next(iterator)

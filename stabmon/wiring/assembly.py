@@ -115,6 +115,7 @@ class Assembly:
             config, model, optimizer, readings=readings, memory=self.memory, heartbeat=heartbeat,
             run_directory=paths.run_directory, rank=rank, recorder=recorder,
             engine=measurements.engine, hooks=resources.hooks,
+            gradient_norms=measurements.current_norms,
         )  # fmt: skip
         self.batches = BatchIdentities(context)  # fed by the step hooks and observe()
         plugged.plug(context, extra=(lambda _: self.batches, *plugins))

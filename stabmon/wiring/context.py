@@ -42,11 +42,13 @@ class PluginContext:
         recorder: Recorder,
         engine: Judging[Any],
         hooks: HookSet | None = None,
+        gradient_norms: Callable[[], torch.Tensor | list[float] | None] | None = None,
     ) -> None:
         self.config, self.model, self.optimizer = config, model, optimizer
         self.readings, self.memory, self.heartbeat = readings, memory, heartbeat
         self.run_directory, self.rank = run_directory, rank
         self._recorder, self._engine, self._hooks = recorder, engine, hooks
+        self._norms = gradient_norms
 
     @property
     def global_step(self) -> int:
@@ -64,6 +66,11 @@ class PluginContext:
 
     def log(self, key: str, level: int, message: str, *args: object) -> None:
         self._recorder.log(key, level, message, *args)
+
+    def gradient_norms(self) -> torch.Tensor | list[float] | None:
+        if self._norms is None:  # built without measurements (a unit test's rig)
+            return None
+        return self._norms()
 
     def watch_modules(self, hook: Callable[[str, Any, Any], None]) -> Callable[[], None]:
         if self._hooks is None:  # built without hooks (a unit test's rig): nothing to watch

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from stabmon.contract import PHASES
+from stabmon.contract import STEP_LOOP_PHASES
 from stabmon.detectors.hang import RankEvidence
 from stabmon.detectors.stall import PeerPhase
 from stabmon.shared.rundir import ProcessRecord, read_run_records
@@ -67,7 +67,11 @@ def phase_holder(
     for record in records:
         if record.rank == rank or record.exited_unix is not None or record.hang_state:
             continue
-        if record.phase is None or record.phase in PHASES or record.stall_limit_seconds is None:
+        if (
+            record.phase is None
+            or record.phase in STEP_LOOP_PHASES
+            or record.stall_limit_seconds is None
+        ):
             continue  # a step-loop phase: its limit is the step limit, nothing to wait for
         since = record.last_step_unix if record.last_step_unix is not None else record.attached_unix
         if 0.0 <= now_unix - since < record.stall_limit_seconds:
@@ -83,7 +87,7 @@ def peer_phase(records: Sequence[ProcessRecord], *, rank: int, now_unix: float) 
     for record in records:
         if record.rank == rank or record.exited_unix is not None:
             continue
-        named = record.phase is not None and record.phase not in PHASES
+        named = record.phase is not None and record.phase not in STEP_LOOP_PHASES
         if record.hang_state or (named and record.stall_limit_seconds is not None):
             return PeerPhase.STALLED  # in a named phase that no longer holds: past its limit
     return PeerPhase.NONE

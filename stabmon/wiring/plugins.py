@@ -29,10 +29,11 @@ from stabmon.detectors.dead import DeadGradientJudge
 from stabmon.detectors.leak_rules import MemoryLeaks
 from stabmon.detectors.nonfinite import NonfiniteGrads, NonfiniteLoss
 from stabmon.detectors.spike_rules import GradSpikes, LossSpikes
-from stabmon.errors import StabmonError
+from stabmon.errors import AnomalyStop, StabmonError
 from stabmon.extension import (
     RESERVED_STATE_KEYS,
     AnomalyRecorded,
+    CheckpointSaved,
     ClipJudged,
     Context,
     Detaches,
@@ -40,6 +41,7 @@ from stabmon.extension import (
     EpochMemory,
     Factory,
     Finishes,
+    GatesStep,
     GradsJudged,
     LossJudged,
     MeasuresOnDevice,
@@ -48,6 +50,7 @@ from stabmon.extension import (
     Stateful,
     StepEnd,
 )
+from stabmon.policies.plugin import anomaly_policies
 from stabmon.probes.grads import GradSummary
 from stabmon.probes.memory_snapshot import AllocatorSnapshots
 from stabmon.probes.provenance import NanProvenance
@@ -69,6 +72,7 @@ PLUGINS: tuple[Factory, ...] = (
     MemoryLeaks,
     AllocatorSnapshots,
     DeadGradientJudge,
+    anomaly_policies,  # last: acts on what the judges before it recorded
 )
 
 #: Submits a device result to the readback queue: (judge, step, tensor).
@@ -127,6 +131,10 @@ class Plugged:
         self._scale_judged: tuple[_Bound, ...] = ()
         self._anomaly_recorded: tuple[_Bound, ...] = ()
         self._step_end: tuple[StepEnd, ...] = ()
+        self._gates: tuple[GatesStep, ...] = ()
+        self._checkpoint_saved: tuple[_Bound, ...] = ()
+        #: Whether a plug-in gates the optimizer step (read every step).
+        self.gates = False
         self._epoch_end: tuple[_Bound, ...] = ()
         self._epoch_memory: tuple[EpochMemory, ...] = ()
         self._stateful: tuple[Stateful, ...] = ()
@@ -171,6 +179,9 @@ class Plugged:
         self._scale_judged = _bound(plugins, ScaleJudged, "scale_judged")
         self._anomaly_recorded = _bound(plugins, AnomalyRecorded, "anomaly_recorded")
         self._step_end = tuple(p for p in plugins if isinstance(p, StepEnd))
+        self._gates = tuple(p for p in plugins if isinstance(p, GatesStep))
+        self.gates = bool(self._gates)
+        self._checkpoint_saved = _bound(plugins, CheckpointSaved, "checkpoint_saved")
         self._epoch_end = _bound(plugins, EpochEnd, "epoch_end")
         self._epoch_memory = tuple(p for p in plugins if isinstance(p, EpochMemory))
         self._stateful = tuple(p for p in plugins if isinstance(p, Stateful))
@@ -207,6 +218,26 @@ class Plugged:
                     submit(judge, step, values)
             except Exception as error:
                 self._guard.record(plugin.component, error)
+
+    def gate_step(self, step: int, optimizer: torch.optim.Optimizer) -> None:
+        """Each gate's ``gate_step``, contained; :class:`AnomalyStop` alone is raised on."""
+        for plugin in self._gates:
+            try:
+                plugin.gate_step(step, optimizer)
+            except AnomalyStop:
+                raise  # on_anomaly asked for it, on every rank at this step
+            except Exception as error:
+                self._guard.record(plugin.component, error)
+
+    def step_applied(self) -> None:
+        for plugin in self._gates:
+            try:
+                plugin.step_applied()
+            except Exception as error:
+                self._guard.record(plugin.component, error)
+
+    def checkpoint_saved(self, step: int | None, path: str | None, completed: bool) -> None:
+        _call(self._guard, self._checkpoint_saved, step, path, completed)
 
     def step_end(self, steps: int) -> None:
         for plugin in self._step_end:

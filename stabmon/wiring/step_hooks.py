@@ -161,11 +161,15 @@ class StepHooks:
         plugged = self._plugged
         if plugged.measures_before:  # a plug-in measures on the device: gradients in place
             plugged.measure_before(self._recorder.global_step, self._measurements.submit_device)
+        if plugged.gates:  # on_anomaly: may hold this step back, or raise AnomalyStop
+            plugged.gate_step(self._recorder.global_step, optimizer)
 
     def step_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         engine = self._engine
         now = engine.judged_at  # if the timer fails: collect, and judge at the next due step
         plugged = self._plugged
+        if plugged.gates:  # undo what the gate changed for the step (gradients, LR)
+            plugged.step_applied()
         if plugged.measures_after:  # a plug-in measures the new parameters on the device
             ended = self._readings.steps + self._recorder.step_offset  # not yet counted
             plugged.measure_after(ended, self._measurements.submit_device)
@@ -279,9 +283,6 @@ class StepHooks:
 
     def close_epoch(self) -> None:
         self._engine.judge_waiting()
-        if self._device_timer is not None:  # the epoch's device time, as far as it has run
-            with self._engine.lock, self._guard.contain("readback"):
-                self._device_timer.poll()
         with self._guard.contain("memory"):
             samples, peaks = self._memory.epoch_samples()
             self._recorder.epoch(samples, peaks, self._plugged.epoch_memory(samples))
