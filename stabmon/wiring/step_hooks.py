@@ -283,6 +283,9 @@ class StepHooks:
 
     def close_epoch(self) -> None:
         self._engine.judge_waiting()
+        if self._device_timer is not None:  # the epoch's device time, as far as it has run
+            with self._engine.lock, self._guard.contain("readback"):
+                self._device_timer.poll()
         with self._guard.contain("memory"):
             samples, peaks = self._memory.epoch_samples()
             self._recorder.epoch(samples, peaks, self._plugged.epoch_memory(samples))
