@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,11 @@ _AFTER_STEP = frozenset(
 MAX_LOG_BYTES = 2**30
 #: A line longer than this is skipped as malformed (a stall's every-thread stacks are ~100 KB).
 MAX_LINE_BYTES = 2**24
+#: Modification times this far ahead of the clock are a touched file, not the latest run.
+_FUTURE_SLACK_SECONDS = 300.0
+#: Records one log keeps at most (beyond: a note); a ``select`` may keep fewer. Records are
+#: kept, lines are streamed: memory holds at most this many, whatever the file's size.
+MAX_KEPT_RECORDS = 1_000_000
 #: ``select(rank, record)``: the record to keep (or a slimmer one), None to keep nothing.
 Selector = Callable[[int, dict[str, Any]], dict[str, Any] | None]
 
@@ -135,11 +141,17 @@ class Run:
         return sorted(found, key=lambda record: number(record.get("time")) or 0.0)
 
 
-def find_run(path: Path) -> tuple[Path, list[Path], list[str]]:
+def find_run(
+    path: Path, *, now: float | None = None, uid: int | None = None
+) -> tuple[Path, list[Path], list[str]]:
     """The run directory ``path`` names, its event logs, and notes on the choice made.
 
     ``path`` may be one event log, a run's directory, or the run-directory root
-    (``/var/tmp/stabmon``), in which case the run written to last is taken.
+    (``/var/tmp/stabmon``), in which case the run written to last is taken: of the
+    caller's own runs (``uid``, default this process's effective uid) when there is one,
+    since any user may write under the root. A modification time in the future (``now``,
+    default the clock) is no sign of the latest run, only of a touched file: such a run is
+    taken as the oldest.
     """
     if path.is_file():
         return path.parent, [path], []
@@ -148,18 +160,37 @@ def find_run(path: Path) -> tuple[Path, list[Path], list[str]]:
     logs = _logs_in(path)
     if logs:
         return path, logs, []
-    runs = [(max(log.stat().st_mtime for log in found), run, found)
-            for run in _subdirectories(path) if (found := _logs_in(run))]  # fmt: skip
+    limit = (time.time() if now is None else now) + _FUTURE_SLACK_SECONDS
+    mine = os.geteuid() if uid is None else uid
+    runs = []
+    future = 0
+    for run in _subdirectories(path):
+        found = _logs_in(run)
+        if not found:
+            continue
+        written = max(_mtime(log) for log in found)
+        if written > limit:
+            future += 1
+            written = float("-inf")
+        runs.append((_owner(run) == mine, written, run.name, run, found))
     if not runs:
         raise StabmonError(
             f"no event log (rank-<N>.events.jsonl) in {path} or in the runs under it; pass "
             "<run_dir>/<run_id>, as printed by stabmon at attach"
         )
-    runs.sort()
-    _, chosen, logs = runs[-1]
+    runs.sort(key=lambda entry: entry[:3])
+    ours, _, _, chosen, logs = runs[-1]
     notes = []
     if len(runs) > 1:
-        notes.append(f"{path} holds {len(runs)} runs; this report is of the latest, {chosen.name}")
+        whose = "" if ours else " (another user's: none is yours)"
+        notes.append(
+            f"{path} holds {len(runs)} runs; this report is of the latest, {chosen.name}{whose}"
+        )
+    if future:
+        notes.append(
+            f"{future} run(s) under {path} have a modification time in the future; "
+            "not taken as the latest"
+        )
     return chosen, logs, notes
 
 
@@ -192,10 +223,19 @@ def read_log(
     """
     match = _LOG_NAME.match(path.name)
     log = RankLog(rank=int(match.group(1)) if match else 0, path=path)
+    dropped = 0
     for record in _records(path, log.notes, follow_symlinks):
         kept = record if select is None else select(log.rank, record)
-        if kept is not None:
-            log.records.append(kept)
+        if kept is None:
+            continue
+        if len(log.records) >= MAX_KEPT_RECORDS:
+            dropped += 1  # still read to the end: its notes count every malformed line
+            continue
+        log.records.append(kept)
+    if dropped:
+        log.notes.append(
+            f"{path.name}: {dropped:,} records not kept, past the first {MAX_KEPT_RECORDS:,}"
+        )
     return log
 
 
@@ -270,9 +310,11 @@ def _parse(line: bytes) -> dict[str, Any] | None:
 
 def _well_formed(record: dict[str, Any]) -> bool:
     """Whether the fields every page reads have the types stabmon writes (and depth is sane)."""
-    time = record.get("time")
-    if time is not None and not (_is_number(time) and 0 <= time <= _MAX_TIME):
+    when = record.get("time")
+    if when is not None and not (_is_number(when) and 0 <= when <= _MAX_TIME):
         return False
+    if not isinstance(record.get("event"), str):
+        return False  # every record stabmon writes names its event (``{}`` is not one)
     for key in ("event", "kind", "run"):
         if key in record and not isinstance(record[key], str):
             return False
@@ -342,10 +384,27 @@ def _logs_in(directory: Path) -> list[Path]:
 
 
 def _subdirectories(path: Path) -> Iterator[Path]:
+    """Run directories under ``path``; a symlink is not one (it may point anywhere)."""
     try:
-        yield from (entry for entry in path.iterdir() if entry.is_dir())
+        with os.scandir(path) as entries:
+            found = [Path(entry.path) for entry in entries if entry.is_dir(follow_symlinks=False)]
     except OSError:
         return
+    yield from found
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return os.lstat(path).st_mtime
+    except OSError:
+        return float("-inf")
+
+
+def _owner(path: Path) -> int | None:
+    try:
+        return os.lstat(path).st_uid
+    except OSError:
+        return None
 
 
 def _registrations(directory: Path) -> dict[int, ProcessRecord]:
