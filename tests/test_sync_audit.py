@@ -316,3 +316,73 @@ def test_sync_audit_catches_a_sync_on_the_exporters_thread(
     with pytest.raises(SyncViolation, match="on thread (?!MainThread)") as failure:
         audited.assert_clean()
     assert "stabmon/export/" in str(failure.value)
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["fused", "fused+gradscaler"])
+def test_the_skip_policy_with_a_fused_optimizer_never_waits_for_the_device(
+    audited: FakeCuda, tmp_path: Path, amp: bool
+) -> None:
+    """on_anomaly ``skip`` with a fused AdamW: the step's norm is judged against the spike
+    limit on the device, the flag is agreed and handed to the optimizer as ``found_inf``,
+    and the flags come back through a pinned buffer read a step later (docs/policies.md).
+    A late kind (loss_spike: lr_scale) rides on the same read."""
+    model = _Net()
+    optimizer = torch.optim.AdamW(model.body.parameters(), lr=1e-3, fused=True)
+    scaler = torch.amp.GradScaler("cuda") if amp else None
+    monitor = stabmon.attach(
+        model, optimizer, scaler=scaler, port=0, address="127.0.0.1", run_dir=str(tmp_path),
+        run_id="sync-audit-skip", spike_warmup_steps=2,
+        on_anomaly={"nonfinite_grad": "skip", "grad_spike": "skip", "loss_spike": "lr_scale"},
+    )  # fmt: skip
+    try:
+        for index in range(8):
+            audited.device.catch_up()
+            with torch.autocast("cuda", dtype=torch.float16, enabled=amp):
+                loss = model(torch.randn(16, 32, device="cuda")).float().pow(2).mean()
+            if scaler is not None:
+                scaler.scale(loss)
+            audited.stand_in_backward(model.parameters())
+            audited.device.result = float("nan") if index == 5 else 1.0
+            if scaler is not None:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            monitor.observe(loss=loss)
+        audited.device.catch_up()
+        samples = scrape(monitor.metrics_url)
+    finally:
+        audited.device.catch_up()
+        monitor.detach()
+
+    audited.assert_clean()
+    errors = {dict(labels)["component"]: v for (name, labels), v in samples.items()
+              if name == "stabmon_internal_errors_total"}  # fmt: skip
+    assert errors and not any(errors.values()), errors
+    assert not hasattr(optimizer, "found_inf")  # handed for each step, taken back after it
+
+
+def test_the_skip_policy_without_a_device_flag_reads_the_flags_each_step_as_documented(
+    audited: FakeCuda, tmp_path: Path
+) -> None:
+    """A foreach AdamW takes no device flag: the gradients are held back on the host's word,
+    so the gate reads the agreed flags at the step (docs/policies.md: one sync a step while
+    such a policy is on). The audit sees that read, and only there."""
+    model = _Net()
+    optimizer = torch.optim.AdamW(model.body.parameters(), lr=1e-3)
+    monitor = stabmon.attach(model, optimizer, port=0, address="127.0.0.1",
+                             run_dir=str(tmp_path), run_id="sync-audit-hold",
+                             on_anomaly={"nonfinite_grad": "skip"})  # fmt: skip
+    try:
+        audited.device.catch_up()
+        model(torch.randn(16, 32, device="cuda")).float().pow(2).mean()
+        audited.stand_in_backward(model.parameters())
+        optimizer.step()
+    finally:
+        audited.device.catch_up()
+        monitor.detach()
+
+    with pytest.raises(SyncViolation, match="1 time") as failure:
+        audited.assert_clean()
+    assert "flags.tolist(), step, optimizer, now=True)  # the one sync a step" in str(failure.value)

@@ -15,8 +15,9 @@ collective is issued; the caller builds a vector of zeros when its own checks fa
 
 :class:`HostCopy` reads the agreed vector a step later without a sync: the copy to host
 memory is queued right after the all-reduce (pinned memory, ``non_blocking``) and an
-event recorded; the next step waits for that event only, which the device passed long
-before (it is the previous step's work, not the current one's).
+event recorded; the next step reads it once the event has passed, which it has unless the
+host runs more than a step ahead of the device (then it waits for that event only: the
+previous step's work, never the current one's).
 """
 
 from __future__ import annotations
@@ -48,25 +49,49 @@ def agree(flags: torch.Tensor) -> torch.Tensor:
 
 
 class HostCopy:
-    """An agreed vector on its way to the host, read at a later step without a sync."""
+    """An agreed vector on its way to the host, read at a later step.
 
-    __slots__ = ("_event", "_host", "step")
+    On CUDA the copy goes into one of two pinned buffers (used in turn: the one read at a
+    step is never the one written at it), so no host memory is allocated a step.
+    """
 
-    def __init__(self, flags: torch.Tensor, step: int) -> None:
-        #: The step whose flags these are.
-        self.step = step
+    __slots__ = ("_buffers", "_event", "_host", "step")
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor] = []
+        self._host: torch.Tensor | None = None
         self._event: torch.cuda.Event | None = None
-        if flags.device.type == "cuda":
-            self._host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
-            self._host.copy_(flags, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-        else:
-            self._host = flags.detach().to("cpu", copy=True)
+        #: The step whose flags are on their way (None: nothing is).
+        self.step: int | None = None
 
-    def read(self) -> list[float]:
-        """The values; waits for the copy (queued a step ago, so done or nearly)."""
-        if self._event is not None:
-            self._event.synchronize()
-        values: list[float] = self._host.tolist()
-        return values
+    def start(self, flags: torch.Tensor, step: int) -> None:
+        """Queue the copy of ``flags`` (agreed at ``step``) to the host; never waits."""
+        self.step = step
+        if flags.device.type != "cuda":
+            self._host, self._event = flags.detach().to("cpu", copy=True), None
+            return
+        buffers = self._buffers
+        if not buffers or buffers[0].shape != flags.shape:
+            buffers[:] = [torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+                          for _ in range(2)]  # fmt: skip
+        buffers.reverse()  # the other one than last time
+        host = buffers[0]
+        host.copy_(flags, non_blocking=True)
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch
+        event.record()
+        self._host, self._event = host, event
+
+    def take(self) -> tuple[int, list[float]] | None:
+        """The step and values queued last (then nothing is queued), or None.
+
+        Waits only when the device has not yet reached the copy, queued a step ago: when
+        the host runs more than a step ahead of the device.
+        """
+        host, event, step = self._host, self._event, self.step
+        if host is None or step is None:
+            return None
+        self._host, self._event, self.step = None, None, None
+        if event is not None and not event.query():
+            event.synchronize()
+        values: list[float] = host.tolist()
+        return step, values

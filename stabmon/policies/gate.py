@@ -37,8 +37,10 @@ def takes_device_flag(optimizer: torch.optim.Optimizer) -> bool:
 def step_norm(norms: torch.Tensor | list[float], device: torch.device) -> torch.Tensor:
     """The global L2 norm of per-tensor norms, in float64, on ``device`` (0-d; no sync)."""
     if isinstance(norms, torch.Tensor):
-        return torch.linalg.vector_norm(norms.detach().double())
-    return torch.linalg.vector_norm(torch.tensor(norms, dtype=torch.float64)).to(device)
+        total: torch.Tensor = torch.linalg.vector_norm(norms.detach().double())
+        return total
+    total = torch.linalg.vector_norm(torch.tensor(norms, dtype=torch.float64))
+    return total.to(device)
 
 
 class StepChanges:

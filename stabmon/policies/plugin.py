@@ -38,6 +38,8 @@ from stabmon.policies.verdict import Checkpoints, Verdict
 
 __all__ = ["AnomalyPolicies", "anomaly_policies"]
 
+#: Above any step + 1 a flag can carry (float64 holds integers exactly up to 2**53).
+_MAX_STEP = 2.0**53
 #: Kinds whose values, once they reach the parameters, damage them for every later save.
 _DAMAGING = ("nonfinite_grad", "nonfinite_loss")
 
@@ -73,7 +75,7 @@ class AnomalyPolicies:
         self._lock = threading.Lock()
         # The last anomaly step acted on, per kind: one anomaly is acted on once.
         self._acted: dict[str, int] = {}
-        self._copy: HostCopy | None = None
+        self._copy = HostCopy()
         self._changes = StepChanges()
         self._lr_left = 0
         self._saved_by_policy = False
@@ -93,9 +95,9 @@ class AnomalyPolicies:
     def gate_step(self, step: int, optimizer: torch.optim.Optimizer) -> None:
         if self._changes.pending:  # the last step raised inside optimizer.step()
             self._changes.undo()
-        copy, self._copy = self._copy, None
-        if copy is not None:  # deferred mode: the flags agreed at the step before
-            self._act(copy.read(), step, optimizer, now=False)
+        agreed = self._copy.take()
+        if agreed is not None:  # deferred mode: the flags agreed at the step before
+            self._act(agreed[1], step, optimizer, now=False)
         reads_now = self._reads_now
         if reads_now is None:
             reads_now = self._reads_now = self._plan.reads_every_step(takes_device_flag(optimizer))
@@ -104,9 +106,11 @@ class AnomalyPolicies:
             self._act(flags.tolist(), step, optimizer, now=True)  # the one sync a step
         else:
             if self._skips:
-                skip = (flags[self._skips] > 0).any().to(torch.float32)
-                self._changes.pass_flag(optimizer, skip)
-            self._copy = HostCopy(flags, step)
+                skip = flags[self._skips[0]]
+                for slot in self._skips[1:]:  # plain indexing: nothing uploaded
+                    skip = torch.maximum(skip, flags[slot])
+                self._changes.pass_flag(optimizer, (skip > 0).to(torch.float32))
+            self._copy.start(flags, step)
         if self._lr_left > 0:
             self._lr_left -= 1
             self._changes.scale_lr(optimizer, self._plan.lr_factor)
@@ -165,7 +169,7 @@ class AnomalyPolicies:
         plan, stop = self._plan, None
         skipped = False
         for kind, value in zip(plan.kinds, values, strict=True):
-            if value <= 0:
+            if not 0 < value < _MAX_STEP:  # 0: did not fire (NaN: not a value we wrote)
                 continue
             at = int(value) - 1
             if at <= self._acted.get(kind, -1):
@@ -275,15 +279,15 @@ class AnomalyPolicies:
 
     def finish(self) -> None:
         """The last judgement: the flags still on their way, then the verdict at exit."""
-        copy, self._copy = self._copy, None
-        if copy is not None:
-            values = copy.read()
+        agreed = self._copy.take()
+        if agreed is not None:
+            step, values = agreed
             for kind, value in zip(self._plan.kinds, values, strict=True):
-                if value > 0 and self._plan.actions[kind] == "skip":
+                if 0 < value < _MAX_STEP and self._plan.actions[kind] == "skip":
                     at = int(value) - 1
                     if at > self._acted.get(kind, -1):
                         self._acted[kind] = at
-                        self._record(kind, "skip", at, copy.step, f"step {at} was not applied")
+                        self._record(kind, "skip", at, step, f"step {at} was not applied")
         self._write()
 
     def state_dict(self) -> dict[str, Any]:

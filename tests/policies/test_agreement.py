@@ -17,7 +17,9 @@ def test_a_single_process_agrees_with_itself_and_has_a_world_of_one() -> None:
 
 def test_the_host_copy_is_taken_when_queued_and_later_changes_do_not_reach_it() -> None:
     flags = torch.tensor([0.0, 301.0], dtype=torch.float64)
-    copy = HostCopy(flags, step=300)
+    copy = HostCopy()
+    copy.start(flags, step=300)
     flags.zero_()
 
-    assert (copy.step, copy.read()) == (300, [0.0, 301.0])
+    assert copy.take() == (300, [0.0, 301.0])
+    assert copy.take() is None  # taken once
