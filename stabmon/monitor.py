@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry
 
 from stabmon.config import Config, load_config
 from stabmon.contract import INTERNAL_COMPONENTS
-from stabmon.errors import StabmonError
+from stabmon.errors import AlreadyAttachedError, StabmonError
 from stabmon.extension import Factory
 from stabmon.probes.environment import default_run_id, process_identity
 from stabmon.probes.loader import loader_problem
@@ -36,7 +36,7 @@ from stabmon.probes.timing import TrackedLoader
 from stabmon.shared.guard import Guard
 from stabmon.shared.log import LOGGER, LogLimiter
 from stabmon.wiring.assembly import Assembly
-from stabmon.wiring.hooks import HookSet
+from stabmon.wiring.hooks import HookSet, unwrap_model
 from stabmon.wiring.registration import register
 from stabmon.wiring.resources import SHUTDOWN_SECONDS, Resources
 from stabmon.wiring.step_hooks import StepHooks, judge_at_exit, judge_if_quiet
@@ -53,7 +53,7 @@ MIN_SHUTDOWN_SECONDS = 0.5
 
 def attach(
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None = None,
     *,
     scaler: object | None = None,
     config: str | os.PathLike[str] | Mapping[str, Any] | Config | None = None,
@@ -73,6 +73,12 @@ def attach(
     when either object already has a Monitor, and :class:`~stabmon.StabmonError` when the
     hooks cannot be installed or ``plugins`` are not plug-ins; nothing else, and never
     after it returned.
+
+    ``optimizer`` may come later, for trainers that build it once training starts
+    (minGPT's ``Trainer.run()``): ``attach(model)`` watches the model at once, and the
+    first optimizer whose ``step()`` updates the model's parameters is bound before that
+    step runs (or bind it yourself: :meth:`Monitor.bind_optimizer`). Nothing of the first
+    iteration is missed.
 
     Example::
 
@@ -96,7 +102,7 @@ class Monitor:
     def __init__(
         self,
         model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | None = None,
         *,
         scaler: object | None = None,
         config: str | os.PathLike[str] | Mapping[str, Any] | Config | None = None,
@@ -104,13 +110,24 @@ class Monitor:
         plugins: Sequence[Factory] = (),
         **overrides: Any,
     ) -> None:
-        if not isinstance(optimizer, torch.optim.Optimizer):
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise StabmonError(
                 f"attach() needs the torch.optim.Optimizer whose step() ends each training "
-                f"step, got {type(optimizer).__name__}. A loop that updates parameters by hand "
-                "can pass torch.optim.SGD(model.parameters(), lr=0.0) and call its step() after "
-                "each update (lr=0 changes nothing); stabmon measures the gradients there"
+                f"step (or None, to bind it later), got {type(optimizer).__name__}. A loop that "
+                "updates parameters by hand can pass torch.optim.SGD(model.parameters(), "
+                "lr=0.0) and call its step() after each update (lr=0 changes nothing); stabmon "
+                "measures the gradients there"
             )
+        # Until the optimizer exists, a stand-in over the model's trainable parameters (never
+        # stepped) carries the step hooks and the gradient probe (pre-clip norms included).
+        self._bound = optimizer is not None
+        self._unbound_warned = False
+        self._rejected: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._optimizer_watch: Any = None
+        self._model_ref = weakref.ref(model)
+        if optimizer is None:
+            optimizer = _stand_in(model)
+        self._optimizer = optimizer
         self.config: Config = load_config(config, overrides)
         identity = process_identity(os.environ)
         self.run_id: str = self.config.run_id or default_run_id(os.environ)
@@ -126,6 +143,10 @@ class Monitor:
         try:
             self._start(model, optimizer, scaler, identity.local_rank, identity.local_world_size,
                         clock or time.perf_counter, _plugin_factories(plugins))  # fmt: skip
+            if not self._bound:
+                hooks = self._resources.hooks
+                assert hooks is not None  # set above
+                self._optimizer_watch = hooks.watch_optimizers(self._step_seen)
         except BaseException:
             self._finalizer()  # undo whatever was started; the model is left as it was
             raise
@@ -170,6 +191,7 @@ class Monitor:
     def _adopt(self, parts: Assembly) -> None:
         """The parts the public methods use, as attributes (one lookup each per call)."""
         self._readings, self._recorder = parts.readings, parts.recorder
+        self._context = parts.context
         self._measurements = parts.measurements
         self._engine = parts.measurements.engine
         self._plugged, self._timer = parts.plugged, parts.timer
@@ -223,6 +245,8 @@ class Monitor:
             with self._guard.contain("hooks"):
                 self._throughput.observed(samples, tokens)
         timer = self._timer
+        if not self._bound:
+            self._warn_unbound()
         if loss is None or self._detached or timer.in_named_phase:
             return
         try:
@@ -245,6 +269,90 @@ class Monitor:
             self._measurements.loss(loss, step)
         except Exception as error:  # never break training
             self._guard.record("loss", error)
+
+    def bind_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Watch ``optimizer``'s steps from now on: for a Monitor attached to a model alone
+        (``attach(model)``), once the trainer has built its optimizer.
+
+        Binding is automatic at the first ``step()`` of an optimizer that updates the model's
+        parameters, so this call is needed only to bind one before its first step, or to
+        check which one is bound. Binding the optimizer already bound does nothing. Raises
+        :class:`~stabmon.StabmonError` for an object that is not a ``torch.optim.Optimizer``
+        or when another optimizer is bound, and :class:`~stabmon.AlreadyAttachedError` when
+        another Monitor watches it.
+        """
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise StabmonError(
+                f"bind_optimizer() takes a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
+        if self._bound:
+            if optimizer is self._optimizer:
+                return
+            raise StabmonError(
+                f"this Monitor already watches a {type(self._optimizer).__name__}; one Monitor "
+                "watches one optimizer: attach another Monitor (its own run_id) to the model of "
+                "the second optimizer"
+            )
+        if self._detached:
+            raise StabmonError("bind_optimizer() after detach(): attach a new Monitor")
+        self._bind(optimizer)
+        watch, self._optimizer_watch = self._optimizer_watch, None
+        if watch is not None:
+            watch.remove()  # outside a step: torch is not running its global hooks
+
+    def _step_seen(self, optimizer: torch.optim.Optimizer) -> None:
+        """Before any optimizer's step (torch's global hook) until one is bound: bind the first
+        that updates the model's parameters, before its step runs."""
+        if self._bound or self._detached or optimizer is self._optimizer:
+            return
+        if optimizer in self._rejected:
+            return
+        with self._guard.contain("hooks"):
+            if not _updates(optimizer, self._model_ref()):
+                self._rejected.add(optimizer)  # another model's optimizer (a GAN's other half)
+                return
+            try:
+                self._bind(optimizer)
+            except AlreadyAttachedError:
+                self._rejected.add(optimizer)
+                self._limiter.once(
+                    "bind:attached", logging.WARNING,
+                    "stabmon: a %s updating this model steps, but another Monitor watches it; "
+                    "this one stays unbound", type(optimizer).__name__,
+                )  # fmt: skip
+                return
+            if self._optimizer_watch is not None:
+                self._optimizer_watch.disarm()  # removed at detach: torch iterates the hooks
+
+    def _bind(self, optimizer: torch.optim.Optimizer) -> None:
+        hooks = self._resources.hooks
+        assert hooks is not None  # set in __init__
+        hooks.bind_optimizer(optimizer)  # AlreadyAttachedError: nothing changed
+        self._optimizer, self._bound = optimizer, True
+        self._measurements.bind(optimizer)
+        self._context.optimizer = optimizer
+        with self._guard.contain("hooks"):
+            self._recorder.write(
+                "optimizer_bound", step=self._recorder.last_step,
+                optimizer=type(optimizer).__name__,
+                parameters=sum(len(group["params"]) for group in optimizer.param_groups),
+            )  # fmt: skip
+            LOGGER.info("stabmon: bound the %s (run %s, rank %d)", type(optimizer).__name__,
+                        self.run_id, self.rank)  # fmt: skip
+
+    def _warn_unbound(self) -> None:
+        """An observed iteration, and no optimizer has stepped the model yet: say so, once."""
+        if self._unbound_warned or self._detached or not self._timer.forward_seen:
+            return
+        self._unbound_warned = True
+        self._limiter.once(
+            "bind:none", logging.WARNING,
+            "stabmon: attached without an optimizer, and none has stepped the model's "
+            "parameters yet: no step is counted or measured. Call mon.bind_optimizer(opt) or let "
+            "the optimizer's first step() bind it; a loop that updates parameters by hand can "
+            "bind torch.optim.SGD(model.parameters(), lr=0.0) and call its step() after each "
+            "update (lr=0 changes nothing)",
+        )  # fmt: skip
 
     def contain(self) -> contextlib.AbstractContextManager[None]:
         """Run an adapter's own per-step work under this Monitor's guard.
@@ -301,6 +409,7 @@ class Monitor:
         """
         timer = self._timer
         timer.track_loader()  # from now on input wait is what these blocks time
+        self._steps.fetch_start()  # a hang in the block is a wait for input
         start = timer.clock()
         try:
             yield
@@ -442,6 +551,26 @@ class Monitor:
         if hooks is None or self._detached:
             return _nothing
         return hooks.watch_output(hook)
+
+
+def _stand_in(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The never-stepped optimizer over the model's trainable parameters that carries the
+    step hooks and the gradient probe until the real one is bound."""
+    params = [p for p in unwrap_model(model).parameters() if p.requires_grad]
+    if not params:
+        raise StabmonError(
+            f"attach() without an optimizer needs a model with trainable parameters; "
+            f"{type(model).__name__} has none"
+        )
+    return torch.optim.SGD(params, lr=0.0)
+
+
+def _updates(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None) -> bool:
+    """Whether ``optimizer`` holds any parameter of ``model``."""
+    if model is None:
+        return False
+    ours = {id(p) for p in unwrap_model(model).parameters()}
+    return any(id(p) in ours for group in optimizer.param_groups for p in group["params"])
 
 
 def _nothing() -> None:

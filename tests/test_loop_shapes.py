@@ -5,10 +5,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
+from torch.optim.optimizer import _global_optimizer_pre_hooks
 
 import stabmon
 from stabmon.detectors.stall import Heartbeat
@@ -31,9 +33,22 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
 
 
-def test_attach_without_an_optimizer_says_what_to_do(tmp_path: object) -> None:
+def test_attach_with_something_else_than_an_optimizer_says_what_to_do(tmp_path: object) -> None:
     with pytest.raises(stabmon.StabmonError, match=r"needs the torch.optim.Optimizer.*lr=0.0"):
-        stabmon.attach(_model(), None)  # type: ignore[arg-type]
+        stabmon.attach(_model(), "adam")  # type: ignore[arg-type]
+
+
+def test_attach_without_an_optimizer_that_never_comes_says_what_to_do(
+    attach: MonitorFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = _model()
+    monitor = attach(model, None, judge_seconds=0)
+    for _ in range(2):  # a hand-written update, and no optimizer at all
+        loss = model(torch.randn(4, 8)).pow(2).mean()
+        loss.backward()
+        monitor.observe(loss=loss)
+    assert "attached without an optimizer" in caplog.text and "lr=0.0" in caplog.text
+    assert value(scrape(monitor.metrics_url), "stabmon_steps_total") == 0
 
 
 def test_a_hand_update_loop_is_monitored_through_a_zero_lr_optimizer(
@@ -260,6 +275,28 @@ def test_a_hang_while_the_loader_fetches_a_batch_is_input_wait(attach: MonitorFa
     assert evidence["state"] == "data_wait"
 
 
+@contextlib.contextmanager
+def _stall_flag(monitor: stabmon.Monitor, stalled: threading.Event) -> Iterator[None]:
+    """Sets ``stalled`` if the exporter ever says stalled while the block runs; the watching
+    thread ends with the block."""
+    url, done = monitor.metrics_url, threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            if value(scrape(url), "stabmon_stalled") == 1:
+                stalled.set()
+                return
+            done.wait(0.05)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join(timeout=30)
+
+
 class _SlowEvaluation(torch.nn.Module):
     """A model whose evaluation forward takes 30 s on the loop clock (a 1,000-image batch)."""
 
@@ -282,17 +319,10 @@ def test_an_unwrapped_evaluation_longer_than_stall_seconds_gets_the_phase_limit(
     model = _SlowEvaluation(clock, stalled)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     monitor = attach(model, optimizer, stall_seconds=10, phase_stall_seconds=600, clock=clock)
-
-    def watch() -> None:  # ends with the test; sets `stalled` if the watchdog calls it a stall
-        with contextlib.suppress(AssertionError):
-            wait_until(lambda: value(scrape(monitor.metrics_url), "stabmon_stalled") == 1, "", 5)
-            stalled.set()
-
     loader = torch.utils.data.DataLoader(_Blocking(clock, None, threading.Event()), batch_size=4)
     _mnist_epoch(monitor, model, optimizer, loader)
-    threading.Thread(target=watch, daemon=True).start()
     model.eval()
-    with torch.no_grad():
+    with _stall_flag(monitor, stalled), torch.no_grad():
         for data, _ in torch.utils.data.DataLoader(loader.dataset, batch_size=32):
             model(data)
     assert not stalled.is_set()
@@ -347,13 +377,9 @@ def test_lbfgs_closure_passes_are_progress_and_each_step_records_its_own_gradien
     wave = torch.sin(torch.arange(24.0).view(1, 24) / 4 + torch.arange(4.0).view(4, 1))
     inputs, target = wave[:, :-1], wave[:, 1:]
 
-    def watch() -> None:  # sets `stalled` if the watchdog ever calls it a stall
-        with contextlib.suppress(AssertionError):
-            wait_until(lambda: value(scrape(monitor.metrics_url), "stabmon_stalled") == 1, "", 8)
-            stalled.set()
-
-    threading.Thread(target=watch, daemon=True).start()
     last_norm: dict[int, float] = {}
+    watching = _stall_flag(monitor, stalled)
+    watching.__enter__()
     for i in range(3):
         passes = 0
 
@@ -373,9 +399,118 @@ def test_lbfgs_closure_passes_are_progress_and_each_step_records_its_own_gradien
         monitor.observe(loss=loss)
         with torch.no_grad():  # the example predicts after each step
             seq(inputs[:, :4], future=8)
+    watching.__exit__(None, None, None)
     monitor.detach()
     assert not stalled.is_set()
     assert [r for r in events(monitor.event_log_path) if r.get("kind") == "stall"] == []
     assert sorted(norms.norms) == [0, 1, 2]
     for step in range(3):
         assert norms.norms[step] == pytest.approx(last_norm[step], rel=1e-5)
+
+
+# --- an optimizer built once training starts (karpathy/minGPT's Trainer) ---------------------
+
+
+class _GPT(torch.nn.Module):
+    """minGPT's model surface: forward(idx, targets) -> (logits, loss), configure_optimizers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.wte = torch.nn.Embedding(16, 8)
+        self.blocks = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+        self.lm_head = torch.nn.Linear(8, 16)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        logits = self.lm_head(self.blocks(self.wte(idx)))
+        loss = torch.nn.functional.cross_entropy(logits.view(-1, 16), targets.view(-1))
+        return logits, loss
+
+    def configure_optimizers(self, lr: float) -> torch.optim.Optimizer:
+        decay = [p for n, p in self.named_parameters() if n.endswith("weight") and p.dim() == 2]
+        ids = {id(p) for p in decay}
+        no_decay = [p for p in self.parameters() if id(p) not in ids]
+        groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
+
+
+class _MinGPTTrainer:
+    """mingpt/trainer.py's Trainer, trimmed: the optimizer is built inside run(), and the
+    only callback point is 'on_batch_end', after the first optimizer step."""
+
+    def __init__(self, model: _GPT, data: torch.utils.data.Dataset[Any], max_iters: int) -> None:
+        self.model, self.data, self.max_iters = model, data, max_iters
+        self.callbacks: dict[str, list[Any]] = {}
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.iter_num, self.loss = 0, torch.tensor(0.0)
+
+    def add_callback(self, onevent: str, callback: Any) -> None:
+        self.callbacks.setdefault(onevent, []).append(callback)
+
+    def run(self) -> None:
+        model = self.model
+        self.optimizer = model.configure_optimizers(lr=5e-4)
+        loader = torch.utils.data.DataLoader(self.data, batch_size=4, shuffle=True)
+        model.train()
+        data_iter = iter(loader)
+        while True:
+            try:
+                batch = next(data_iter)
+            except StopIteration:
+                data_iter = iter(loader)
+                batch = next(data_iter)
+            x, y = batch
+            _, self.loss = model(x, y)
+            model.zero_grad(set_to_none=True)
+            self.loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+            self.optimizer.step()
+            for callback in self.callbacks.get("on_batch_end", []):
+                callback(self)
+            self.iter_num += 1
+            if self.iter_num >= self.max_iters:
+                break
+
+
+def test_a_trainer_that_builds_its_optimizer_in_run_is_watched_from_iteration_0(
+    attach: MonitorFactory,
+) -> None:
+    model, norms = _GPT(), _GradNorms()
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 16, (32, 6), generator=generator)
+    data = torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    monitor = attach(model, None, judge_seconds=0, plugins=[lambda _: norms])  # optimizer later
+    trainer = _MinGPTTrainer(model, data, max_iters=5)
+    trainer.add_callback("on_batch_end", lambda t: monitor.observe(loss=t.loss))
+    trainer.run()
+    monitor.bind_optimizer(trainer.optimizer)  # type: ignore[arg-type]  # bound: a no-op
+    samples = scrape(monitor.metrics_url)
+    monitor.detach()
+    assert value(samples, "stabmon_steps_total") == 5
+    assert sorted(norms.norms) == [0, 1, 2, 3, 4]  # iteration 0 measured, as its own step
+    assert min(norms.norms.values()) > 1e-3  # before the clip to 1e-3
+    assert value(samples, "stabmon_grad_clipped_steps_total") == 5
+    records = events(monitor.event_log_path)
+    bound = [r for r in records if r["event"] == "optimizer_bound"]
+    assert [(r["optimizer"], r["step"]) for r in bound] == [("AdamW", None)]
+    assert [r["step"] for r in records if r["event"] == "detach"] == [4]
+    assert not trainer.optimizer._optimizer_step_pre_hooks  # type: ignore[union-attr]
+    assert not _global_optimizer_pre_hooks
+
+
+def test_bind_optimizer_before_the_first_step_and_the_optimizer_of_another_model_is_left(
+    attach: MonitorFactory,
+) -> None:
+    """A GAN's two halves: the discriminator's optimizer steps first and binds nothing."""
+    generator, discriminator = _model(), _model()
+    monitor = attach(generator, None, judge_seconds=0)
+    d_optimizer = torch.optim.SGD(discriminator.parameters(), lr=0.01)
+    discriminator(torch.randn(4, 8)).mean().backward()
+    d_optimizer.step()
+    g_optimizer = torch.optim.SGD(generator.parameters(), lr=0.01)
+    monitor.bind_optimizer(g_optimizer)
+    assert not _global_optimizer_pre_hooks  # the watch is gone
+    train_step(generator, g_optimizer, monitor)
+    with pytest.raises(stabmon.StabmonError, match="already watches a SGD"):
+        monitor.bind_optimizer(d_optimizer)
+    assert value(scrape(monitor.metrics_url), "stabmon_steps_total") == 1

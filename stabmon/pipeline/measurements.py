@@ -122,6 +122,15 @@ class Measurements:
         with guard.contain("grads"):
             self.probe = build_probe(model, optimizer, config, limiter)
 
+    def bind(self, optimizer: torch.optim.Optimizer) -> None:
+        """Measure ``optimizer``'s parameters from now on (``Monitor.bind_optimizer``); a
+        clip already measured for the step in progress keeps its measurement."""
+        self._optimizer = optimizer
+        self._signature = param_signature(optimizer)
+        self.probe = None  # rebuilt at the next measurement if this build fails
+        with self._guard.contain("grads"):
+            self.probe = build_probe(self._model, optimizer, self._config, self._limiter)
+
     def clips_after_measuring(self) -> None:
         """For adapters that step the Monitor before the framework clips (Lightning)."""
         self._clip_after_measure = True

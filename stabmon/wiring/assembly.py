@@ -117,6 +117,8 @@ class Assembly:
             engine=measurements.engine, hooks=resources.hooks,
             gradient_norms=measurements.current_norms,
         )  # fmt: skip
+        #: What the plug-ins read; its optimizer changes at Monitor.bind_optimizer().
+        self.context = context
         self.batches = BatchIdentities(context)  # fed by the step hooks and observe()
         plugged.plug(context, extra=(lambda _: self.batches, *plugins))
         self.timer = LoopTimer(

@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from stabmon.errors import AlreadyAttachedError
@@ -265,6 +266,9 @@ class HookSet:
         self._optimizer = optimizer
         self._scaler = scaler
         self._handles: list[RemovableHandle | Any] = []
+        #: The optimizer's two step hooks, moved by bind_optimizer().
+        self._step_handles: list[RemovableHandle] = []
+        self._hooks: _Hooks | None = None
         self._scaler_update: Any = None
         self._swapped: tuple[str, ...] = ()
         self._token = _Token()
@@ -294,8 +298,12 @@ class HookSet:
         for name in self._swapped:
             getattr(self._model, name).ours.update((pre.id, post.id))
         self._handles += [pre, post]
-        self._handles.append(self._optimizer.register_step_pre_hook(hooks.step_pre))
-        self._handles.append(self._optimizer.register_step_post_hook(hooks.step_post))
+        self._hooks = hooks
+        self._step_handles = [
+            self._optimizer.register_step_pre_hook(hooks.step_pre),
+            self._optimizer.register_step_post_hook(hooks.step_post),
+        ]
+        self._handles += self._step_handles
         if self._scaler is not None and scaler_update is not None:
             self._scaler_update = self._scaler.__dict__.get("update", _MISSING)
             original = getattr(self._scaler, "update")  # noqa: B009 - the bound method, wrapped
@@ -350,6 +358,43 @@ class HookSet:
 
         self._handles.append(_Removal(unwatch))
         return unwatch
+
+    def bind_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Move the step hooks to ``optimizer`` (from the stand-in a Monitor attached to a
+        model alone holds until its optimizer exists: ``Monitor.bind_optimizer``)."""
+        owner = _ATTACHED.get(optimizer)
+        if owner is not None and owner() not in (None, self._token):  # type: ignore[operator]
+            raise AlreadyAttachedError(
+                "a Monitor is already attached to this optimizer; call detach() on it first"
+            )
+        hooks = self._hooks
+        if hooks is None:
+            raise RuntimeError("bind_optimizer() before install()")
+        for handle in self._step_handles:
+            handle.remove()
+            self._handles.remove(handle)
+        previous, self._optimizer = self._optimizer, optimizer
+        if _ATTACHED.get(previous) is not None:
+            del _ATTACHED[previous]
+        _ATTACHED[optimizer] = weakref.ref(self._token)
+        self._step_handles = [
+            optimizer.register_step_pre_hook(hooks.step_pre),
+            optimizer.register_step_post_hook(hooks.step_post),
+        ]
+        self._handles += self._step_handles
+
+    def watch_optimizers(self, hook: Callable[[torch.optim.Optimizer], None]) -> _StepWatch:
+        """``hook(optimizer)`` before every ``step()`` of any optimizer in the process (torch's
+        global step pre-hook), held weakly, until ``remove()``.
+
+        The watch cannot be removed while torch runs the global hooks (it iterates their
+        dict): inside ``hook``, call :meth:`_StepWatch.disarm` (the call is then one
+        attribute test a step) and leave the removal to ``remove()``.
+        """
+        watch = _StepWatch(_WeakHook(hook))
+        watch.handle = register_optimizer_step_pre_hook(watch)
+        self._handles.append(watch)
+        return watch
 
     def keep(self, handle: Any) -> None:
         """Remove ``handle`` (anything with ``remove()``, e.g. a clip watch) with the hooks."""
@@ -452,6 +497,30 @@ class _OutputWatch:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_OutputWatch, (None,))
+
+
+class _StepWatch:
+    """A global optimizer step pre-hook for :meth:`HookSet.watch_optimizers`."""
+
+    __slots__ = ("_target", "handle")
+
+    def __init__(self, target: _WeakHook | None) -> None:
+        self._target = target
+        self.handle: RemovableHandle | None = None
+
+    def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._target is not None and not _is_dynamo_compiling():
+            self._target(optimizer)
+
+    def disarm(self) -> None:
+        """Call nothing any more; safe inside the hook, where ``remove()`` is not."""
+        self._target = None
+
+    def remove(self) -> None:
+        self._target = None
+        handle, self.handle = self.handle, None
+        if handle is not None:
+            handle.remove()
 
 
 class _Removal:

@@ -71,6 +71,9 @@ class StepHooks:
         self.epochs = EpochMarks()
         self._state_audited = False
         self._steps_at_update = 0
+        # step(closure) (LBFGS): the closure computes the step's gradients inside the step,
+        # so they are measured at its end, not before it.
+        self._closure_step = False
         if scaler is not None:
             self._readings.amp_skipped_steps = 0
 
@@ -156,7 +159,9 @@ class StepHooks:
                 raise
             except Exception as error:
                 self._guard.record("hooks", error)
-        if self._readings.steps % self._measure_every == 0:
+        if len(args) > 1 or kwargs:  # step(closure): measured at the step's end (step_post)
+            self._closure_step = _closure_of(args, kwargs)
+        if self._readings.steps % self._measure_every == 0 and not self._closure_step:
             self._measurements.step(optimizer)
         plugged = self._plugged
         if plugged.measures_before:  # a plug-in measures on the device: gradients in place
@@ -165,6 +170,10 @@ class StepHooks:
             plugged.gate_step(self._recorder.global_step, optimizer)
 
     def step_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._closure_step:  # the closure's last gradients: this step's, as its index
+            self._closure_step = False
+            if self._readings.steps % self._measure_every == 0:
+                self._measurements.step(optimizer)
         engine = self._engine
         now = engine.judged_at  # if the timer fails: collect, and judge at the next due step
         plugged = self._plugged
@@ -240,6 +249,20 @@ class StepHooks:
         except Exception as error:
             self._guard.record("hooks", error)
 
+    def fetch_start(self) -> None:
+        """A batch fetch begins: the loop waits for input (until ``loader_wait``)."""
+        try:
+            self._timer.fetch_start()
+        except Exception as error:
+            self._guard.record("hooks", error)
+
+    def fetch_over(self) -> None:
+        """A fetch ended without a batch (the loader's end, an error)."""
+        try:
+            self._timer.fetch_over()
+        except Exception as error:
+            self._guard.record("hooks", error)
+
     def timed_pass(self, loader: Iterable[T], *, keep: object = None) -> Iterator[T]:
         """One timed pass over ``loader`` (each ``iter()`` of what ``track()`` returned);
         the pass holds ``keep`` (the Monitor) until it is done."""
@@ -247,12 +270,14 @@ class StepHooks:
 
         def exhausted() -> None:
             _ = keep  # held by the pass's closure
+            self.fetch_over()
             if self.epochs.pass_ended(steps_at_start, self._readings.steps):
                 self.close_epoch()
 
         workers, batches, guard = self._workers, self._batches, self._guard
 
         def failed(error: BaseException) -> None:
+            self.fetch_over()
             with guard.contain("hooks"):
                 workers.failed(error)
 
@@ -276,6 +301,7 @@ class StepHooks:
                 clock=self._timer.clock,
                 on_iterator=begun,
                 on_error=failed,
+                on_fetch=self.fetch_start,
             )
         )
 
@@ -299,6 +325,13 @@ class StepHooks:
         timer is left to the training thread, whose hooks record its events."""
         median = self._heartbeat.median_step_seconds()
         self._engine.judge_quiet(self._timer.clock(), self._heartbeat.last_beat, median)
+
+
+def _closure_of(args: Any, kwargs: Any) -> bool:
+    """Whether ``optimizer.step(closure)`` was given a closure (LBFGS); torch's step hooks get
+    the step's own arguments, the optimizer first."""
+    closure = args[1] if len(args) > 1 else kwargs.get("closure") if kwargs else None
+    return callable(closure)
 
 
 def judge_if_quiet(hooks: weakref.ref[StepHooks]) -> None:
