@@ -5,9 +5,11 @@ then further candidates, and in the worst case the monitor runs on without an
 endpoint (the event log still records everything). ``stop`` shuts the server
 down and frees the port, so ``detach`` leaves nothing listening.
 
-Anyone who can reach the port can scrape it, so serving is bounded: at most
-``max_connections`` requests are served at once (the rest wait in the kernel's
-listen backlog, costing nothing), each slot is held at least
+Anyone who can reach the port can scrape it, so serving is bounded
+(:mod:`stabmon.export.http_server`): a connection must send its request within a
+second, at most ``max_connections`` requests are served at once (one slot kept for
+a scraper that has been answered, such as Prometheus), a few more wait, the rest are
+refused at once rather than queued; each slot is held at least
 ``min_request_seconds`` (so at most 16 requests a second are served by default),
 each request ends within ``request_seconds`` from accept to last byte however
 slowly the client trickles, and the scrape body is
@@ -193,6 +195,7 @@ class Exporter:
 
         server = bind(self._address, port, self._serve)
         server.tls = self._tls
+        server.authorization = self._authorization  # its sender is a known scraper
         server.limit(self._max_connections, self._request_seconds, self._min_request_seconds)
         return server
 
