@@ -354,9 +354,10 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCuda]:
         device.peak = device.allocated
 
     if torch.version.cuda is not None and torch.cuda.is_available():
-        # A CUDA build on a GPU machine: its lazy initialisation (which asks for the device's
-        # properties) runs now, on the real runtime, not later against the fakes below.
+        # A CUDA build on a GPU machine: its lazy initialisations (CUDA's and cuDNN's, which
+        # ask for the device's properties) run now, on the real runtime, not against the fakes.
         torch.cuda.init()
+        torch.backends.cudnn.version()  # type: ignore[no-untyped-call]  # unannotated in torch
     stream = FakeStream(audit)
     replacements: dict[str, Any] = {
         "is_available": lambda: True,

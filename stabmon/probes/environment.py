@@ -145,7 +145,10 @@ def _process_run_id() -> str:
 def build_info(stabmon_version: str) -> dict[str, str]:
     """Label values of ``stabmon_build_info``; empty where not applicable."""
     cudnn_backend: Any = torch.backends.cudnn  # unannotated in torch
-    cudnn = cudnn_backend.version() if cudnn_backend.is_available() else None
+    try:  # cuDNN's first use initialises it on every device: a broken device must not stop attach
+        cudnn = cudnn_backend.version() if cudnn_backend.is_available() else None
+    except RuntimeError:
+        cudnn = None
     nccl = ""
     if torch.cuda.is_available() and hasattr(torch.cuda, "nccl"):
         try:

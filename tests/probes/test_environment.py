@@ -146,3 +146,17 @@ def test_describe_environment_contains_a_driver_that_fails_and_writes_the_record
     record, gpus = describe_environment({"torch_version": "2"}, [torch.device("cuda", 0)], guard)
     assert gpus == [] and record["versions"] == {"torch_version": "2"}
     assert guard.counts["hooks"] == 1
+
+
+def test_build_info_without_a_cudnn_version_when_cudnn_cannot_initialise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # On a GPU machine cuDNN's first use initialises it on every device, which can fail (a
+    # device that does not answer); attach must go on without the version (gpu-check, H200).
+    def broken() -> int:
+        raise RuntimeError("cuDNN could not initialise")
+
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.cudnn, "version", broken)
+
+    assert build_info("9.9.9")["cudnn_version"] == ""
