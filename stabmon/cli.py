@@ -336,7 +336,9 @@ def _run_daemon(args: argparse.Namespace) -> int:
             "another --address\n"
         )
         return 2
-    print(f"stabmon daemon: serving {app.url}", flush=True)
+    from stabmon.export.exporter import address_note
+
+    print(f"stabmon daemon: serving {app.url}{address_note(address)}", flush=True)
     app.run_until_signalled()
     return 0
 

@@ -40,7 +40,7 @@ from stabmon.daemon.processes import ProcessCollector, ProcessTable
 from stabmon.daemon.xid_events import XidWatcher
 from stabmon.daemon.xid_state import XidState, XidStateCollector, state_path
 from stabmon.export.contained import ContainedCollector
-from stabmon.export.exporter import Exporter, Security
+from stabmon.export.exporter import Exporter, Security, address_note
 from stabmon.export.families import family
 from stabmon.hardware.nvml import NvmlReader, PynvmlReader
 from stabmon.shared.background import PeriodicThread
@@ -182,8 +182,9 @@ class DaemonApp:
             thread.start()
         self._xid.start()  # registers XID events whenever NVML is (or becomes) available
         LOGGER.info(
-            "stabmon daemon: serving %s; run directory %s; polling every %.1f s; NVML %s",
+            "stabmon daemon: serving %s%s; run directory %s; polling every %.1f s; NVML %s",
             self.url,
+            address_note(daemon.address),
             self.run_dir,
             daemon.interval,
             "up" if self._gpus.nvml_up else "unavailable",

@@ -63,12 +63,28 @@ __all__ = [
     "Exporter",
     "Route",
     "Security",
+    "address_note",
     "candidate_ports",
 ]
 
 #: An extra path's handler: the WSGI environ in, (content type, body) out.
 Route = Callable[[Mapping[str, Any]], tuple[str, bytes]]
 _StartResponse = Callable[..., Any]
+
+
+def address_note(address: str) -> str:
+    """What binding ``address`` means, for the line that prints it (empty for one address).
+
+    Every interface is the default so that a Prometheus on another host reaches the
+    exporter; the price is that anyone who reaches the node may connect too.
+    """
+    if address in ("", "0.0.0.0", "::"):
+        return (
+            f" (bound to {address or '0.0.0.0'}, every interface: Prometheus on another host "
+            "can scrape it, and so can anyone who reaches this node; set the address option "
+            "to the one Prometheus uses to narrow it)"
+        )
+    return ""
 
 
 def candidate_ports(base: int, local_rank: int, local_world_size: int, attempts: int) -> list[int]:

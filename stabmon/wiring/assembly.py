@@ -31,7 +31,7 @@ from stabmon.detectors.stall import Heartbeat, StallWatchdog
 from stabmon.export.collector import PluginCollector, ReadingsCollector
 from stabmon.export.contained import ContainedCollector
 from stabmon.export.event_log import EventLog
-from stabmon.export.exporter import Exporter, Security, candidate_ports
+from stabmon.export.exporter import Exporter, Security, address_note, candidate_ports
 from stabmon.export.hang_collector import HangCollector
 from stabmon.extension import Factory
 from stabmon.pipeline.judging import QUIET_POLL_SECONDS
@@ -254,10 +254,11 @@ class Assembly:
         if self.placement is not None:  # after the attach record, which opens the event log
             self.placement.audit(unwrap_model(model), optimizer)  # raises only in raise mode
         LOGGER.info(
-            "stabmon: attached (run %s, rank %d); metrics at %s; events in %s",
+            "stabmon: attached (run %s, rank %d); metrics at %s%s; events in %s",
             run_id,
             rank,
             metrics_url or "(no exporter)",
+            address_note(config.address) if metrics_url else "",  # the bind's trade-off
             event_log_path or "(no event log)",
         )
 

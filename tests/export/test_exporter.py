@@ -364,3 +364,10 @@ def test_daemon_serves_https_with_basic_auth_from_the_same_config_keys(
         assert status == 200 and "stabmon_daemon_nvml_up" in body
     finally:
         daemon.stop()
+
+
+def test_the_default_bind_address_is_printed_with_its_trade_off() -> None:
+    from stabmon.export.exporter import address_note
+
+    assert "every interface" in address_note("0.0.0.0") and "anyone" in address_note("::")
+    assert address_note("127.0.0.1") == ""
