@@ -47,6 +47,9 @@ from stabmon.shared.rundir import RUN_ID_PATTERN
 __all__ = ["AnomalyPolicyConfig", "Config", "DaemonConfig", "ThroughputConfig", "load_config"]
 
 _CONFIG_FILE_VARIABLE = "STABMON_CONFIG"
+#: Every ``*_seconds`` key (and ``daemon.interval``) is at most this (30 days): a longer
+#: wait is a typo, and past ~2.9e11 s a thread's wait overflows (issue 40).
+MAX_SECONDS = 30 * 86400
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,7 +71,7 @@ class DaemonConfig(_Section):
     )
     interval: float = field(
         default=5.0,
-        metadata=_meta("Seconds between two NVML/psutil polls.", gt=0),
+        metadata=_meta("Seconds between two NVML/psutil polls.", gt=0, le=MAX_SECONDS),
     )
 
 
@@ -123,13 +126,17 @@ class ThroughputConfig(_Section):
     slowdown_hold_seconds: float = field(
         default=300.0,
         metadata=_meta(
-            "How long every block of steps must stay slow before a slowdown anomaly.", gt=0
+            "How long every block of steps must stay slow before a slowdown anomaly.",
+            gt=0,
+            le=MAX_SECONDS,
         ),
     )
     slowdown_baseline_seconds: float = field(
         default=600.0,
         metadata=_meta(
-            "Span of recent normal blocks whose median step time is the baseline.", gt=0
+            "Span of recent normal blocks whose median step time is the baseline.",
+            gt=0,
+            le=MAX_SECONDS,
         ),
     )
     slowdown_block_seconds: float = field(
@@ -137,6 +144,7 @@ class ThroughputConfig(_Section):
         metadata=_meta(
             "Steps are judged in blocks at least this long (the mean step time of a block).",
             gt=0,
+            le=MAX_SECONDS,
         ),
     )
     slowdown_warmup_steps: int = field(
@@ -147,12 +155,32 @@ class ThroughputConfig(_Section):
             ge=0,
         ),
     )
+    starvation_share: float = field(
+        default=0.3,
+        metadata=_meta(
+            "Share of the training time spent waiting on input (on CUDA: the device idle for "
+            "input) over starvation_window_seconds that is an input_starvation anomaly; the "
+            "episode ends below half of it.",
+            gt=0,
+            lt=1,
+        ),
+    )
+    starvation_window_seconds: float = field(
+        default=30.0,
+        metadata=_meta(
+            "Training time (loop clock, named phases left out) over which the input-wait share "
+            "is judged, in six blocks; a starvation is caught within about this long.",
+            gt=0,
+            le=MAX_SECONDS,
+        ),
+    )
     record_seconds: float = field(
         default=60.0,
         metadata=_meta(
             "Interval of the throughput records in the event log (phase seconds, steps, "
             "samples, FLOPs), which `stabmon report` turns into goodput.",
             gt=0,
+            le=MAX_SECONDS,
         ),
     )
 
@@ -271,6 +299,7 @@ class Config(_Section):
             "is on the host. Epoch ends, named phases, state_dict(), "
             "load_state_dict(), detach() and interpreter exit check everything on the host.",
             ge=0,
+            le=MAX_SECONDS,
         ),
     )
     module_depth: int = field(
@@ -453,6 +482,7 @@ class Config(_Section):
             "No completed step for this long means stalled; None means the larger of 60 s "
             "and 10 x the median step time.",
             gt=0,
+            le=MAX_SECONDS,
         ),
     )
     phase_stall_seconds: float = field(
@@ -460,6 +490,7 @@ class Config(_Section):
         metadata=_meta(
             "Stall limit inside named phases (eval, checkpoint) and before the first step.",
             gt=0,
+            le=MAX_SECONDS,
         ),
     )
     stall_action: str = field(
@@ -479,11 +510,14 @@ class Config(_Section):
             "With stall_action 'exit': seconds between the stall and the exit, in which the "
             "ranks of a node compare their evidence and name the culprit.",
             ge=0,
+            le=MAX_SECONDS,
         ),
     )
     sample_seconds: float = field(
         default=5.0,
-        metadata=_meta("Interval of background sampling (memory now, heartbeat).", gt=0),
+        metadata=_meta(
+            "Interval of background sampling (memory now, heartbeat).", gt=0, le=MAX_SECONDS
+        ),
     )
     sample_every: int = field(
         default=50,

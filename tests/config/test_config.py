@@ -284,7 +284,7 @@ def test_load_config_rejects_a_non_finite_number(value: float) -> None:
 @pytest.mark.parametrize(
     ("key", "value", "expected"),
     [
-        ("stall_seconds", -5, "a number > 0, got -5"),
+        ("stall_seconds", -5, "a number > 0 and <= 2592000, got -5"),
         ("port", 70000, "an integer from 0 to 65535, got 70000"),
         ("spike_ema_alpha", 1, "a number > 0 and < 1, got 1"),
         ("max_modules", 2000, "an integer from 1 to 1024, got 2000"),
@@ -327,7 +327,8 @@ def test_load_config_names_the_dotted_key_for_a_bad_daemon_value(tmp_path: Path)
 
     with pytest.raises(
         ConfigError,
-        match=rf"^daemon\.interval in {re.escape(str(path))}: expected a number > 0, got -1$",
+        match=rf"^daemon\.interval in {re.escape(str(path))}: "
+        r"expected a number > 0 and <= 2592000, got -1$",
     ) as caught:
         load_config(path, env={})
 

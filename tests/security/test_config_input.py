@@ -157,3 +157,36 @@ def test_attach_does_not_block_on_a_fifo_named_as_a_security_file(tmp_path: Path
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "not serving"  # fail closed, and training went on
+
+
+# Issue 40: a wait that long is a typo, and past ~2.9e11 s a thread's wait overflows.
+
+
+def _seconds_keys() -> list[str]:
+    def keys(section: dict[str, object], prefix: str = "") -> list[str]:
+        found = []
+        for name, value in section.items():
+            if isinstance(value, dict):
+                found += keys(value, f"{prefix}{name}.")
+            elif name.endswith("_seconds") or f"{prefix}{name}" == "daemon.interval":
+                found.append(f"{prefix}{name}")
+        return found
+
+    return keys(stabmon.Config().to_dict())
+
+
+@pytest.mark.parametrize("key", _seconds_keys())
+def test_every_seconds_key_has_an_upper_bound(key: str) -> None:
+    section, _, name = key.rpartition(".")
+    overrides: dict[str, object] = {section: {name: 1e10}} if section else {key: 1e10}
+    with pytest.raises(ConfigError, match=f"^{key} in .*(<= | to )"):
+        load_config(overrides, env={})
+
+
+def test_a_sample_seconds_of_1e10_is_a_one_line_cli_error(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text("sample_seconds: 1e10\n")
+    result = subprocess.run([sys.executable, "-c", _CLI, "check-config", str(path)],
+                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+    assert "sample_seconds" in result.stderr
