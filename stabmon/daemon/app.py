@@ -1,4 +1,5 @@
-"""The daemon's lifecycle: two poll threads, one HTTP endpoint, a clean stop on SIGTERM/SIGINT.
+"""The daemon's lifecycle: two poll threads, one HTTP endpoint, a clean stop on SIGTERM, SIGINT
+or SIGHUP.
 
 Design
 ------
@@ -207,13 +208,19 @@ class DaemonApp:
             self._gpus.close()
 
     def run_until_signalled(self) -> None:
-        """Serve until SIGTERM or SIGINT, then stop cleanly (the CLI's main loop)."""
+        """Serve until SIGTERM, SIGINT or SIGHUP, then stop cleanly (the CLI's main loop).
+
+        SIGHUP is a stop, not a reload: a daemon whose terminal closes, or whose supervisor
+        sends it for a config change, ends its threads and frees its port, and the
+        supervisor starts it again with the new config (nothing is half reloaded).
+        """
 
         def on_signal(signum: int, frame: FrameType | None) -> None:
             LOGGER.info("stabmon daemon: %s, stopping", signal.Signals(signum).name)
             self._stopped.set()
 
-        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        stops = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+        previous = {sig: signal.signal(sig, on_signal) for sig in stops}
         try:
             while not self._stopped.wait(0.1):
                 pass

@@ -117,3 +117,22 @@ def test_daemon_without_a_driver_serves_process_metrics(tmp_path: Path) -> None:
         daemon.stop()
     assert samples[("stabmon_daemon_nvml_up", frozenset())] == 0
     assert any(name == "stabmon_process_up" for name, _ in samples)
+
+
+def test_sighup_stops_the_daemon_cleanly_and_frees_its_port(tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    code = "import sys; from stabmon.cli import main; sys.exit(main(sys.argv[1:]))"
+    daemon = subprocess.Popen(
+        [sys.executable, "-c", code, "daemon", "--port", "0", "--address", "127.0.0.1",
+         "--run-dir", str(tmp_path), "--interval", "60"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert daemon.stdout is not None
+    assert daemon.stdout.readline().startswith("stabmon daemon: serving http://127.0.0.1:")
+    daemon.send_signal(signal.SIGHUP)  # a closed terminal, or a supervisor's reload signal
+    out, err = daemon.communicate(timeout=60)
+    assert daemon.returncode == 0
+    assert "SIGHUP, stopping" in err and "stopped in" in err

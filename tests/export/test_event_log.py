@@ -63,3 +63,42 @@ def test_event_log_refuses_a_device_in_place_of_its_file_counted_not_raised() ->
 
 def test_to_json_safe_turns_unknown_objects_into_strings() -> None:
     assert to_json_safe({"p": Path("/x"), "t": (1, float("-inf"))}) == {"p": "/x", "t": [1, "-inf"]}
+
+
+def test_a_log_whose_run_directory_is_deleted_is_reopened_and_counted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import shutil
+
+    guard = _guard()
+    path = tmp_path / "run" / "rank-0.events.jsonl"
+    log = EventLog(path, common={}, guard=guard)
+    log.write("attach")
+    shutil.rmtree(tmp_path / "run")  # a cleanup job, while the run trains
+    log.write("anomaly", kind="nonfinite_grad", step=7)
+    log.write("anomaly", kind="nonfinite_grad", step=8)
+    log.close()
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [7, 8]
+    assert guard.counts["event_log"] == 1
+    assert caplog.text.count("was removed while the run trained") == 1
+
+
+def test_a_forked_child_writes_nothing_into_its_parents_log(tmp_path: Path) -> None:
+    import warnings
+
+    path = tmp_path / "rank-0.events.jsonl"
+    log = EventLog(path, common={}, guard=_guard())
+    log.write("attach")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork() of a threaded pytest
+        child = os.fork()
+    if child == 0:  # a DataLoader worker, say
+        log.write("anomaly", kind="from_the_child")
+        os._exit(0)
+    os.waitpid(child, 0)
+    log.write("detach")
+    log.close()
+    assert [json.loads(line)["event"] for line in path.read_text().splitlines()] == [
+        "attach",
+        "detach",
+    ]

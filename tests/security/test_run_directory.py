@@ -244,3 +244,25 @@ def test_the_daemon_counts_and_logs_a_root_swapped_for_a_symlink(
     assert table.poll() == []
     assert refused == [1]
     assert "symbolic link" in caplog.text
+
+
+def test_a_run_directory_deleted_while_training_loses_no_later_event(
+    attach, tmp_path: Path
+) -> None:
+    import shutil
+
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = attach(model, optimizer, run_dir=str(tmp_path), run_id="cleaned", judge_seconds=0)
+    for _ in range(3):
+        train_step(model, optimizer, monitor)
+    log_path = monitor.event_log_path
+    assert log_path is not None
+    shutil.rmtree(log_path.parent)  # a cleanup job that thought the run was over
+    for step in range(3):
+        train_step(model, optimizer, monitor, nan_grad=step == 1)
+    samples = scrape(monitor.metrics_url)
+    monitor.detach()
+    kinds = [json.loads(line).get("kind") for line in log_path.read_text().splitlines()]
+    assert "nonfinite_grad" in kinds  # in the new file, not an unlinked one
+    assert (value(samples, contract.INTERNAL_ERRORS.name, component="event_log") or 0.0) >= 1.0
