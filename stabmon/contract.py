@@ -54,7 +54,7 @@ PUBLISHED_ANOMALY_KINDS: tuple[str, ...] = (
 #: module group whose gradients stayed exactly zero for ``dead_grad_steps`` measured steps;
 #: ``slowdown``, a sustained shift of the step time against the run's recent baseline
 #: (detectors/slowdown.py).
-EXTENSION_ANOMALY_KINDS: tuple[str, ...] = ("dead_grad", "slowdown")
+EXTENSION_ANOMALY_KINDS: tuple[str, ...] = ("dead_grad", "slowdown", "input_starvation")
 #: Values of ``stabmon_anomalies_total{kind}``; each is exported as 0 from attach.
 ANOMALY_KINDS: tuple[str, ...] = PUBLISHED_ANOMALY_KINDS + EXTENSION_ANOMALY_KINDS
 
@@ -374,6 +374,12 @@ SLOWDOWN_ACTIVE = MetricDef(
     "1 while a sustained slowdown holds, on the phase whose time grew most, else 0.",
     ("phase",),
 )
+INPUT_STARVATION_ACTIVE = MetricDef(
+    "stabmon_input_starvation_active",
+    "gauge",
+    "1 while an input_starvation episode holds (the loop waited on input for at least "
+    "throughput.starvation_share of its training time over the window), else 0.",
+)
 STEP_TIME_BASELINE = MetricDef(
     "stabmon_step_time_baseline_seconds",
     "gauge",
@@ -399,6 +405,7 @@ EXTENSION_METRICS: tuple[MetricDef, ...] = (
     MFU,
     SLOWDOWN_ACTIVE,
     STEP_TIME_BASELINE,
+    INPUT_STARVATION_ACTIVE,
 )
 
 # --- node daemon ------------------------------------------------------------------------------
@@ -565,6 +572,7 @@ EXTENSION_ALERT_NAMES: tuple[str, ...] = (
     "StabmonMemoryExhaustionForecast",
     "StabmonMemoryExhaustionImminent",
     "StabmonTrainingSlowdown",
+    "StabmonInputStarvation",
 )
 
 # --- hang triage (issue 25; proposed in docs/contract-proposals.md) ---------------------------

@@ -29,6 +29,7 @@ from stabmon.detectors.dead import DeadGradientJudge
 from stabmon.detectors.leak_rules import MemoryLeaks
 from stabmon.detectors.nonfinite import NonfiniteGrads, NonfiniteLoss
 from stabmon.detectors.spike_rules import GradSpikes, LossSpikes
+from stabmon.detectors.starvation import InputStarvation
 from stabmon.errors import AnomalyStop, StabmonError
 from stabmon.extension import (
     RESERVED_STATE_KEYS,
@@ -72,6 +73,7 @@ PLUGINS: tuple[Factory, ...] = (
     MemoryLeaks,
     AllocatorSnapshots,
     DeadGradientJudge,
+    InputStarvation,
     anomaly_policies,  # last: acts on what the judges before it recorded
 )
 
