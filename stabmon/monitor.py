@@ -31,7 +31,7 @@ from stabmon.errors import AlreadyAttachedError, StabmonError
 from stabmon.extension import Factory
 from stabmon.probes.environment import default_run_id, process_identity
 from stabmon.probes.loader import loader_problem
-from stabmon.probes.phases import PhaseNames
+from stabmon.probes.phases import PhaseBlock, PhaseNames
 from stabmon.probes.timing import TrackedLoader
 from stabmon.shared.guard import Guard
 from stabmon.shared.log import LOGGER, LogLimiter
@@ -417,14 +417,17 @@ class Monitor:
             self._steps.loader_wait(timer.clock() - start)
 
     @contextlib.contextmanager
-    def phase(self, name: str, *, path: str | os.PathLike[str] | None = None) -> Iterator[None]:
+    def phase(
+        self, name: str, *, path: str | os.PathLike[str] | None = None
+    ) -> Iterator[PhaseBlock]:
         """Attribute the time inside the block to the named phase (``eval``, ``checkpoint``).
 
         Inside it, the stall limit is ``phase_stall_seconds``, forward hooks are
         not timed as training, and observed losses are not training losses. A
         ``checkpoint`` phase is a save: ``path`` (where it writes) goes with its step into
         the rank's ``verdict.json`` as the last good checkpoint when no anomaly had
-        damaged the parameters before it (docs/policies.md).
+        damaged the parameters before it (docs/policies.md); ``block.path`` may name it
+        inside the block instead (``with mon.phase("checkpoint") as block``).
         """
         label = self._phases.label(name)
         # A phase may take long (eval, checkpoint): what is on the host is judged before it,
@@ -434,16 +437,16 @@ class Monitor:
         with self._guard.contain("hooks"):
             self._throughput.abandon(self._readings.steps)  # an eval is not the step's FLOPs
             self._timer.enter_named(label)
-        completed = False
+        completed, block = False, PhaseBlock(path)
         try:
-            yield
+            yield block
             completed = True
         finally:
             with self._guard.contain("hooks"):
                 self._timer.exit_named()
             self._engine.judge_waiting()
             if label == "checkpoint" and not self._detached:
-                saved = None if path is None else os.fspath(path)
+                saved = None if block.path is None else os.fspath(block.path)
                 self._plugged.checkpoint_saved(self._recorder.last_step, saved, completed)
 
     def on_checkpoint_action(self, save: Callable[[int], object]) -> None:
@@ -538,6 +541,11 @@ class Monitor:
         traceback: TracebackType | None,
     ) -> None:
         self.detach()
+
+    def _held_back(self) -> bool:
+        """For adapters whose real optimizer step follows the Monitor's (Lightning): whether
+        ``on_anomaly`` held the step just gated back (docs/policies.md, "Adapters")."""
+        return any(getattr(plugin, "held_back", False) for plugin in self._plugged.plugins)
 
     def _clips_after_measuring(self) -> None:
         """For adapters that step the Monitor before the framework clips (Lightning)."""

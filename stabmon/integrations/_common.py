@@ -40,7 +40,8 @@ class PhaseSwitch:
 
     def __init__(self, monitor: Monitor) -> None:
         self._monitor = monitor
-        self._open: contextlib.AbstractContextManager[None] | None = None
+        self._open: contextlib.AbstractContextManager[Any] | None = None
+        self._block: Any = None
         self.name: str | None = None
 
     def enter(self, name: str) -> None:
@@ -49,12 +50,15 @@ class PhaseSwitch:
             return
         self.close()
         block = self._monitor.phase(name)
-        block.__enter__()
+        self._block = block.__enter__()
         self._open, self.name = block, name
 
-    def close(self) -> None:
-        """Leave the open phase, if any."""
+    def close(self, *, path: str | os.PathLike[str] | None = None) -> None:
+        """Leave the open phase, if any; ``path``: where a ``checkpoint`` phase saved."""
         block, self._open, self.name = self._open, None, None
+        if path is not None and self._block is not None:
+            self._block.path = path
+        self._block = None
         if block is not None:
             block.__exit__(None, None, None)
 

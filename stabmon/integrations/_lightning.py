@@ -147,8 +147,13 @@ class LightningAdapter:
             id(getattr(optimizer, "optimizer", None))  # a LightningOptimizer wrapper
         )
         if marker is not None:
-            marker.step()
+            marker.step()  # on_anomaly: may raise AnomalyStop, out of trainer.fit()
             self._steps += 1
+            monitor = self._monitors[list(self._markers.values()).index(marker)]
+            if monitor._held_back():  # skip: Lightning's own step must change nothing either
+                for group in marker.param_groups:
+                    for param in group["params"]:
+                        param.grad = None
 
     def on_train_batch_start(
         self, trainer: Any, pl_module: torch.nn.Module, batch: Any, batch_idx: int

@@ -188,9 +188,10 @@ class StabmonCallback(TrainerCallback):
         monitor = self._monitor
         if monitor is None:
             return
-        save_state(monitor, state_file(_checkpoint_folder(args, state), monitor.rank))
-        if self._phase is not None:
-            self._phase.close()
+        folder = _checkpoint_folder(args, state)
+        save_state(monitor, state_file(folder, monitor.rank))
+        if self._phase is not None:  # the save is recorded with its folder (verdict.json)
+            self._phase.close(path=folder if self._phase.name == "checkpoint" else None)
 
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any

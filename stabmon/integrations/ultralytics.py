@@ -201,6 +201,9 @@ class UltralyticsStabmon:
         self._confirm_epoch()
         if self._monitor is not None:
             save_state(self._monitor, state_file(trainer.wdir, self._monitor.rank))
+        last = getattr(trainer, "last", None)
+        if self._phase is not None and self._phase.name == "checkpoint" and last is not None:
+            self._phase.close(path=last)  # the save is recorded with last.pt (verdict.json)
 
     def _confirm_epoch(self) -> None:
         if self._epoch_pending and self._monitor is not None:

@@ -91,7 +91,7 @@ class HostCopy:
         if host is None or step is None:
             return None
         self._host, self._event, self.step = None, None, None
-        if event is not None and not event.query():
+        if event is not None and not event.query():  # type: ignore[no-untyped-call]  # untyped in torch
             event.synchronize()
         values: list[float] = host.tolist()
         return step, values

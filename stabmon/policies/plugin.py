@@ -86,6 +86,8 @@ class AnomalyPolicies:
             context.run_directory / f"rank-{self._rank}.verdict.json", self._rank
         )
         self._reads_now: bool | None = None  # decided at the first step (the optimizer's kind)
+        #: Whether the step gated last had its gradients held back (read by adapters).
+        self.held_back = False
         held_back = plan.actions.get("nonfinite_grad") in ("skip", "stop")
         # A non-finite loss backpropagates non-finite gradients: held back too when those are.
         self._damaging = () if held_back else _DAMAGING
@@ -95,6 +97,7 @@ class AnomalyPolicies:
     def gate_step(self, step: int, optimizer: torch.optim.Optimizer) -> None:
         if self._changes.pending:  # the last step raised inside optimizer.step()
             self._changes.undo()
+        self.held_back = False
         agreed = self._copy.take()
         if agreed is not None:  # deferred mode: the flags agreed at the step before
             self._act(agreed[1], step, optimizer, now=False)
@@ -182,7 +185,7 @@ class AnomalyPolicies:
             if action == "skip":
                 if now and not skipped:  # this step: hold its gradients back
                     self._changes.hold_gradients(optimizer)
-                    skipped = True
+                    skipped = self.held_back = True
                 self._record(kind, action, at, step, f"step {at} was not applied")
             elif action == "lr_scale":
                 self._lr_left = plan.lr_steps

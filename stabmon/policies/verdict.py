@@ -101,7 +101,10 @@ class Checkpoints:
         elif self._damage is not None:
             entry["why_not_good"] = self._damage
         self.last = entry
-        if entry["good"]:
+        known = self.last_good
+        # A save without a path (a checkpoint phase an adapter opened around no save, or a
+        # loop that named none) never hides one whose path is known.
+        if entry["good"] and (path is not None or known is None or known["path"] is None):
             self.last_good = entry
         return entry
 

@@ -8,18 +8,30 @@ warning, so a name built from a step number cannot grow the series without bound
 from __future__ import annotations
 
 import logging
+import os
 import re
 
 from stabmon.contract import PHASES
 from stabmon.shared.heartbeat import STARTUP_PHASE
 from stabmon.shared.log import LogLimiter
 
-__all__ = ["MAX_NAMED_PHASES", "PhaseNames"]
+__all__ = ["MAX_NAMED_PHASES", "PhaseBlock", "PhaseNames"]
 
 #: Named phases beyond this many share the label "other" (bounded cardinality).
 MAX_NAMED_PHASES = 16
 _PHASE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 _RESERVED_PHASES = frozenset((*PHASES, STARTUP_PHASE))
+
+
+class PhaseBlock:
+    """What ``with mon.phase(name) as block`` gives: for a ``checkpoint`` phase, ``path`` is
+    where the save writes, settable inside the block when a framework names the file only
+    once it has written it (docs/policies.md, "Last good checkpoint")."""
+
+    __slots__ = ("path",)
+
+    def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
+        self.path = path
 
 
 class PhaseNames:

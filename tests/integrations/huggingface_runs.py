@@ -138,10 +138,11 @@ def train(
     epochs: int,
     resume: bool = False,
     dataset: Any = None,
+    stabmon: dict[str, Any] | None = None,
     **arguments: Any,
 ) -> Run:
     callback = StabmonCallback(port=0, address="127.0.0.1", run_dir=str(directory / "runs"),
-                               run_id="hf-test")  # fmt: skip
+                               run_id="hf-test", **(stabmon or {}))  # fmt: skip
     probe = Probe(callback)
     args = transformers.TrainingArguments(
         output_dir=str(directory / "out"), num_train_epochs=epochs,

@@ -112,10 +112,11 @@ def fit(
     epochs: int,
     ckpt_path: str | None = None,
     checkpoint: bool = False,
+    stabmon: dict[str, Any] | None = None,
     **trainer_args: Any,
 ) -> Fit:
     callback = StabmonCallback(port=0, address="127.0.0.1", run_dir=str(directory / "runs"),
-                               run_id="lightning-test")  # fmt: skip
+                               run_id="lightning-test", **(stabmon or {}))  # fmt: skip
     scraper = Scraper(callback)
     callbacks: list[Any] = [scraper, callback]
     if checkpoint:

@@ -174,3 +174,44 @@ def test_huggingface_callback_exports_the_pre_clip_norm_the_trainer_logs(
     assert len(logged) == run.trainer.state.global_step and min(logged) > 1e-2  # all clipped
     assert run.metric("stabmon_grad_norm") == pytest.approx(logged[-1], rel=1e-5)
     assert run.metric("stabmon_grad_clipped_steps_total") == len(logged)
+
+
+def _verdict(directory: Path) -> dict[str, object]:
+    import json
+
+    data: dict[str, object] = json.loads(
+        (directory / "runs" / "hf-test" / "rank-0.verdict.json").read_text()
+    )
+    return data
+
+
+def test_huggingface_callback_skip_keeps_a_nan_step_out_of_the_weights(
+    tmp_path: Path, runs: ModuleType
+) -> None:
+    # A NaN loss at the 5th training forward: without the policy every weight goes NaN.
+    run = runs.train(tmp_path, runs.TinyRegressor(nan_at=4), epochs=1,
+                     stabmon={"on_anomaly": {"nonfinite_grad": "skip"}})  # fmt: skip
+
+    assert all(bool(torch.isfinite(p).all()) for p in run.model.parameters())
+    verdict = _verdict(tmp_path)
+    assert (verdict["decision"], verdict["kind"], verdict["step"]) == (
+        "continue", "nonfinite_grad", 4,
+    )  # fmt: skip
+    good = verdict["last_good_checkpoint"]
+    assert isinstance(good, dict) and str(good["path"]).endswith("checkpoint-8")
+    assert good["good"] is True and good["step"] == 7
+
+
+def test_huggingface_callback_stop_raises_out_of_train_before_the_nan_step(
+    tmp_path: Path, runs: ModuleType
+) -> None:
+    import stabmon
+
+    model = runs.TinyRegressor(nan_at=4)
+    with pytest.raises(stabmon.AnomalyStop) as raised:
+        runs.train(tmp_path, model, epochs=1,
+                   stabmon={"on_anomaly": {"nonfinite_grad": "stop"}})  # fmt: skip
+
+    assert (raised.value.kind, raised.value.step) == ("nonfinite_grad", 4)
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    assert _verdict(tmp_path)["decision"] == "stop"

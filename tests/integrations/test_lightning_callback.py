@@ -157,3 +157,28 @@ def test_lightning_callback_times_the_backward_pass_as_backward(
     backward = run.metric("stabmon_phase_seconds_total", phase="backward") or 0.0
     assert backward >= fits.BATCHES_PER_EPOCH * fits.BACKWARD_SLEEP
     assert (run.metric("stabmon_phase_seconds_total", phase="forward") or 0.0) > 0
+
+
+def test_lightning_callback_skip_keeps_a_nan_step_out_of_the_weights(
+    tmp_path: Path, fits: ModuleType
+) -> None:
+    # The Monitor gates its stand-in step; the callback then holds Lightning's own step back.
+    module = fits.TinyModule(nan_at=5)
+    run = fits.fit(tmp_path, module, epochs=1,
+                   stabmon={"on_anomaly": {"nonfinite_grad": "skip"}})  # fmt: skip
+
+    assert all(bool(torch.isfinite(p).all()) for p in module.parameters())
+    assert run.trainer.global_step == fits.BATCHES_PER_EPOCH  # the loop went on
+
+
+def test_lightning_callback_stop_raises_out_of_fit_before_the_nan_step(
+    tmp_path: Path, fits: ModuleType
+) -> None:
+    import stabmon
+
+    module = fits.TinyModule(nan_at=5)
+    with pytest.raises(stabmon.AnomalyStop) as raised:
+        fits.fit(tmp_path, module, epochs=1, stabmon={"on_anomaly": {"nonfinite_grad": "stop"}})
+
+    assert (raised.value.kind, raised.value.step) == ("nonfinite_grad", 5)
+    assert all(bool(torch.isfinite(p).all()) for p in module.parameters())

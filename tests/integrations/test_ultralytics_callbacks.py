@@ -33,11 +33,11 @@ class Run:
         return value(self.samples, name, **labels)
 
 
-def train(directory: Path, **overrides: Any) -> Run:
+def train(directory: Path, stabmon: dict[str, Any] | None = None, **overrides: Any) -> Run:
     """A YOLO-style run with add_stabmon, scraped at on_train_end (before teardown detaches)."""
     model = StandInYOLO()
     session = add_stabmon(model, port=0, address="127.0.0.1", run_dir=str(directory / "runs"),
-                          run_id="yolo-test")  # fmt: skip
+                          run_id="yolo-test", **(stabmon or {}))  # fmt: skip
     run = Run(trainer=None, session=session)  # type: ignore[arg-type]
 
     def scrape_at_train_end(trainer: Any) -> None:
@@ -125,3 +125,28 @@ def test_ultralytics_add_stabmon_registers_on_a_trainer_too(tmp_path: Path) -> N
     trainer.train()
     assert steps == [4]
     assert session.monitor is None
+
+
+def test_ultralytics_callbacks_skip_keeps_a_nan_step_out_and_record_last_pt_as_good(
+    tmp_path: Path,
+) -> None:
+    import json
+
+    run = train(tmp_path, {"on_anomaly": {"nonfinite_grad": "skip"}}, epochs=2, batches=8,
+                accumulate=2, nan_at=5)  # fmt: skip
+
+    assert all(bool(torch.isfinite(p).all()) for p in run.trainer.model.parameters())
+    verdict = json.loads((tmp_path / "runs" / "yolo-test" / "rank-0.verdict.json").read_text())
+    assert (verdict["kind"], verdict["decision"]) == ("nonfinite_grad", "continue")
+    good = verdict["last_good_checkpoint"]
+    assert good["path"] == str(run.trainer.last) and good["good"] is True and good["size"] > 0
+
+
+def test_ultralytics_callbacks_stop_raises_out_of_train(tmp_path: Path) -> None:
+    import stabmon
+
+    with pytest.raises(stabmon.AnomalyStop) as raised:
+        train(tmp_path, {"on_anomaly": {"nonfinite_grad": "stop"}}, epochs=1, batches=8,
+              accumulate=2, nan_at=5)  # fmt: skip
+
+    assert raised.value.kind == "nonfinite_grad"

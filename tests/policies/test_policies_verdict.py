@@ -94,3 +94,13 @@ def test_a_directory_checkpoint_sums_its_files_and_a_missing_one_has_no_size(
 
     assert checkpoint_size(str(tmp_path / "ckpt")) == 5
     assert checkpoint_size(str(tmp_path / "nothing")) is None
+
+
+def test_a_save_without_a_path_never_hides_one_whose_path_is_known(tmp_path: Path) -> None:
+    checkpoints = Checkpoints()
+
+    unnamed = checkpoints.saved(5, None, completed=True)
+    named = checkpoints.saved(10, str(tmp_path / "a.pt"), completed=True)
+    checkpoints.saved(12, None, completed=True)
+
+    assert checkpoints.last_good == named and unnamed["good"] is True
