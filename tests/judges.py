@@ -39,7 +39,9 @@ LAYOUT = GradLayout(
 class Judges:
     """A Recorder and the built-in plug-ins, with small warm-ups by default."""
 
-    def __init__(self, tmp_path: Path, **overrides: Any) -> None:
+    def __init__(
+        self, tmp_path: Path, *, memory: Any = None, heartbeat: Any = None, **overrides: Any
+    ) -> None:
         settings: dict[str, Any] = {"spike_warmup_steps": 5, "spike_episode_gap": 3}
         settings.update(overrides)
         self.config = load_config({}, overrides=settings, env={})
@@ -53,7 +55,8 @@ class Judges:
         #: What each plug-in is handed (stabmon.extension.Context).
         self.context = PluginContext(
             self.config, cast(Any, None), cast(Any, None), readings=self.readings,
-            memory=MemorySampler(self.readings, None, lambda: ()), heartbeat=Heartbeat(),
+            memory=memory or MemorySampler(self.readings, None, lambda: ()),
+            heartbeat=heartbeat or Heartbeat(),
             run_directory=tmp_path, rank=0, recorder=self.recorder, engine=engine,
         )  # fmt: skip
         self.plugged.plug(self.context)

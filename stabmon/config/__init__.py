@@ -383,15 +383,27 @@ class Config(_Section):
     leak_sample_steps: int = field(
         default=10,
         metadata=_meta(
-            "Steps between two memory samples of the trend leak rule (host RSS, CUDA "
-            "allocated bytes).",
+            "Most steps between two memory samples of the trend leak rule (host RSS, CUDA "
+            "allocated bytes); fewer when leak_sample_seconds passes first.",
             ge=1,
+        ),
+    )
+    leak_sample_seconds: float = field(
+        default=5.0,
+        metadata=_meta(
+            "Most loop time between two memory samples of the trend leak rule (samples are "
+            "taken at step ends: a step longer than this is sampled at each end).",
+            gt=0,
+            le=3600,
         ),
     )
     leak_trend_bucket: int = field(
         default=10,
         metadata=_meta(
-            "Samples per floor of the trend rule: only each bucket's minimum is kept.", ge=1
+            "Seconds of loop time per floor of the trend rule's fast scale (its slow scale's "
+            "floors are 15 times longer); only each floor's minimum is kept.",
+            ge=1,
+            le=3600,
         ),
     )
     leak_trend_window: int = field(
@@ -409,14 +421,19 @@ class Config(_Section):
     leak_trend_min_growth: float = field(
         default=0.02,
         metadata=_meta(
-            "Growth over the trend window, relative to its level, that the trend rule needs "
-            "(0.02 = +2%; its second half must grow by half of it).",
+            "Growth over the trend window, relative to its level, that the trend rule's slow "
+            "scale needs (0.02 = +2%; the fast scale 5x, the short-run scale 3x; each window's "
+            "second half must grow by half of it).",
             ge=0,
         ),
     )
     leak_trend_warmup_steps: int = field(
-        default=200,
-        metadata=_meta("Steps before the trend rule takes memory samples.", ge=0),
+        default=20,
+        metadata=_meta(
+            "Steps before the trend rule takes memory samples (or 60 s of loop time, "
+            "whichever comes first).",
+            ge=0,
+        ),
     )
     leak_threshold: float = field(
         default=0.03,

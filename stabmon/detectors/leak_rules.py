@@ -3,9 +3,21 @@
 - The *epoch-window* rule (:class:`~stabmon.detectors.leak.LeakDetector`): memory at epoch
   ends grew more than ``leak_threshold`` in ``leak_windows`` consecutive windows of
   ``leak_window_epochs`` epochs (one team's rule, for loops with epochs).
-- The *trend* rule (:class:`~stabmon.detectors.trend.MemoryTrend`): memory sampled every
-  ``leak_sample_steps`` steps keeps growing (Mann-Kendall over bucket floors), for loops
-  whose epochs are long or never end.
+- The *trend* rule (:class:`~stabmon.detectors.trend.MemoryTrend`): memory sampled at step
+  ends, at most ``leak_sample_steps`` steps and ``leak_sample_seconds`` of loop time apart,
+  keeps growing (Mann-Kendall over bucket floors), for loops whose epochs are long or never
+  end. It is judged at three scales at once (:data:`SCALES`), so its latency is stated in
+  time whatever the step time (0.05 s or 10 s): ``slow`` (floors of 15 x
+  ``leak_trend_bucket`` seconds, 150 s by default: a window of an hour, judged from half of
+  it) needs ``leak_trend_min_growth`` (2%), so a leak of 5% an hour is flagged within about
+  45 minutes of its start; ``fast`` (floors of ``leak_trend_bucket`` seconds: a window of 4
+  minutes) needs 5x that (10%), so a leak that doubles memory in 10 minutes is flagged
+  within about 2.5 minutes; ``short`` (one sample a floor: 24 samples, at most 240 steps)
+  needs 3x that (6%), so a run of a few hundred steps whose memory grows unmistakably (a
+  VAE's +10% in 300 steps) is flagged before it ends. Each scale also needs its window's
+  second half to grow (a warm-up that flattened is no leak), and nothing is sampled before
+  ``leak_trend_warmup_steps`` steps or ``WARMUP_SECONDS`` of loop time, whichever comes
+  first.
 
 A leak reported by one rule is not reported again by the other while either still holds
 (``leak_rule`` picks one or both). The trend's slope also gives
@@ -28,7 +40,18 @@ if TYPE_CHECKING:
     from stabmon.config import Config
     from stabmon.extension import Context
 
-__all__ = ["MemoryLeaks"]
+__all__ = ["SCALES", "WARMUP_SECONDS", "MemoryLeaks"]
+
+#: The trend rule's scales: name, seconds per floor in units of ``leak_trend_bucket`` (None:
+#: one sample a floor), and the growth each needs in units of ``leak_trend_min_growth``.
+SCALES: tuple[tuple[str, float | None, float], ...] = (
+    ("short", None, 3.0),
+    ("fast", 1.0, 5.0),
+    ("slow", 15.0, 1.0),
+)
+#: Loop time after attach (on the loop clock) after which the trend rule samples, even
+#: before ``leak_trend_warmup_steps`` steps (a loop of 10 s steps warms up in a few).
+WARMUP_SECONDS = 60.0
 
 
 class MemoryLeaks:
@@ -44,10 +67,12 @@ class MemoryLeaks:
         self._memory = context.memory
         self._heartbeat = context.heartbeat
         self._every = config.leak_sample_steps
-        #: The first multiple of leak_sample_steps past the trend rule's warm-up.
-        self.next_step = (config.leak_trend_warmup_steps // self._every + 1) * self._every
+        self._attached_at = context.heartbeat.last_beat  # attach, on the loop clock
+        self._warm = False
+        #: The next step end that samples memory (the first one: see _steps_to_next).
+        self.next_step = 1
         self._leaks: dict[str, LeakDetector] = {}
-        self._trends: dict[str, MemoryTrend] = {}
+        self._trends: dict[str, list[MemoryTrend]] = {}
         # Labels whose leak was reported and still holds (by either rule): one anomaly per leak.
         self._reported: set[str] = set()
         self._epoch_suspected: dict[str, bool] = {}
@@ -86,55 +111,97 @@ class MemoryLeaks:
     # --- the trend rule (every leak_sample_steps steps) ---------------------------------------
 
     def step_end(self, steps: int) -> None:
-        self.next_step = (steps // self._every + 1) * self._every
+        now = self._heartbeat.last_beat  # this step's end, on the loop clock
+        self.next_step = steps + self._steps_to_next()
+        if not self._warm:
+            cfg = self._config
+            warm_steps = steps >= cfg.leak_trend_warmup_steps
+            self._warm = warm_steps or now - self._attached_at >= WARMUP_SECONDS
+            if not self._warm:
+                return
         samples = self._memory.trend_samples()
         with self._context.judging():
-            self.trend(samples, self._memory.limits, self._heartbeat.median_step_seconds())
+            self.trend(samples, self._memory.limits, now, steps)
+
+    def _steps_to_next(self) -> int:
+        """Steps to the next sample: leak_sample_steps, or fewer so that samples are at most
+        leak_sample_seconds apart at the median step time."""
+        median = self._heartbeat.median_step_seconds()
+        if not median or median <= 0:
+            return 1
+        return max(1, min(self._every, int(self._config.leak_sample_seconds / median)))
 
     def trend(
         self,
         samples: Mapping[str, float],
         limits: Callable[[], Mapping[str, float]],
-        step_seconds: float | None,
+        now: float,
+        steps: int | None = None,
     ) -> None:
-        """Memory samples taken every ``leak_sample_steps`` steps: the trend rule, drift in
-        loops whose epochs never end, and the time-to-exhaustion estimate. ``limits()``
-        gives the bytes each label may reach."""
+        """Memory samples taken at ``now`` (the loop clock): the trend rule at each of its
+        scales, drift in loops whose epochs never end, and the time-to-exhaustion estimate.
+        ``limits()`` gives the bytes each label may reach."""
         cfg = self._config
         readings = self._readings
         for label, value in samples.items():
-            trend = self._trends.get(label)
-            if trend is None:
-                trend = self._trends[label] = _new_trend(cfg)
-            verdict = trend.update(value)
-            if verdict is None:
+            trends = self._trends.get(label)
+            if trends is None:
+                trends = self._trends[label] = [_new_trend(cfg, scale) for scale in SCALES]
+            verdicts = [trend.update(value, now) for trend in trends]
+            short, judged = trends[0], [v for v in verdicts if v is not None]
+            if not judged:
                 continue
-            if trend.baseline and label not in readings.epoch_memory:  # no epoch ended yet
-                readings.memory_drift[label] = (verdict.floor - trend.baseline) / trend.baseline
-            self._exhaustion(label, value, verdict, limits, step_seconds)
+            if short.baseline and verdicts[0] is not None and label not in readings.epoch_memory:
+                readings.memory_drift[label] = (verdicts[0].floor - short.baseline) / short.baseline
+            self._exhaustion(label, value, verdicts, limits)
             if cfg.leak_rule == "epoch_windows":
                 continue
             reported = self._holds(label)
-            self._trend_suspected[label] = verdict.suspected
-            if verdict.newly_suspected and not reported:
-                self._trend_anomaly(label, value, verdict)
+            suspected = [
+                (scale, verdict)
+                for scale, verdict, trend in zip(SCALES, verdicts, trends, strict=True)
+                if (verdict.suspected if verdict is not None else trend.suspected)
+            ]
+            self._trend_suspected[label] = bool(suspected)
+            newly = [(s, v) for s, v in suspected if v is not None and v.newly_suspected]
+            if newly and not reported:
+                self._trend_anomaly(label, value, newly[0][0], newly[0][1], steps)
             self._holds(label)
 
-    def _trend_anomaly(self, label: str, value: float, verdict: TrendVerdict) -> None:
+    def _trend_anomaly(
+        self,
+        label: str,
+        value: float,
+        scale: tuple[str, float | None, float],
+        verdict: TrendVerdict,
+        steps: int | None,
+    ) -> None:
         cfg = self._config
+        name, floor_units, _ = scale
+        span = (
+            f"{cfg.leak_trend_window} samples"
+            if floor_units is None
+            else f"{cfg.leak_trend_window * floor_units * cfg.leak_trend_bucket / 60:.0f} min"
+        )
+        rate = ""
+        if verdict.per_second is not None and value > 0:
+            rate = f", {verdict.per_second * 3600 / value:+.1%} an hour"
         self._context.anomaly(
             "memory_leak",
             self._context.last_step,  # sampled at its end
-            f"memory on {label} keeps growing: {verdict.growth:+.1%} over the last "
-            f"{cfg.leak_trend_window} floors of {cfg.leak_trend_bucket} samples "
-            f"(Mann-Kendall z={verdict.zscore:.1f}, "
-            f"{verdict.slope / cfg.leak_sample_steps:.0f} bytes/step); now "
-            f"{value / 2**20:.1f} MiB",
+            f"memory on {label} keeps growing: {verdict.growth:+.1%} over the last {span} "
+            f"({name} scale, Mann-Kendall z={verdict.zscore:.1f}{rate}); now "
+            f"{value / 2**20:.1f} MiB. Look for tensors kept across steps (a loss summed "
+            "without .item() or .detach(), outputs appended to a list), caches that never "
+            "evict, or a DataLoader worker's copy-on-read growth; a memory snapshot "
+            "(memory_snapshot_steps) shows what grows",
             device=label,
             bytes=value,
             rule="trend",
+            scale=name,
             zscore=round(verdict.zscore, 2),
-            bytes_per_step=verdict.slope / cfg.leak_sample_steps,
+            growth=round(verdict.growth, 4),
+            bytes_per_second=verdict.per_second,
         )
 
     def _holds(self, label: str) -> bool:
@@ -154,17 +221,23 @@ class MemoryLeaks:
         self,
         label: str,
         value: float,
-        verdict: TrendVerdict,
+        verdicts: list[TrendVerdict | None],
         limits: Callable[[], Mapping[str, float]],
-        step_seconds: float | None,
     ) -> None:
-        """Seconds until ``label`` runs out at the window's trend; +Inf while it does not grow."""
+        """Seconds until ``label`` runs out at the trend of the longest time scale that sees
+        one (z >= 2); +Inf while none does. Written when a time scale closes a floor."""
+        timed = [v for v in verdicts if v is not None and v.per_second is not None]
+        if not timed:
+            return
         seconds = math.inf
-        per_step = verdict.slope / self._config.leak_sample_steps
-        if verdict.zscore >= 2.0 and per_step > 0 and step_seconds:
-            limit = limits().get(label)
-            if limit is not None:
-                seconds = max(0.0, limit - value) / (per_step / step_seconds)
+        for verdict in reversed(verdicts):  # the slow scale first
+            if verdict is None or verdict.per_second is None:
+                continue
+            if verdict.zscore >= 2.0 and verdict.per_second > 0:
+                limit = limits().get(label)
+                if limit is not None:
+                    seconds = max(0.0, limit - value) / verdict.per_second
+                break
         self._readings.memory_exhaustion_seconds[label] = seconds
 
     # --- resume -------------------------------------------------------------------------------
@@ -193,9 +266,10 @@ def _new_leak(cfg: Config) -> LeakDetector:
     )  # fmt: skip
 
 
-def _new_trend(cfg: Config) -> MemoryTrend:
+def _new_trend(cfg: Config, scale: tuple[str, float | None, float]) -> MemoryTrend:
+    _, floor_units, growth_units = scale
     return MemoryTrend(
-        bucket=cfg.leak_trend_bucket, window=cfg.leak_trend_window,
-        min_floors=cfg.leak_trend_window // 2, z_threshold=cfg.leak_trend_z,
-        min_growth=cfg.leak_trend_min_growth,
+        bucket=1, window=cfg.leak_trend_window, min_floors=cfg.leak_trend_window // 2,
+        z_threshold=cfg.leak_trend_z, min_growth=cfg.leak_trend_min_growth * growth_units,
+        bucket_seconds=None if floor_units is None else floor_units * cfg.leak_trend_bucket,
     )  # fmt: skip

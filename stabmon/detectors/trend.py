@@ -16,6 +16,11 @@ of allocators and RSS (page cache, arenas, a garbage collection):
   flattened is not a leak. Once suspected, the suspicion holds until no upward trend is
   left (z below half the threshold): a leak that grows in steps is one leak, not one per step.
 
+A bucket is ``bucket`` samples, or, with ``bucket_seconds``, the samples of that much time
+on the caller's clock (``update(value, now)``): a window then spans a known time whatever
+the step time, so a leak's latency is stated in seconds (:mod:`stabmon.detectors.leak_rules`
+judges several such scales at once).
+
 State is bounded: ``window`` floors and one bucket's running minimum.
 
     trend = MemoryTrend(bucket=10, window=24)
@@ -93,6 +98,8 @@ class TrendVerdict:
     """Growth over the window relative to its median level (0.05 = +5%)."""
     suspected: bool
     newly_suspected: bool
+    per_second: float | None = None
+    """Theil-Sen growth per second (bytes) when buckets are measured in time, else None."""
 
 
 class MemoryTrend:
@@ -107,18 +114,23 @@ class MemoryTrend:
         z_threshold: float = 4.0,
         min_growth: float = 0.02,
         warmup_samples: int = 0,
+        bucket_seconds: float | None = None,
     ) -> None:
         if bucket < 1 or window < 4 or not 4 <= min_floors <= window:
             raise ValueError(
                 f"MemoryTrend needs bucket >= 1 and 4 <= min_floors <= window (for example "
                 f"10, 12, 24), got bucket={bucket!r}, min_floors={min_floors!r}, window={window!r}"
             )
+        if bucket_seconds is not None and not bucket_seconds > 0:
+            raise ValueError(f"MemoryTrend bucket_seconds must be > 0, got {bucket_seconds!r}")
         if not (z_threshold > 0 and min_growth >= 0 and warmup_samples >= 0):
             raise ValueError(
                 f"MemoryTrend needs z_threshold > 0, min_growth >= 0 and warmup_samples >= 0, "
                 f"got {z_threshold!r}, {min_growth!r}, {warmup_samples!r}"
             )
         self._bucket = bucket
+        self._bucket_seconds = bucket_seconds
+        self._bucket_start: float | None = None  # on the caller's clock (time buckets)
         self._min_floors = min_floors
         self._z_threshold = z_threshold
         self._min_growth = min_growth
@@ -131,18 +143,35 @@ class MemoryTrend:
         #: The first floor after warm-up: the baseline of the drift ratio.
         self.baseline: float | None = None
 
-    def update(self, value: float) -> TrendVerdict | None:
-        """One sample; a verdict when it closes a bucket, else None."""
+    @property
+    def suspected(self) -> bool:
+        """Whether the last verdict held a leak."""
+        return self._suspected
+
+    def update(self, value: float, now: float | None = None) -> TrendVerdict | None:
+        """One sample (taken at ``now``, needed with ``bucket_seconds``); a verdict when it
+        closes a bucket, else None."""
         self._seen += 1
         if self._seen <= self._warmup or not math.isfinite(value):
             return None
         if value < self._minimum:
             self._minimum = value
         self._in_bucket += 1
-        if self._in_bucket < self._bucket:
-            return None
+        seconds = self._bucket_seconds
+        if seconds is None:
+            if self._in_bucket < self._bucket:
+                return None
+        else:
+            if now is None:
+                raise ValueError("a MemoryTrend with bucket_seconds needs update(value, now)")
+            if self._bucket_start is None:
+                self._bucket_start = now
+                return None
+            if now - self._bucket_start < seconds:
+                return None
+            self._bucket_start = now  # the next bucket starts after this sample
         floor = self._minimum
-        self._in_bucket = 0
+        in_bucket, self._in_bucket = self._in_bucket, 0
         self._minimum = math.inf
         if self.baseline is None:
             self.baseline = floor
@@ -170,5 +199,10 @@ class MemoryTrend:
             )
         newly = holds and not self._suspected
         self._suspected = holds
+        if seconds is not None:  # per floor: one floor a bucket of ``seconds``
+            per_sample = slope / max(1, in_bucket)
+            return TrendVerdict(
+                floor, zscore, per_sample, growth, holds, newly, per_second=slope / seconds
+            )
         # Per sample, not per floor: a floor spans ``bucket`` samples.
         return TrendVerdict(floor, zscore, slope / self._bucket, growth, holds, newly)

@@ -50,14 +50,20 @@ def test_unwrapped_evaluation_of_thirty_seconds_is_no_stall() -> None:
     assert readings.phase_seconds["eval"] == 29.5
 
 
-def test_a_hang_inside_an_unwrapped_evaluation_is_a_stall_in_phase_eval() -> None:
+def test_a_hang_inside_an_unwrapped_evaluation_is_a_stall_in_phase_eval_past_its_phase_limit() -> (
+    None
+):
     clock = FakeClock()
     timer, watchdog, stalls, _ = _loop(clock)
     clock.now += 0.5
     timer.eval_forward()
-    clock.now += 6.0  # the evaluation hangs
+    clock.now += 6.0  # one evaluation forward longer than stall_seconds: the phase limit holds
+    watchdog.check()
+    assert stalls == []
+    clock.now += 95.0  # the evaluation hangs past phase_stall_seconds
     watchdog.check()
     assert [report.phase for report in stalls] == ["eval"]
+    assert stalls[0].limit_seconds == 100.0
 
 
 def test_monitor_books_a_no_grad_evaluation_as_eval_not_data_wait(
