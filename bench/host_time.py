@@ -1,0 +1,337 @@
+"""stabmon's host time per training step on the launch-bound small GPT of issue 38.
+
+On a GPU whose steps take a few milliseconds, what stabmon costs is host time: the Python of
+its hooks and the torch calls they make (each CUDA launch, event record or copy costs the host
+microseconds whatever the device does). This measures that time where it is spent, at the
+entry points torch and the loop call into stabmon, on ``bench/gpu_gpt.py``'s small GPT
+(2 layers, width 128, 4 heads, vocab 512, batch 8 x 128, bf16 autocast, fused AdamW,
+``clip_grad_norm_``, ``observe(loss=loss)`` every step, attached with defaults):
+
+- the root module's forward pre- and post-hook, the optimizer's step pre- and post-hook,
+  the clip wrapper (less the clip itself) and ``observe()``: inclusive wall time of each,
+  per step, in steady state (past the attach's one-off FLOPs count and first judgement);
+- what the root module's hooks cost torch itself: ``Module.__call__`` takes its slow path
+  when a module has hooks (timed apart on an empty module, with and without no-op hooks);
+- counts that do not depend on the machine: stabmon's Python function calls, the torch
+  functions it calls and the operators it dispatches, per step.
+
+Time is the training thread's CPU time (``time.thread_time_ns``), so that other processes on
+a shared machine do not inflate it (``--wall`` for wall time). A timed wrapper's own cost is
+measured and taken off each call. On the
+CPU, the gradient norms are computed by the host (on CUDA they are one launch): their share
+is printed apart (``torch calls``), so the Python share can be read on its own.
+
+Usage::
+
+    python bench/host_time.py [--steps 60] [--device cpu|cuda] [--wall] [--json PATH] [--profile]
+
+Runs in well under a minute on two CPU cores. ``--device cuda`` times the same on a GPU
+(the figure issue 38 sets a bound for: at most ~100 us a step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import json
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import gpu_gpt  # noqa: E402 - bench/ is a directory of scripts, not a package
+
+import stabmon  # noqa: E402
+from stabmon.wiring import hooks as hooks_module  # noqa: E402
+
+STABMON_DIR = str(Path(stabmon.__file__).resolve().parent)
+#: Steps after attach before anything is measured: past the FLOPs count and the first judgement.
+WARMUP_STEPS = 30
+#: Entry points, in the order a step reaches them.
+ENTRY_POINTS = ("forward_pre", "forward_post", "clip", "step_pre", "step_post", "observe")
+
+
+class Clock:
+    """Inclusive nanoseconds per entry point, and whether the thread is inside stabmon now."""
+
+    def __init__(self, clock: Callable[[], int] = time.thread_time_ns) -> None:
+        self.clock = clock
+        self.ns = dict.fromkeys(ENTRY_POINTS, 0)
+        self.calls = dict.fromkeys(ENTRY_POINTS, 0)
+        self.inside = False
+
+    def reset(self) -> None:
+        for name in ENTRY_POINTS:
+            self.ns[name] = self.calls[name] = 0
+
+    def timed(self, name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+        ns, calls, clock = self.ns, self.calls, self.clock
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            self.inside = True
+            started = clock()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                ns[name] += clock() - started
+                calls[name] += 1
+                self.inside = False
+
+        return timed
+
+    def outside(self, name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+        """``function`` called from inside an entry point, not stabmon's time (the clip)."""
+        ns, clock = self.ns, self.clock
+
+        def untimed(*args: Any, **kwargs: Any) -> Any:
+            self.inside = False
+            started = clock()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                ns[name] -= clock() - started
+                self.inside = True
+
+        return untimed
+
+
+@contextmanager
+def instrumented(loop: gpu_gpt.Loop, monitor: stabmon.Monitor, clock: Clock) -> Iterator[None]:
+    """Every entry point of ``monitor`` on ``loop`` timed by ``clock``; put back at the end."""
+    from torch.nn.utils import clip_grad
+
+    undo: list[Callable[[], None]] = []
+
+    def swap(hook_dict: Any, name: str) -> None:
+        for key, hook in list(hook_dict.items()):
+            if isinstance(getattr(hook, "__self__", None), hooks_module._Hooks):
+                hook_dict[key] = clock.timed(name, hook)
+                undo.append(lambda key=key, hook=hook: hook_dict.__setitem__(key, hook))
+
+    model, optimizer = loop.trained, loop.optimizer
+    swap(model._forward_pre_hooks, "forward_pre")
+    swap(model._forward_hooks, "forward_post")
+    swap(optimizer._optimizer_step_pre_hooks, "step_pre")
+    swap(optimizer._optimizer_step_post_hooks, "step_post")
+    wrapper = clip_grad._clip_grads_with_norm_
+    cell = wrapper.__closure__[wrapper.__code__.co_freevars.index("original")]  # type: ignore[index]
+    original = cell.cell_contents
+    cell.cell_contents = clock.outside("clip", original)
+    clip_grad._clip_grads_with_norm_ = clock.timed("clip", wrapper)  # type: ignore[assignment]
+    monitor.observe = clock.timed("observe", monitor.observe)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del monitor.observe
+        clip_grad._clip_grads_with_norm_ = wrapper  # type: ignore[assignment]
+        cell.cell_contents = original
+        for step in undo:
+            step()
+
+
+def timer_cost_ns(clock: Clock) -> float:
+    """What one timed call costs beyond the call itself (taken off each entry point)."""
+
+    def nothing() -> None:
+        return None
+
+    timed = clock.timed("observe", nothing)
+    rounds = 20000
+    best = float("inf")
+    for _ in range(5):
+        started = clock.clock()
+        for _ in range(rounds):
+            timed()
+        wrapped = clock.clock() - started
+        started = clock.clock()
+        for _ in range(rounds):
+            nothing()
+        plain = clock.clock() - started
+        best = min(best, (wrapped - plain) / rounds)
+    clock.reset()
+    return best
+
+
+def module_hook_cost_us(device: str) -> float:
+    """Microseconds per call that a module's no-op forward pre- and post-hook cost torch
+    (``Module.__call__``'s slow path), measured on an empty module: stabmon's root hooks make
+    torch take it once per forward."""
+    module = nn.Identity()
+    tensor = torch.zeros(1, device=device)
+    rounds = 20000
+
+    def per_call() -> float:
+        started = time.thread_time_ns()
+        for _ in range(rounds):
+            module(tensor)
+        return (time.thread_time_ns() - started) / rounds
+
+    plain = min(per_call() for _ in range(5))
+    module.register_forward_pre_hook(lambda module, args, kwargs: None, with_kwargs=True)
+    module.register_forward_hook(lambda module, args, output: None)
+    hooked = min(per_call() for _ in range(5))
+    return max(0.0, hooked - plain) / 1000
+
+
+class _Counts(TorchDispatchMode):
+    """Operators dispatched while the thread is inside stabmon."""
+
+    def __init__(self, clock: Clock) -> None:
+        super().__init__()
+        self.clock = clock
+        self.operators = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if self.clock.inside:
+            self.operators += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _is_torch(function: Any) -> bool:
+    owner = getattr(function, "__self__", None)
+    module = getattr(function, "__module__", None) or type(owner).__module__
+    return module is not None and module.startswith("torch")
+
+
+def count_calls(loop: gpu_gpt.Loop, monitor: stabmon.Monitor, clock: Clock, steps: int) -> dict:
+    """Per step: stabmon's Python calls, the torch functions it calls, the operators it
+    dispatches (exact counts: they do not depend on the machine or its load)."""
+    python = torch_calls = 0
+    frames: dict[str, int] = {}
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        nonlocal python, torch_calls
+        if event == "call":
+            code = frame.f_code
+            if code.co_filename.startswith(STABMON_DIR):
+                python += 1
+                key = f"{Path(code.co_filename).name}:{code.co_name}"
+                frames[key] = frames.get(key, 0) + 1
+        elif event == "c_call" and frame.f_code.co_filename.startswith(STABMON_DIR):
+            if _is_torch(arg):
+                torch_calls += 1
+
+    counts = _Counts(clock)
+    with counts:
+        sys.setprofile(profile)
+        try:
+            for _ in range(steps):
+                loop.step(monitor)
+        finally:
+            sys.setprofile(None)
+    return {
+        "python_calls": python / steps,
+        "torch_calls": torch_calls / steps,
+        "operators": counts.operators / steps,
+        "top_frames": dict(sorted(frames.items(), key=lambda kv: -kv[1])[:25]),
+    }
+
+
+def measure(
+    *, device: str = "cpu", steps: int = 60, blocks: int = 3, profile: bool = False,
+    shape: gpu_gpt.Shape = gpu_gpt.SMALL, count_steps: int = 10, wall: bool = False,
+) -> dict[str, Any]:  # fmt: skip
+    """stabmon's host microseconds per step at each entry point, the median of ``blocks``:
+    the training thread's CPU time, or with ``wall`` its wall time (preemption included)."""
+    loop = gpu_gpt.Loop(shape, compiled=False, device=device)
+    for _ in range(3):
+        loop.step()
+    plain_ms = 1000 * loop.block(max(5, steps // 10)) / max(5, steps // 10)
+    clock = Clock(time.perf_counter_ns if wall else time.thread_time_ns)
+    overhead_ns = timer_cost_ns(clock)
+    per_block: list[dict[str, float]] = []
+    result: dict[str, Any] = {
+        "model": f"{shape.name}: {shape.layers}x{shape.width}, {shape.heads} heads, vocab "
+        f"{shape.vocab}, batch {shape.batch}x{shape.context}, bf16 autocast, fused AdamW, clip",
+        "device": device,
+        "clock": "wall" if wall else "thread CPU",
+        "torch": torch.__version__,
+        "plain_ms_per_step": plain_ms,
+        "timer_overhead_ns_per_call": overhead_ns,
+        "module_hook_dispatch_us": module_hook_cost_us(device),
+    }
+    with tempfile.TemporaryDirectory() as scratch:
+        with gpu_gpt.attached(loop, Path(scratch)) as monitor:
+            loop.block(WARMUP_STEPS, monitor)
+            with instrumented(loop, monitor, clock):
+                for _ in range(blocks):
+                    clock.reset()
+                    gc.collect()
+                    loop.block(steps, monitor)
+                    per_block.append({
+                        name: (clock.ns[name] - clock.calls[name] * overhead_ns) / steps / 1000
+                        for name in ENTRY_POINTS
+                    })  # fmt: skip
+                result.update(count_calls(loop, monitor, clock, count_steps))
+                if profile:
+                    profiler = cProfile.Profile()
+                    profiler.enable()
+                    loop.block(steps, monitor)
+                    profiler.disable()
+            result["internal_errors"] = gpu_gpt.internal_errors(monitor)
+    entry = {name: statistics.median(b[name] for b in per_block) for name in ENTRY_POINTS}
+    result["us_per_step"] = entry
+    totals = [sum(b.values()) for b in per_block]
+    result["stabmon_us_per_step"] = statistics.median(totals)
+    result["stabmon_us_per_step_blocks"] = totals
+    if profile:
+        stats = pstats.Stats(profiler)
+        stats.sort_stats("cumulative").print_stats(STABMON_DIR, 40)
+    return result
+
+
+def report(result: dict[str, Any]) -> str:
+    lines = [
+        f"{result['model']} on {result['device']} (torch {result['torch']}); plain step "
+        f"{result['plain_ms_per_step']:.2f} ms",
+        f"stabmon host time ({result['clock']}): {result['stabmon_us_per_step']:.1f} us/step "
+        "(median of blocks "
+        + ", ".join(f"{t:.1f}" for t in result["stabmon_us_per_step_blocks"])
+        + f"), + ~{result['module_hook_dispatch_us']:.1f} us of torch's hooked Module.__call__",
+        "  " + ", ".join(f"{name} {us:.1f}" for name, us in result["us_per_step"].items()),
+        f"per step: {result['python_calls']:.1f} stabmon Python calls, "
+        f"{result['torch_calls']:.1f} torch calls, {result['operators']:.1f} operators "
+        f"dispatched by stabmon",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--steps", type=int, default=60, help="steps per timed block")
+    parser.add_argument("--blocks", type=int, default=3, help="timed blocks (the median)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--wall", action="store_true", help="wall time, not thread CPU time")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--profile", action="store_true", help="cProfile of stabmon's frames")
+    parser.add_argument("--frames", action="store_true", help="the most called stabmon frames")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    result = measure(device=args.device, steps=args.steps, blocks=args.blocks,
+                     profile=args.profile, wall=args.wall)  # fmt: skip
+    print(report(result))
+    if args.frames:
+        print(json.dumps(result["top_frames"], indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    if result["internal_errors"]:
+        print(f"host_time: {result['internal_errors']:.0f} contained errors", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
