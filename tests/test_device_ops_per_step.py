@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from fake_cuda import FakeCuda, fake_cuda
+from fake_cuda import FakeCuda, FakeEvent, fake_cuda
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -62,8 +62,31 @@ def _step(cuda: FakeCuda, model: _Net, optimizer: torch.optim.Optimizer,
         monitor.observe(loss=loss)
 
 
-def per_step(cuda: FakeCuda, run_dir: Path | None) -> dict[str, float]:
-    """Event records, device-to-host copies and CUDA operators per step, after warm-up."""
+class RuntimeCalls:
+    """Calls into the (fake) CUDA runtime that cost the host each time on a real one: event
+    queries and ``elapsed_time`` reads, and ``current_stream()`` lookups."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.counts = {"event queries": 0, "elapsed_time reads": 0, "current_stream calls": 0}
+        for name, what in (("query", "event queries"), ("elapsed_time", "elapsed_time reads")):
+            monkeypatch.setattr(FakeEvent, name, self._counted(getattr(FakeEvent, name), what))
+        monkeypatch.setattr(
+            torch.cuda,
+            "current_stream",
+            self._counted(torch.cuda.current_stream, "current_stream calls"),
+        )
+
+    def _counted(self, function: Any, what: str) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.counts[what] += 1
+            return function(*args, **kwargs)
+
+        return counted
+
+
+def per_step(cuda: FakeCuda, run_dir: Path | None, calls: RuntimeCalls) -> dict[str, float]:
+    """Event records, device-to-host copies, CUDA operators and runtime calls per step, after
+    warm-up."""
     model = _Net()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     monitor = None
@@ -75,6 +98,7 @@ def per_step(cuda: FakeCuda, run_dir: Path | None) -> dict[str, float]:
             _step(cuda, model, optimizer, monitor)
         device = cuda.device
         records, copies = device.recorded, device.copies
+        before = dict(calls.counts)
         with OperatorCount() as operators:
             for _ in range(STEPS):
                 _step(cuda, model, optimizer, monitor)
@@ -82,6 +106,7 @@ def per_step(cuda: FakeCuda, run_dir: Path | None) -> dict[str, float]:
             "event records": (device.recorded - records) / STEPS,
             "device-to-host copies": (device.copies - copies) / STEPS,
             "CUDA operators": operators.count / STEPS,
+            **{what: (calls.counts[what] - before[what]) / STEPS for what in before},
         }
     finally:
         cuda.device.catch_up()
@@ -95,20 +120,30 @@ def cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCuda]:
         yield installed
 
 
+@pytest.fixture
+def calls(cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch) -> RuntimeCalls:
+    return RuntimeCalls(monkeypatch)
+
+
 def test_stabmon_adds_a_bounded_number_of_device_calls_per_step(
-    cuda: FakeCuda, tmp_path: Path
+    cuda: FakeCuda, calls: RuntimeCalls, tmp_path: Path
 ) -> None:
-    plain = per_step(cuda, None)
-    attached = per_step(cuda, tmp_path)
+    plain = per_step(cuda, None, calls)
+    attached = per_step(cuda, tmp_path, calls)
     added = {what: attached[what] - plain[what] for what in plain}
     print(f"\nper step: plain {plain}; attached {attached}; added by stabmon {added}")
 
     assert plain["event records"] == 0 and plain["device-to-host copies"] == 0
     # Today (the figures issue 38 asks to cut, pinned so that none grows unnoticed): the
-    # device phase timer's four boundaries (data wait, forward, backward, optimizer) and one
+    # device phase timer times one fast step in eight (a window of five boundaries: 0.625 a
+    # step, with its five elapsed_time reads; it recorded four a step and read five, 35
+    # runtime calls a step in all with the copies' events, before it sampled) and one
     # completion event per read-back copy; one copy for the gradient measurement (the clip's
     # norm rides with it) and one for observe()'s loss; a dozen small measurement kernels.
-    assert added["event records"] <= 6
+    assert added["event records"] <= 3
+    assert added["elapsed_time reads"] <= 1
+    assert added["event queries"] <= 6
+    assert added["current_stream calls"] <= 3
     assert added["device-to-host copies"] <= 2
     assert added["CUDA operators"] <= 12
     cuda.assert_clean()

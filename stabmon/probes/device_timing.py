@@ -15,10 +15,25 @@ signal that host timing cannot show.
 closing event has completed (``Event.query()`` never blocks) and never waits for
 the rest. Events are pooled, and at most ``max_pending`` boundaries wait; beyond
 that the oldest are dropped unmeasured, so memory stays flat whatever happens.
+
+Sampling
+--------
+Each event record, query and ``elapsed_time`` costs the host microseconds, and on a
+launch-bound loop (a small model, steps of a few milliseconds) four boundaries a step were
+most of stabmon's host time (issue 38). So the Monitor's timer times fast steps one in
+:data:`TIMED_STEPS` (``every``; 1 times each step): a *window* records the step end before a
+timed step, its boundaries and its end (five events), and the steps between windows record
+nothing. Each interval of a window counts ``weight`` times, the steps the window stands for,
+so the phase counters still estimate all device time, and the utilization (a ratio) and the
+input-starvation share are unchanged in expectation; the device step-duration histogram
+observes the timed steps. When the steps between two windows took :data:`LONG_STEP_SECONDS`
+or more each on the host, the boundaries cost about 1% of a step: every step is timed again.
+Named phases (``eval``, ``checkpoint``) are always timed, once each (weight 1).
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -27,7 +42,14 @@ import torch
 
 from stabmon.pipeline.readings import Readings
 
-__all__ = ["DeviceTimer", "recorder_for"]
+__all__ = ["LONG_STEP_SECONDS", "TIMED_STEPS", "DeviceTimer", "recorder_for"]
+
+#: Fast steps are timed one in this many (see the module docstring).
+TIMED_STEPS = 8
+#: Steps this long on the host (on average between two windows) are all timed.
+LONG_STEP_SECONDS = 0.05
+#: The loop's own phases, timed in windows; any other phase is a named one, always timed.
+_STEP_PHASES = frozenset(("data_wait", "forward", "backward", "optimizer"))
 
 
 def _new_event() -> Any:
@@ -57,21 +79,68 @@ class DeviceTimer:
         record: Callable[[Any], None] | None = None,
         max_pending: int = 512,
         new_event: Callable[[], Any] = _new_event,
+        every: int = 1,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self._readings = readings
         self._record = record or _record_on_current_stream
         self._max_pending = max_pending
         self._new_event = new_event
-        self._pending: deque[tuple[Any, str, bool]] = deque()
+        #: Recorded boundaries: (event, the phase starting there or None when the interval
+        #: from it is not timed, whether a step ended there, the weight of that interval).
+        self._pending: deque[tuple[Any, str | None, bool, int]] = deque()
         self._free: list[Any] = []
         self._last_step_end: Any | None = None
         self.dropped = 0
+        self._every = every
+        self._clock = clock
+        #: Inside a window: boundaries are recorded. The first step after attach is timed.
+        self._recording = True
+        #: Step ends still to pass untimed before the next window opens.
+        self._countdown = 0
+        #: Steps the open window stands for.
+        self._weight = 1
+        #: The last event recorded opens no timed interval (nothing to close).
+        self._gap = True
+        #: When the last window closed (host clock); None before the first.
+        self._closed_at: float | None = None
 
     def mark(self, phase: str, step_end: bool = False) -> None:
-        """Record a boundary where ``phase`` starts; ``step_end`` after an optimizer step."""
+        """Record a boundary where ``phase`` starts; ``step_end`` after an optimizer step.
+
+        Outside a window only named phases are recorded (and the boundary that ends one).
+        """
+        weight = self._weight
+        timed: str | None = phase
+        if not self._recording:
+            if step_end:
+                self._countdown -= 1
+                if self._countdown > 0:
+                    return
+                self._recording = True  # a window opens: the next step is timed
+                self._weight = weight = self._every
+            elif phase in _STEP_PHASES:
+                if self._gap:
+                    return
+                timed = None  # a named phase ends outside a window: its interval closes
+            else:
+                weight = 1  # a named phase: timed once, whatever the window
+        elif step_end and self._every > 1:
+            now = self._clock()
+            closed, self._closed_at = self._closed_at, now
+            # The steps since the last close (the window's weight) were fast: sample.
+            if closed is None or now - closed < self._weight * LONG_STEP_SECONDS:
+                self._recording = False  # the timed step ends: the window closes
+                self._countdown = self._every - 1
+                timed = None
+            else:
+                self._weight = weight = 1  # long steps: every one is timed
+        elif phase not in _STEP_PHASES:
+            weight = 1
         event = self._free.pop() if self._free else self._new_event()
         self._record(event)
-        self._pending.append((event, phase, step_end))
+        self._pending.append((event, timed, step_end, weight))
+        self._gap = timed is None
         if len(self._pending) > self._max_pending:
             self._recycle(self._pending.popleft()[0])
             self.dropped += 1
@@ -81,11 +150,15 @@ class DeviceTimer:
         pending = self._pending
         readings = self._readings
         while len(pending) >= 2 and pending[1][0].query():
-            start, phase, _ = pending.popleft()
-            end, _, step_end = pending[0]
-            readings.add_device_phase_time(phase, start.elapsed_time(end) / 1000.0)
-            if step_end:
-                self._step_ended(end)
+            start, phase, _, weight = pending.popleft()
+            end, _, step_end, _ = pending[0]
+            if phase is not None:
+                seconds = start.elapsed_time(end) / 1000.0
+                readings.add_device_phase_time(phase, seconds * weight if weight > 1 else seconds)
+                if step_end:
+                    self._step_ended(end)
+            elif step_end:
+                self._last_step_end = end  # a window opens: the steps before it were not timed
             self._recycle(start)
 
     def _step_ended(self, event: Any) -> None:

@@ -41,7 +41,7 @@ from stabmon.pipeline.recorder import Recorder
 from stabmon.pipeline.throughput import build_throughput
 from stabmon.probes.batch_identity import BatchIdentities
 from stabmon.probes.collectives import CollectiveCounter
-from stabmon.probes.device_timing import DeviceTimer, recorder_for
+from stabmon.probes.device_timing import TIMED_STEPS, DeviceTimer, recorder_for
 from stabmon.probes.environment import build_info, describe_environment
 from stabmon.probes.grads import GradProbe
 from stabmon.probes.loader import WorkerWatch
@@ -282,8 +282,10 @@ def _run_paths(config: Config, run_id: str, rank: int) -> RunPaths:
 
 
 def _device_timer(readings: Readings, devices: Sequence[torch.device]) -> DeviceTimer | None:
-    """Phase times on the first CUDA device's stream; None on a CPU loop."""
-    return DeviceTimer(readings, record=recorder_for(devices[0])) if devices else None
+    """Phase times on the first CUDA device's stream, fast steps sampled; None on a CPU loop."""
+    if not devices:
+        return None
+    return DeviceTimer(readings, record=recorder_for(devices[0]), every=TIMED_STEPS)
 
 
 def _placement(config: Config, model: torch.nn.Module, recorder: Recorder) -> PlacementWatch | None:

@@ -104,3 +104,79 @@ def test_device_timer_on_cuda_measures_real_kernels() -> None:
     torch.cuda.synchronize()
     timer.poll()
     assert readings.device_phase_seconds["forward"] > 0
+
+
+def _sampled_loop(timer: DeviceTimer, device: FakeDevice, steps: int, step_ms: float) -> None:
+    """``steps`` steps of 10 ms data wait, 20 forward, 30 backward, ``step_ms - 60`` optimizer."""
+    for step in range(steps):
+        start = step * step_ms
+        for phase, at_ms in [("forward", 10), ("backward", 30), ("optimizer", 60)]:
+            device.now_ms = start + at_ms
+            timer.mark(phase)
+        device.now_ms = start + step_ms
+        timer.mark("data_wait", step_end=True)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_fast_steps_are_timed_one_in_every_and_weighted_to_stand_for_all() -> None:
+    device, readings, clock = FakeDevice(), _readings(), _Clock()
+    recorded = []
+    timer = DeviceTimer(readings, new_event=device.event, every=4, clock=clock,
+                        record=lambda event: recorded.append(event.record()))  # fmt: skip
+    for steps in (1, 4, 4, 4, 4):  # 17 steps; the host runs 1 ms a step (fast)
+        _sampled_loop(timer, device, steps, step_ms=100)
+        clock.now += 0.001 * steps
+    device.done_up_to = 10**9
+    timer.poll()
+
+    # 17 steps: step 0 (4 events), then a window every 4 steps (5 events: the step end before).
+    assert len(recorded) == 4 + 4 * 5
+    # Each timed step stands for 4: forward 20 ms x 4 x 4 windows + step 0's.
+    assert readings.device_phase_seconds["forward"] == pytest.approx(0.020 * 17)
+    assert readings.device_phase_seconds["backward"] == pytest.approx(0.030 * 17)
+    assert readings.device_phase_seconds["optimizer"] == pytest.approx(0.040 * 17)
+    assert readings.device_phase_seconds["data_wait"] == pytest.approx(0.010 * 16)
+    # The timed steps' own durations, never a span of untimed steps.
+    assert readings.device_step_duration.count == 4
+    assert readings.device_step_duration.snapshot()[1] == pytest.approx(0.4)
+
+
+def test_long_steps_are_all_timed() -> None:
+    device, readings, clock = FakeDevice(), _readings(), _Clock()
+    timer = DeviceTimer(readings, new_event=device.event, every=4, clock=clock)
+    for _ in range(12):
+        _sampled_loop(timer, device, 1, step_ms=100)
+        clock.now += 0.1  # 100 ms a step on the host: timing each costs nothing that shows
+    device.done_up_to = 10**9
+    timer.poll()
+
+    # Step 0 is timed and steps 1-3 not (nothing said yet that steps are long); step 4 stands
+    # for them (weight 4), and its window's 0.4 s over 4 steps are long: steps 5-11 are each
+    # timed, once.
+    assert readings.device_phase_seconds["forward"] == pytest.approx(0.020 * (1 + 4 + 7))
+    assert readings.device_step_duration.count == 1 + 7
+
+
+def test_a_named_phase_between_windows_is_timed_once() -> None:
+    device, readings, clock = FakeDevice(), _readings(), _Clock()
+    timer = DeviceTimer(readings, new_event=device.event, every=4, clock=clock)
+    _sampled_loop(timer, device, 2, step_ms=100)  # step 0 timed, step 1 not
+    device.now_ms = 1000
+    timer.mark("eval")
+    device.now_ms = 1500
+    timer.mark("data_wait")  # the evaluation ends between windows
+    device.now_ms = 1600
+    timer.mark("forward")  # not timed: no window
+    device.done_up_to = 10**9
+    timer.poll()
+
+    assert readings.device_phase_seconds["eval"] == pytest.approx(0.5)
+    assert readings.device_phase_seconds["forward"] == pytest.approx(0.020)
+    assert "data_wait" not in readings.device_phase_seconds
