@@ -386,3 +386,28 @@ def test_the_skip_policy_without_a_device_flag_reads_the_flags_each_step_as_docu
     with pytest.raises(SyncViolation, match="1 time") as failure:
         audited.assert_clean()
     assert "flags.tolist(), step, optimizer, now=True)  # the one sync a step" in str(failure.value)
+
+
+def test_the_skip_policy_never_waits_for_its_flags_while_the_device_lags(
+    audited: FakeCuda, tmp_path: Path
+) -> None:
+    """Skip-only with a fused optimizer: the flags' copies are only told (the device made
+    the skip), so they are read once their events passed; while the device lags behind the
+    host (no catch-up for six steps) nothing waits for them."""
+    model = _Net()
+    optimizer = torch.optim.AdamW(model.body.parameters(), lr=1e-3, fused=True)
+    skip = {"nonfinite_grad": "skip", "grad_spike": "skip"}
+    monitor = stabmon.attach(model, optimizer, port=0, address="127.0.0.1",
+                             run_dir=str(tmp_path), run_id="sync-audit-lag",
+                             on_anomaly=skip)  # fmt: skip
+    try:
+        for _ in range(6):
+            model(torch.randn(16, 32, device="cuda")).float().pow(2).mean()
+            audited.stand_in_backward(model.parameters())
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    finally:
+        audited.device.catch_up()
+        monitor.detach()
+
+    audited.assert_clean()

@@ -13,19 +13,23 @@ fails locally (a missing gradient, a failed measurement): a rank that left it ou
 hang the others in the next collective. :func:`agree` therefore never raises before the
 collective is issued; the caller builds a vector of zeros when its own checks fail.
 
-:class:`HostCopy` reads the agreed vector a step later without a sync: the copy to host
-memory is queued right after the all-reduce (pinned memory, ``non_blocking``) and an
-event recorded; the next step reads it once the event has passed, which it has unless the
-host runs more than a step ahead of the device (then it waits for that event only: the
-previous step's work, never the current one's).
+:class:`HostCopy` reads the agreed vector later without a sync: the copy to host memory is
+queued right after the all-reduce (pinned memory, ``non_blocking``) and an event recorded.
+Where the host acts on it (a kind judged late: every rank must act at the same step), the
+next step reads it, waiting for that event when the host runs more than a step ahead of
+the device (the previous step's work, never the current one's). Where it only reports
+(a skip the device already made), it is read once its event has passed, and nothing waits.
 """
 
 from __future__ import annotations
 
+from collections import deque
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
-__all__ = ["HostCopy", "agree", "world_size"]
+__all__ = ["MAX_IN_FLIGHT", "HostCopy", "agree", "world_size"]
 
 
 def world_size() -> int:
@@ -48,50 +52,56 @@ def agree(flags: torch.Tensor) -> torch.Tensor:
     return flags
 
 
-class HostCopy:
-    """An agreed vector on its way to the host, read at a later step.
+#: Copies left in flight when nothing needs them at a set step; beyond this many the oldest
+#: is waited for (the host would be that many steps ahead of the device).
+MAX_IN_FLIGHT = 8
 
-    On CUDA the copy goes into one of two pinned buffers (used in turn: the one read at a
-    step is never the one written at it), so no host memory is allocated a step.
+
+class HostCopy:
+    """Agreed vectors on their way to the host, read at later steps, oldest first.
+
+    On CUDA each copy goes into a pinned buffer of a small pool, reused once read, so no host
+    memory is allocated a step and a buffer being written is never read.
     """
 
-    __slots__ = ("_buffers", "_event", "_host", "step")
+    __slots__ = ("_free", "_pending")
 
     def __init__(self) -> None:
-        self._buffers: list[torch.Tensor] = []
-        self._host: torch.Tensor | None = None
-        self._event: torch.cuda.Event | None = None
-        #: The step whose flags are on their way (None: nothing is).
-        self.step: int | None = None
+        self._pending: deque[tuple[int, torch.Tensor, Any]] = deque()
+        self._free: list[torch.Tensor] = []
 
     def start(self, flags: torch.Tensor, step: int) -> None:
         """Queue the copy of ``flags`` (agreed at ``step``) to the host; never waits."""
-        self.step = step
         if flags.device.type != "cuda":
-            self._host, self._event = flags.detach().to("cpu", copy=True), None
+            self._pending.append((step, flags.detach().to("cpu", copy=True), None))
             return
-        buffers = self._buffers
-        if not buffers or buffers[0].shape != flags.shape:
-            buffers[:] = [torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
-                          for _ in range(2)]  # fmt: skip
-        buffers.reverse()  # the other one than last time
-        host = buffers[0]
+        free = self._free
+        host = free.pop() if free and free[-1].shape == flags.shape else None
+        if host is None:
+            host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
         host.copy_(flags, non_blocking=True)
         event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch
         event.record()
-        self._host, self._event = host, event
+        self._pending.append((step, host, event))
 
-    def take(self) -> tuple[int, list[float]] | None:
-        """The step and values queued last (then nothing is queued), or None.
+    def take(self, *, wait: bool) -> list[tuple[int, list[float]]]:
+        """The steps and values of the copies on the host now, oldest first.
 
-        Waits only when the device has not yet reached the copy, queued a step ago: when
-        the host runs more than a step ahead of the device.
+        ``wait``: every copy queued, waiting for those the device has not reached (the caller
+        acts on them at a set step, the same on every rank); the wait is for the last step's
+        copy, so only when the host runs more than a step ahead of the device. Without it,
+        a copy still on its way stays queued (unless :data:`MAX_IN_FLIGHT` are).
         """
-        host, event, step = self._host, self._event, self.step
-        if host is None or step is None:
-            return None
-        self._host, self._event, self.step = None, None, None
-        if event is not None and not event.query():  # type: ignore[no-untyped-call]  # untyped in torch
-            event.synchronize()
-        values: list[float] = host.tolist()
-        return step, values
+        taken: list[tuple[int, list[float]]] = []
+        pending = self._pending
+        while pending:
+            step, host, event = pending[0]
+            if event is not None and not event.query():
+                if not wait and len(pending) < MAX_IN_FLIGHT:
+                    break
+                event.synchronize()
+            pending.popleft()
+            taken.append((step, host.tolist()))
+            if event is not None:
+                self._free.append(host)
+        return taken

@@ -76,6 +76,7 @@ class AnomalyPolicies:
         # The last anomaly step acted on, per kind: one anomaly is acted on once.
         self._acted: dict[str, int] = {}
         self._copy = HostCopy()
+        self._acts_late = bool(plan.judged_late)
         self._changes = StepChanges()
         self._lr_left = 0
         self._saved_by_policy = False
@@ -98,9 +99,10 @@ class AnomalyPolicies:
         if self._changes.pending:  # the last step raised inside optimizer.step()
             self._changes.undo()
         self.held_back = False
-        agreed = self._copy.take()
-        if agreed is not None:  # deferred mode: the flags agreed at the step before
-            self._act(agreed[1], step, optimizer, now=False)
+        # Deferred mode: the flags agreed at the steps before. Late kinds are acted on at a
+        # set step (the next), the same on every rank; a skip the device made is only told.
+        for _, values in self._copy.take(wait=self._acts_late):
+            self._act(values, step, optimizer, now=False)
         reads_now = self._reads_now
         if reads_now is None:
             reads_now = self._reads_now = self._plan.reads_every_step(takes_device_flag(optimizer))
@@ -282,9 +284,7 @@ class AnomalyPolicies:
 
     def finish(self) -> None:
         """The last judgement: the flags still on their way, then the verdict at exit."""
-        agreed = self._copy.take()
-        if agreed is not None:
-            step, values = agreed
+        for step, values in self._copy.take(wait=True):
             for kind, value in zip(self._plan.kinds, values, strict=True):
                 if 0 < value < _MAX_STEP and self._plan.actions[kind] == "skip":
                     at = int(value) - 1

@@ -20,6 +20,7 @@ def test_the_host_copy_is_taken_when_queued_and_later_changes_do_not_reach_it() 
     copy = HostCopy()
     copy.start(flags, step=300)
     flags.zero_()
+    copy.start(flags, step=301)
 
-    assert copy.take() == (300, [0.0, 301.0])
-    assert copy.take() is None  # taken once
+    assert copy.take(wait=False) == [(300, [0.0, 301.0]), (301, [0.0, 0.0])]
+    assert copy.take(wait=True) == []  # each taken once

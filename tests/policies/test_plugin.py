@@ -294,3 +294,46 @@ def test_skipping_costs_no_policy_plugin_when_none_is_configured(
     monitor = attach(model, torch.optim.SGD(model.parameters(), lr=0.1))
 
     assert not monitor._plugged.gates
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("amp", [False, True], ids=["fused", "fused+gradscaler"])
+def test_a_skip_with_fused_adamw_on_a_real_gpu_is_exact_and_never_syncs(
+    attach: Callable[..., stabmon.Monitor], amp: bool
+) -> None:
+    """The device mode on CUDA, every step but the checks under sync-debug "error": a sync
+    inside stabmon raises in a hook, is contained and counted (bench/policy_gpu.py measures
+    the same path, and its cost)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 1)).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    scaler = torch.amp.GradScaler("cuda") if amp else None
+    monitor = attach(model, optimizer, scaler=scaler, on_anomaly={"nonfinite_grad": "skip"})
+    unchanged = None
+    try:
+        for step in range(30):
+            torch.cuda.set_sync_debug_mode("error" if step >= 3 else "default")
+            with torch.autocast("cuda", dtype=torch.float16, enabled=amp):
+                loss = model(torch.randn(32, 64, device="cuda")).float().pow(2).mean()
+            (loss if scaler is None else scaler.scale(loss)).backward()
+            if step == 20:
+                torch.cuda.set_sync_debug_mode("default")
+                model[0].weight.grad.view(-1)[:1].fill_(float("nan"))  # type: ignore[union-attr]
+                before = _snapshot(model, optimizer)
+                torch.cuda.set_sync_debug_mode("error")
+            if scaler is None:
+                optimizer.step()
+            else:
+                scaler.step(optimizer)
+                scaler.update()
+            if step == 20:
+                torch.cuda.set_sync_debug_mode("default")
+                unchanged = _identical(before, _snapshot(model, optimizer))
+            optimizer.zero_grad(set_to_none=True)
+            monitor.observe(loss=loss)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+    assert unchanged is True and _finite(model)
+    assert not any(monitor._guard.counts.values())  # no sync was made (and contained)
