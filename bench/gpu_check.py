@@ -66,6 +66,7 @@ GPU_TEST_FILES = (
     "tests/hardware/test_devices.py",
     "tests/hardware/test_nvml.py",
     "tests/integration/test_daemon_real_nvml.py",
+    "tests/probes/test_fingerprint.py",
 )
 #: Modules those tests and stabmon import, checked in an interpreter used as it is.
 TEST_MODULES = ("pytest", "numpy", "prometheus_client", "psutil", "yaml", "pynvml")

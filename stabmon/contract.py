@@ -54,7 +54,12 @@ PUBLISHED_ANOMALY_KINDS: tuple[str, ...] = (
 #: module group whose gradients stayed exactly zero for ``dead_grad_steps`` measured steps;
 #: ``slowdown``, a sustained shift of the step time against the run's recent baseline
 #: (detectors/slowdown.py).
-EXTENSION_ANOMALY_KINDS: tuple[str, ...] = ("dead_grad", "slowdown", "input_starvation")
+EXTENSION_ANOMALY_KINDS: tuple[str, ...] = (
+    "dead_grad",
+    "slowdown",
+    "input_starvation",
+    "replica_mismatch",
+)
 #: Values of ``stabmon_anomalies_total{kind}``; each is exported as 0 from attach.
 ANOMALY_KINDS: tuple[str, ...] = PUBLISHED_ANOMALY_KINDS + EXTENSION_ANOMALY_KINDS
 
@@ -387,6 +392,19 @@ STEP_TIME_BASELINE = MetricDef(
     "normal blocks.",
 )
 
+REPLICA_CHECKS = MetricDef(
+    "stabmon_replica_checks_total",
+    "counter",
+    "Checks of this rank's parameters against its data-parallel replicas (replica_check_steps); "
+    "absent where the model has no replicas.",
+)
+REPLICA_MISMATCHES = MetricDef(
+    "stabmon_replica_mismatches_total",
+    "counter",
+    "Replica checks in which the data-parallel replicas held different parameters (silent "
+    "data corruption: the replica_mismatch anomaly names the outvoted ranks).",
+)
+
 EXTENSION_METRICS: tuple[MetricDef, ...] = (
     GRAD_NORM_SQUARED,
     GRAD_CLIPPED_STEPS,
@@ -406,6 +424,8 @@ EXTENSION_METRICS: tuple[MetricDef, ...] = (
     SLOWDOWN_ACTIVE,
     STEP_TIME_BASELINE,
     INPUT_STARVATION_ACTIVE,
+    REPLICA_CHECKS,
+    REPLICA_MISMATCHES,
 )
 
 # --- node daemon ------------------------------------------------------------------------------
@@ -573,6 +593,7 @@ EXTENSION_ALERT_NAMES: tuple[str, ...] = (
     "StabmonMemoryExhaustionImminent",
     "StabmonTrainingSlowdown",
     "StabmonInputStarvation",
+    "StabmonReplicaMismatch",
 )
 
 # --- hang triage (issue 25; proposed in docs/contract-proposals.md) ---------------------------

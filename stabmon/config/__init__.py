@@ -461,6 +461,15 @@ class Config(_Section):
             ge=1,
         ),
     )
+    replica_check_steps: int = field(
+        default=100,
+        metadata=_meta(
+            "Every this many optimizer steps, compare the data-parallel replicas' parameters on "
+            "the device (integer fingerprints per module group, no sync) and name the rank that "
+            "diverged: anomaly replica_mismatch (0: never).",
+            ge=0,
+        ),
+    )
     provenance_steps: int = field(
         default=3,
         metadata=_meta(

@@ -28,6 +28,7 @@ from stabmon.detectors.clip import ClipCoefficient
 from stabmon.detectors.dead import DeadGradientJudge
 from stabmon.detectors.leak_rules import MemoryLeaks
 from stabmon.detectors.nonfinite import NonfiniteGrads, NonfiniteLoss
+from stabmon.detectors.replica import ReplicaCheck
 from stabmon.detectors.spike_rules import GradSpikes, LossSpikes
 from stabmon.detectors.starvation import InputStarvation
 from stabmon.errors import AnomalyStop, StabmonError
@@ -55,9 +56,16 @@ from stabmon.policies.plugin import anomaly_policies
 from stabmon.probes.grads import GradSummary
 from stabmon.probes.memory_snapshot import AllocatorSnapshots
 from stabmon.probes.provenance import NanProvenance
+from stabmon.probes.replicas import ReplicaProbe
 from stabmon.shared.guard import Guard
 
 __all__ = ["PLUGINS", "DeviceJudge", "Plugged"]
+
+def replica_check(context: Context) -> ReplicaCheck | None:
+    """The replica check: its probe measures on the device, the detector judges the vote."""
+    probe = ReplicaProbe.create(context)
+    return None if probe is None else ReplicaCheck(probe, context)
+
 
 #: Every built-in plug-in of every Monitor, in the order each hook calls them. Order
 #: matters where verdicts build on each other: a non-finite episode's end is recorded
@@ -66,6 +74,7 @@ PLUGINS: tuple[Factory, ...] = (
     NonfiniteGrads,
     NonfiniteLoss,
     NanProvenance,
+    replica_check,
     ClipCoefficient,
     GradSpikes,
     LossSpikes,

@@ -1,0 +1,119 @@
+"""Integer fingerprints of parameters, and the vote that names the replica that differs.
+
+Data-parallel replicas hold bit-identical parameters after every optimizer step, so a
+replica whose parameters differ by one bit was corrupted (a GPU computing or storing a
+wrong value without an error, a bad kernel, a bad copy). A float checksum cannot show
+that: float sums depend on the reduction order and round a one-bit change away. Here
+every parameter's bytes are read as integers (``float32`` as ``int32``, ``bfloat16`` as
+``int16``), widened to ``int64`` and summed with wrap-around, i.e. modulo 2^64: integer
+addition is associative, so the sum is the same bit for bit whatever order the device
+reduces in, and a flipped bit ``k`` of one element moves it by exactly 2^k (never 0
+modulo 2^64). A second, position-weighted sum (the column sums of the flattened tensor
+laid out in rows of :data:`ROW`, each weighted by a fixed odd constant) also sees values
+that moved. Two ``int64`` per bucket of parameters (a module group): a few bytes, a few
+kernels per parameter, no copy of the parameters.
+
+:func:`vote` runs on the gathered fingerprints of every replica, on the device too: per
+bucket, the median over replicas is the majority value whenever a strict majority agrees
+(sorting puts the majority across the middle), so a replica whose fingerprint is not the
+median is a culprit; with no strict majority (two replicas) a mismatch has no culprit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["ROW", "fingerprint", "vote", "vote_layout"]
+
+#: Row length of the position-weighted sum: the weights are one vector of this many int64.
+ROW = 1024
+_INTEGER_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_weights: dict[torch.device, torch.Tensor] = {}
+#: Odd (so multiplying by it is a bijection modulo 2^64): the golden-ratio constant, signed.
+_KEY_MULTIPLIER = 0x9E3779B97F4A7C15 - 2**64
+
+
+def _row_weights(device: torch.device) -> torch.Tensor:
+    """Odd constants, the same on every rank (a fixed generator), cached per device."""
+    weights = _weights.get(device)
+    if weights is None:
+        generator = torch.Generator().manual_seed(0x5AB3)
+        drawn = torch.randint(0, 2**31, (ROW,), generator=generator, dtype=torch.int64)
+        weights = _weights[device] = (drawn * 2 + 1).to(device)
+    return weights
+
+
+def _as_integers(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat tensor of integers of the same width (a view, no copy)."""
+    flat = tensor.detach().reshape(-1)
+    if flat.dtype.is_floating_point or flat.dtype.is_complex or flat.dtype == torch.bool:
+        if flat.dtype.is_complex:
+            flat = torch.view_as_real(flat).reshape(-1)
+        return flat.view(_INTEGER_VIEW[flat.element_size()])
+    return flat
+
+
+def _tensor_sums(tensor: torch.Tensor) -> torch.Tensor:
+    """``[plain sum, position-weighted sum]`` of one tensor's integers, int64, mod 2^64."""
+    ints = _as_integers(tensor)
+    count = ints.numel()
+    weights = _row_weights(ints.device)
+    whole = count - count % ROW
+    plain = ints.sum(dtype=torch.int64)
+    weighted = torch.zeros((), dtype=torch.int64, device=ints.device)
+    if whole:
+        columns = ints[:whole].view(-1, ROW).sum(dim=0, dtype=torch.int64)
+        weighted = weighted + (columns * weights).sum()
+    if whole < count:
+        weighted = weighted + (ints[whole:].to(torch.int64) * weights[: count - whole]).sum()
+    return torch.stack([plain, weighted])
+
+
+def fingerprint(buckets: Sequence[Sequence[torch.Tensor]], device: torch.device) -> torch.Tensor:
+    """``[len(buckets), 2]`` int64 on ``device``: each bucket's two sums over its tensors.
+
+    Issued on the device, read by nobody here: no host-device synchronisation.
+    """
+    rows = []
+    for tensors in buckets:
+        sums = [_tensor_sums(tensor) for tensor in tensors]
+        if sums:
+            rows.append(torch.stack(sums).sum(dim=0))
+        else:
+            rows.append(torch.zeros(2, dtype=torch.int64, device=device))
+    return torch.stack(rows)
+
+
+def vote_layout(replicas: int, buckets: int) -> tuple[int, int, int]:
+    """Offsets of :func:`vote`'s three parts: (mismatch per bucket, majority per bucket,
+    culprit per replica) in its flat output, and its length."""
+    return buckets, 2 * buckets, 2 * buckets + replicas
+
+
+def vote(gathered: torch.Tensor) -> torch.Tensor:
+    """From ``[replicas, buckets, 2]`` int64 fingerprints, a flat float tensor (exact 0/1
+    and small integers, safe to read back as floats):
+
+    - per bucket, 1 where the replicas disagree;
+    - per bucket, 1 where a strict majority agrees (so the minority can be named);
+    - per replica, the 1-based index of the first bucket in which it differs from the
+      majority, or 0 (no culprit, or no majority).
+    """
+    replicas, buckets, _ = gathered.shape
+    # One sort key per (replica, bucket): equal pairs give equal keys, and unequal pairs
+    # (almost surely) unequal ones; every pair is then compared whole with the median's.
+    key = gathered[..., 0] * _KEY_MULTIPLIER + gathered[..., 1]
+    order = torch.sort(key, dim=0, stable=True).indices
+    middle = order[replicas // 2]  # [buckets]: which replica holds the median
+    median = gathered[middle, torch.arange(buckets, device=gathered.device)]  # [buckets, 2]
+    differs = (gathered != median.unsqueeze(0)).any(dim=-1)  # [replicas, buckets]
+    agreeing = (~differs).sum(dim=0)
+    majority = agreeing * 2 > replicas
+    mismatch = (gathered != gathered[:1]).any(dim=-1).any(dim=0)
+    blamed = differs & majority.unsqueeze(0)
+    positions = torch.arange(1, buckets + 1, device=gathered.device)
+    first = torch.where(blamed, positions, buckets + 1).min(dim=1).values
+    culprit = torch.where(first <= buckets, first, 0)
+    return torch.cat([mismatch.float(), majority.float(), culprit.float()])

@@ -1,0 +1,162 @@
+"""Compare the data-parallel replicas' parameters on the device: the measuring half of the
+replica check (stabmon.detectors.replica judges and words the verdict).
+
+Every ``replica_check_steps`` optimizer steps, after the step, each rank fingerprints its
+parameters per module group (:mod:`stabmon.probes.fingerprint`: two int64 per group), the
+fingerprints are gathered across the replica group with an asynchronous ``all_gather``
+whose result the device waits for (NCCL: a stream wait, never the host), the vote runs on
+the device and its few floats come back with the Monitor's batched readback a step or more
+later: no host-device synchronisation on the step. The check is keyed to the global
+optimizer step, the same on every rank, so every rank issues the same collectives in the
+same order; it never runs inside an evaluation or any phase some ranks skip.
+
+The replica group is found, not configured: a model wrapped in DistributedDataParallel
+compares across its process group; parameters that are DTensors on a 2-D mesh (HSDP,
+``fully_shard`` with a replicate dimension) compare their local shards across the mesh
+dimension that replicates them; parameters sharded on every dimension (FSDP, ZeRO-3) have
+no replicas: that is said once, and nothing is issued. A model without either compares
+nothing (tensor- or pipeline-parallel ranks hold different parameters by design).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from stabmon.extension import Context
+from stabmon.probes.fingerprint import fingerprint, vote
+from stabmon.probes.grads import group_name
+from stabmon.probes.identity import torch_device_uuids
+from stabmon.probes.module_groups import automatic_groups
+
+__all__ = ["ReplicaGroup", "ReplicaProbe", "find_replica_group"]
+
+
+@dataclass(frozen=True)
+class ReplicaGroup:
+    """The process group whose members must hold identical parameters, and what to compare."""
+
+    group: Any  # a torch.distributed ProcessGroup
+    ranks: tuple[int, ...]  # global ranks, in group order
+    named_tensors: tuple[tuple[str, torch.Tensor], ...]  # this rank's (local) parameters
+    how: str  # "DDP" or "HSDP mesh dimension <name>"
+
+
+def _unwrap_compiled(model: torch.nn.Module) -> torch.nn.Module:
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, torch.nn.Module) else model
+
+
+def find_replica_group(model: torch.nn.Module) -> ReplicaGroup | str:
+    """The replica group of ``model``, or why there is none (a sentence for the log)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return "torch.distributed is not initialised: one process, no replicas"
+    model = _unwrap_compiled(model)
+    ddp = torch.nn.parallel.DistributedDataParallel
+    if isinstance(model, ddp):
+        group = model.process_group
+        named = tuple((n, p) for n, p in model.module.named_parameters() if p.requires_grad)
+        return ReplicaGroup(group, tuple(dist.get_process_group_ranks(group)), named, "DDP")
+    named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    meshes = {id(p.device_mesh): p for _, p in named_params if hasattr(p, "device_mesh")}
+    if not meshes:
+        return (
+            "the model is not wrapped in DistributedDataParallel and its parameters are not "
+            "DTensors: which ranks hold the same parameters is unknown"
+        )
+    if len(meshes) > 1:
+        return "the parameters live on more than one device mesh"
+    sample: Any = next(iter(meshes.values()))  # a DTensor parameter
+    mesh = sample.device_mesh
+    replicate = [dim for dim, placement in enumerate(sample.placements) if placement.is_replicate()]
+    if not replicate:
+        return (
+            "every parameter is sharded on every mesh dimension (FSDP/ZeRO-3): no rank holds "
+            "a replica of another's parameters"
+        )
+    dim = replicate[0]
+    group = mesh.get_group(dim)
+    named = tuple((n, p.to_local()) for n, p in named_params)  # type: ignore[attr-defined]
+    names = mesh.mesh_dim_names
+    label = names[dim] if names else str(dim)
+    return ReplicaGroup(
+        group, tuple(dist.get_process_group_ranks(group)), named, f"HSDP mesh dimension {label}"
+    )
+
+
+def _buckets(
+    named: Sequence[tuple[str, torch.Tensor]], depth: int, max_modules: int
+) -> tuple[list[str], list[list[torch.Tensor]]]:
+    """Parameters by module group (as the gradient norms name them)."""
+    names = [name for name, _ in named]
+    shapes = [tuple(tensor.shape) for _, tensor in named]
+    per_param = automatic_groups(names, max_modules, shapes) if depth == 0 else None
+    if per_param is None:
+        per_param = [group_name(name, depth or 1) for name in names]
+    groups: dict[str, list[torch.Tensor]] = {}
+    for group, (_, tensor) in zip(per_param, named, strict=True):
+        groups.setdefault(group, []).append(tensor)
+    return list(groups), list(groups.values())
+
+
+class ReplicaProbe:
+    """Fingerprints, gathers and votes after the due optimizer steps (the training thread)."""
+
+    def __init__(self, replicas: ReplicaGroup, every: int, depth: int, max_modules: int) -> None:
+        self.replicas = replicas
+        self.ranks: tuple[int, ...] = replicas.ranks
+        self.how = replicas.how
+        self._every = every
+        self.group_names, self._buckets = _buckets(replicas.named_tensors, depth, max_modules)
+        #: "host GPU-uuid" of each member, learnt at the first check.
+        self.where: list[str] = []
+
+    @classmethod
+    def create(cls, context: Context) -> ReplicaProbe | None:
+        """The probe of ``context``'s model, or None (off, or no replicas: said once)."""
+        config = context.config
+        if config.replica_check_steps <= 0:
+            return None
+        found = find_replica_group(context.model)
+        if isinstance(found, str):
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                context.event("replica_check", state="off", reason=found)
+                context.log(
+                    "replica_check", logging.INFO,
+                    "stabmon: replica check off on rank %d: %s", context.rank, found,
+                )  # fmt: skip
+            return None
+        if len(found.ranks) < 2 or not found.named_tensors:
+            return None
+        return cls(found, config.replica_check_steps, config.module_depth, config.max_modules)
+
+    def measure(self, step: int) -> torch.Tensor | None:
+        """After optimizer step ``step``, when due: fingerprint, gather and vote, all on the
+        device; the vote (:func:`stabmon.probes.fingerprint.vote`) is read back later."""
+        if (step + 1) % self._every:
+            return None
+        replicas = self.replicas
+        if not self.where:
+            self.where = self._gather_where()
+        device = self._buckets[0][0].device
+        local = fingerprint(self._buckets, device)
+        gathered = [torch.empty_like(local) for _ in replicas.ranks]
+        work = dist.all_gather(gathered, local, group=replicas.group, async_op=True)
+        if work is not None:
+            work.wait()  # NCCL: the current stream waits for the collective; the host does not
+        return vote(torch.stack(gathered))
+
+    def _gather_where(self) -> list[str]:
+        """Each member's host and GPU, once (a small object gather at the first check)."""
+        device = self._buckets[0][0].device
+        uuids = torch_device_uuids([device])
+        mine = f"{socket.gethostname()} {uuids[0] if uuids else device}"
+        where: list[Any] = [None] * len(self.ranks)
+        dist.all_gather_object(where, mine, group=self.replicas.group)
+        return [str(item) for item in where]

@@ -1,0 +1,107 @@
+"""One rank of a gloo job on CPU that trains data-parallel replicas the way real loops do.
+
+    torchrun --standalone --nproc_per_node=N replica_trainee.py RUN_DIR MODE STEPS
+
+MODE: ``flip`` (one mantissa bit of ``blocks.1.0.weight`` flipped on rank 2 after step
+``FLIP_AFTER``, then training goes on; ``flip2`` the same on rank 0 of two), ``clean``
+(bf16 autocast, gradient accumulation of two micro-batches with ``no_sync``, clipping, DDP's
+gradient bucket views), ``straggler``
+(rank 1 sleeps a little each step), ``fsdp`` (``fully_shard`` on a 1-D mesh: no replicas),
+``hsdp`` (``fully_shard`` on a 2x2 mesh, replicate x shard; rank 2's shard corrupted after
+``FLIP_AFTER``). Checks run every ``CHECK_EVERY`` steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import stabmon
+
+FLIP_AFTER = 50
+CHECK_EVERY = 10
+CORRUPTED_RANK = 2
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(16, 32)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.ReLU()) for _ in range(4))
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = x + block(x)
+        out: torch.Tensor = self.head(x)
+        return out
+
+
+def flip_one_bit(tensor: torch.Tensor) -> None:
+    """Flip the lowest mantissa bit of one element, in place (what a bad GPU might do)."""
+    with torch.no_grad():
+        tensor.view(-1).view(torch.int32)[5] ^= 1
+
+
+def build(mode: str) -> tuple[nn.Module, nn.Module]:
+    """(what the loop calls and stabmon is attached to, the module holding the parameters)."""
+    torch.manual_seed(0)
+    net = Net()
+    if mode in ("fsdp", "hsdp"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        world = dist.get_world_size()
+        if mode == "fsdp":
+            mesh = init_device_mesh("cpu", (world,))
+        else:
+            mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        for block in net.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(net, mesh=mesh)
+        return net, net
+    return nn.parallel.DistributedDataParallel(net), net
+
+
+def main() -> None:
+    run_dir, mode, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model, net = build(mode)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    monitor = stabmon.attach(
+        model, optimizer, port=0, run_dir=run_dir, run_id=f"replicas-{mode}",
+        replica_check_steps=CHECK_EVERY,
+    )  # fmt: skip
+    generator = torch.Generator().manual_seed(1000 + rank)
+    accumulate = 2 if mode == "clean" else 1
+    for step in range(steps):
+        for micro in range(accumulate):
+            last = micro == accumulate - 1
+            syncing = contextlib.nullcontext() if last or mode != "clean" else model.no_sync()
+            autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "clean")
+            with syncing, autocast:
+                loss = model(torch.randn(8, 16, generator=generator)).float().pow(2).mean()
+            (loss / accumulate).backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        monitor.observe(loss=loss)
+        if mode == "straggler" and rank == 1:
+            time.sleep(0.002)
+        corrupted = 0 if mode == "flip2" else CORRUPTED_RANK  # flip2: a job of two ranks
+        if mode in ("flip", "flip2", "hsdp") and rank == corrupted and step == FLIP_AFTER:
+            weight = net.blocks[1][0].weight
+            flip_one_bit(weight.to_local() if hasattr(weight, "to_local") else weight)
+    monitor.detach()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

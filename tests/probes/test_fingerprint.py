@@ -1,0 +1,109 @@
+"""Parameter fingerprints are exact integer sums (checked against Python's own integers), the
+same whatever the reduction order, and move with any one flipped bit; the vote names the
+outvoted replica. The CUDA half checks the device's result bit for bit against the CPU's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stabmon.probes.fingerprint import ROW, fingerprint, vote, vote_layout
+
+CPU = torch.device("cpu")
+MASK = 2**64
+
+
+def signed(value: int) -> int:
+    value %= MASK
+    return value - MASK if value >= 2**63 else value
+
+
+def reference(tensor: torch.Tensor) -> tuple[int, int]:
+    """The two sums with Python's unbounded integers, reduced modulo 2^64 at the end."""
+    view = {4: torch.int32, 2: torch.int16, 8: torch.int64}[tensor.element_size()]
+    ints = tensor.reshape(-1).view(view).tolist()
+    generator = torch.Generator().manual_seed(0x5AB3)
+    drawn = torch.randint(0, 2**31, (ROW,), generator=generator, dtype=torch.int64)
+    weights = (drawn * 2 + 1).tolist()
+    plain = sum(ints)
+    weighted = sum(value * weights[index % ROW] for index, value in enumerate(ints))
+    return signed(plain), signed(weighted)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_each_buckets_sums_are_the_exact_integer_sums_modulo_2_64(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    tensors = [torch.randn(3 * ROW + 17).to(dtype), torch.randn(7, 5).to(dtype)]
+
+    got = fingerprint([tensors[:1], tensors[1:], []], CPU).tolist()
+
+    assert got[0] == list(reference(tensors[0]))
+    assert got[1] == list(reference(tensors[1]))
+    assert got[2] == [0, 0]  # an empty bucket
+
+
+def test_one_flipped_bit_anywhere_changes_the_plain_sum() -> None:
+    torch.manual_seed(1)
+    weight = torch.randn(2 * ROW + 3)
+    before = fingerprint([[weight]], CPU)
+    for element, bit in ((0, 0), (ROW + 1, 22), (2 * ROW + 2, 31)):
+        corrupted = weight.clone()
+        corrupted.view(torch.int32)[element] ^= 1 << bit
+        assert not torch.equal(fingerprint([[corrupted]], CPU)[0, 0], before[0, 0])
+
+
+def test_two_values_swapped_keep_the_plain_sum_but_not_the_weighted_one() -> None:
+    weight = torch.arange(10, dtype=torch.float32)
+    swapped = weight.clone()
+    swapped[[2, 7]] = swapped[[7, 2]]
+    a, b = fingerprint([[weight]], CPU)[0], fingerprint([[swapped]], CPU)[0]
+    assert a[0] == b[0] and a[1] != b[1]
+
+
+def _replicas(count: int, corrupt: dict[int, int]) -> torch.Tensor:
+    """``count`` replicas' fingerprints of three buckets; ``corrupt`` maps replica -> bucket."""
+    torch.manual_seed(2)
+    buckets = [[torch.randn(50)] for _ in range(3)]
+    rows = []
+    for replica in range(count):
+        copy = [[t.clone() for t in bucket] for bucket in buckets]
+        if replica in corrupt:
+            copy[corrupt[replica]][0].view(torch.int32)[3] ^= 1
+        rows.append(fingerprint(copy, CPU))
+    return torch.stack(rows)
+
+
+def _read(values: torch.Tensor, replicas: int) -> tuple[list[float], list[float], list[float]]:
+    majority_at, culprit_at, end = vote_layout(replicas, 3)
+    flat = values.tolist()
+    assert len(flat) == end
+    return flat[:majority_at], flat[majority_at:culprit_at], flat[culprit_at:end]
+
+
+def test_the_vote_names_the_outvoted_replica_and_its_first_differing_bucket() -> None:
+    mismatch, majority, culprit = _read(vote(_replicas(5, {3: 1})), 5)
+    assert mismatch == [0, 1, 0] and majority == [1, 1, 1]
+    assert culprit == [0, 0, 0, 2, 0]  # replica 3, first in bucket 1 (1-based: 2)
+
+
+def test_the_vote_with_two_replicas_finds_a_mismatch_and_no_culprit() -> None:
+    mismatch, majority, culprit = _read(vote(_replicas(2, {1: 2})), 2)
+    assert mismatch == [0, 0, 1] and majority[2] == 0 and culprit == [0, 0]
+
+
+def test_the_vote_of_identical_replicas_is_all_zero() -> None:
+    mismatch, _, culprit = _read(vote(_replicas(4, {})), 4)
+    assert not any(mismatch) and not any(culprit)
+
+
+@pytest.mark.gpu
+def test_fingerprints_on_cuda_equal_the_cpus_bit_for_bit() -> None:
+    # Whatever order the GPU's reduction takes, integer sums modulo 2^64 are the CPU's.
+    torch.manual_seed(3)
+    tensors = [torch.randn(4096 * 1024 + 5), torch.randn(768, 3072).bfloat16()]
+    on_cpu = fingerprint([tensors[:1], tensors[1:]], CPU)
+    on_gpu = fingerprint([[t.cuda() for t in tensors[:1]], [t.cuda() for t in tensors[1:]]],
+                         torch.device("cuda"))  # fmt: skip
+    assert torch.equal(on_gpu.cpu(), on_cpu)
+    gathered = torch.stack([on_gpu, on_gpu, on_gpu.clone().add_(1)])
+    assert vote(gathered).cpu().tolist()[-3:] == [0, 0, 1]

@@ -1,0 +1,110 @@
+"""Real gloo ranks on CPU (torchrun): the replica check names the corrupted rank, and is
+quiet on clean runs, with a straggler, and where there are no replicas (FSDP)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from stabmon.probes.replicas import find_replica_group
+
+TRAINEE = Path(__file__).with_name("replica_trainee.py")
+Records = dict[int, list[dict[str, Any]]]
+
+
+def run_ranks(
+    tmp_path: Path, mode: str, steps: int, ranks: int = 4
+) -> dict[int, list[dict[str, Any]]]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone",
+         f"--nproc_per_node={ranks}", str(TRAINEE), str(tmp_path), mode, str(steps)],
+        env=env, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    records: Records = {}
+    for log in (tmp_path / f"replicas-{mode}").glob("rank-*.events.jsonl"):
+        rank = int(log.name.split(".")[0].removeprefix("rank-"))
+        records[rank] = [json.loads(line) for line in log.read_text().splitlines()]
+    assert sorted(records) == list(range(ranks)), sorted(records)
+    return records
+
+
+def mismatches(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        r for r in records if r.get("event") == "anomaly" and r.get("kind") == "replica_mismatch"
+    ]
+
+
+def test_a_model_without_distributed_replicas_has_no_replica_group() -> None:
+    assert isinstance(find_replica_group(torch.nn.Linear(2, 2)), str)
+
+
+@pytest.mark.slow
+def test_one_flipped_bit_on_rank_2_is_named_at_the_next_check_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    records = run_ranks(tmp_path, "flip", 70)
+
+    for rank, logged in records.items():
+        found = mismatches(logged)
+        assert found, f"rank {rank} recorded no replica_mismatch"
+        first = found[0]
+        assert first["step"] == 59  # the first check after the flip at step 50 (every 10)
+        assert first["culprit_ranks"] == [2]
+        assert first["first_group"] == "blocks.1"
+        assert "rank 2" in first["detail"] and "blocks.1" in first["detail"]
+        assert "checkpoint" in first["detail"]  # and what to do
+
+
+@pytest.mark.slow
+def test_two_replicas_that_differ_report_a_mismatch_without_a_culprit(tmp_path: Path) -> None:
+    records = run_ranks(tmp_path, "flip2", 70, ranks=2)
+
+    for logged in records.values():
+        (first, *_) = mismatches(logged)
+        assert first["culprit_ranks"] == []
+        assert "no majority" in first["detail"]
+
+
+@pytest.mark.slow
+def test_clean_ddp_with_bf16_accumulation_and_a_straggler_raises_no_mismatch(
+    tmp_path: Path,
+) -> None:
+    clean = run_ranks(tmp_path / "clean", "clean", 400)
+    straggler = run_ranks(tmp_path / "straggler", "straggler", 200)
+
+    for records in (clean, straggler):
+        for logged in records.values():
+            assert not mismatches(logged)
+
+
+@pytest.mark.slow
+def test_hsdp_compares_each_shard_across_the_replicate_dimension(tmp_path: Path) -> None:
+    # A 2x2 mesh (replicate x shard): rank 2's shard of blocks.1 is corrupted; its replica
+    # is rank 0's. Two replicas: a mismatch without a culprit, seen by that pair only.
+    records = run_ranks(tmp_path, "hsdp", 70)
+
+    for rank in (0, 2):
+        (first, *_) = mismatches(records[rank])
+        assert first["step"] == 59 and first["first_group"] == "blocks.1"
+        assert first["culprit_ranks"] == [] and "HSDP" in first["detail"]
+    for rank in (1, 3):
+        assert not mismatches(records[rank])
+
+
+@pytest.mark.slow
+def test_fsdp_alone_has_no_replicas_says_so_once_and_issues_nothing(tmp_path: Path) -> None:
+    records = run_ranks(tmp_path, "fsdp", 30)
+
+    for logged in records.values():
+        (off,) = [record for record in logged if record.get("event") == "replica_check"]
+        assert off["state"] == "off" and "FSDP" in off["reason"]
+        assert not mismatches(logged)
