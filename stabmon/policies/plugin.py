@@ -83,6 +83,9 @@ class AnomalyPolicies:
         #: Called with the step index by a ``checkpoint`` action (Monitor.on_checkpoint_action).
         self.save: Callable[[int], object] | None = None
         self._checkpoints = Checkpoints()
+        # The verdict is decided and written from the training thread (actions, saves) and
+        # from whichever thread records an anomaly (a stall's watchdog): one at a time.
+        self._verdict_lock = threading.Lock()
         self._verdict = Verdict(
             context.run_directory / f"rank-{self._rank}.verdict.json", self._rank
         )
@@ -231,22 +234,17 @@ class AnomalyPolicies:
         self._context.event("policy", kind=kind, action=action, anomaly_step=at, at_step=step,
                             decision=decision, detail=what)  # fmt: skip
         self._context.log(
-            f"policy:{kind}",
-            logging.WARNING,
-            "stabmon: %s at step %d on some rank (rank %d acting): on_anomaly.%s: %s, %s. %s",
-            kind,
-            at,
-            self._rank,
-            kind,
-            action,
-            what,
-            advice,
-        )
-        self._verdict.decide(
-            decision, failure_domain=result.failure_domain, reason=f"{kind} at step {at}: {what}",
-            kind=kind, step=at, recommended_action=advice,
+            f"policy:{kind}", logging.WARNING,
+            "stabmon: rank %d: %s at step %d (on this or another rank; every rank acts alike): "
+            "on_anomaly.%s: %s, %s. %s", self._rank, kind, at, kind, action, what, advice,
         )  # fmt: skip
-        self._write()
+        with self._verdict_lock:
+            self._verdict.decide(
+                decision, failure_domain=result.failure_domain,
+                reason=f"{kind} at step {at}: {what}", kind=kind, step=at,
+                recommended_action=advice,
+            )  # fmt: skip
+            self._write()
 
     # --- what the judges recorded (any thread) -----------------------------------------------
 
@@ -262,12 +260,13 @@ class AnomalyPolicies:
             self._pending[kind] = max(at, self._pending.get(kind, at))
         if action == "stop":  # the loop may never reach another step (a stall): say so now
             result = outcome(kind)
-            self._verdict.decide(
-                result.on_stop, failure_domain=result.failure_domain,
-                reason=f"{kind} at step {at}: stopping at the next optimizer step",
-                kind=kind, step=at, recommended_action=result.advice.format(rank=self._rank),
-            )  # fmt: skip
-            self._write()
+            with self._verdict_lock:
+                self._verdict.decide(
+                    result.on_stop, failure_domain=result.failure_domain,
+                    reason=f"{kind} at step {at}: stopping at the next optimizer step",
+                    kind=kind, step=at, recommended_action=result.advice.format(rank=self._rank),
+                )  # fmt: skip
+                self._write()
 
     def grads_judged(self, step: int, summary: GradSummary) -> None:
         if "grad_spike" in self._checks and not summary.nonfinite:
@@ -279,8 +278,9 @@ class AnomalyPolicies:
     def checkpoint_saved(self, step: int | None, path: str | None, completed: bool) -> None:
         entry = self._checkpoints.saved(step, path, completed)
         self._context.event("checkpoint", **entry)
-        self._verdict.checkpoint(self._checkpoints.last_good)
-        self._write()
+        with self._verdict_lock:
+            self._verdict.checkpoint(self._checkpoints.last_good)
+            self._write()
 
     def finish(self) -> None:
         """The last judgement: the flags still on their way, then the verdict at exit."""
@@ -291,7 +291,8 @@ class AnomalyPolicies:
                     if at > self._acted.get(kind, -1):
                         self._acted[kind] = at
                         self._record(kind, "skip", at, step, f"step {at} was not applied")
-        self._write()
+        with self._verdict_lock:
+            self._write()
 
     def state_dict(self) -> dict[str, Any]:
         return {"grad_spikes": self._spikes.state_dict()}
