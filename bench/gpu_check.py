@@ -67,6 +67,8 @@ GPU_TEST_FILES = (
     "tests/hardware/test_nvml.py",
     "tests/integration/test_daemon_real_nvml.py",
     "tests/probes/test_fingerprint.py",
+    "tests/probes/test_replicas.py",
+    "tests/policies/test_plugin.py",
 )
 #: Modules those tests and stabmon import, checked in an interpreter used as it is.
 TEST_MODULES = ("pytest", "numpy", "prometheus_client", "psutil", "yaml", "pynvml")

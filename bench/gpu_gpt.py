@@ -41,6 +41,8 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import stabmon
+from stabmon.probes.fingerprint import fingerprint, vote
+from stabmon.probes.replicas import parameter_buckets
 
 
 class Block(nn.Module):
@@ -291,6 +293,38 @@ def measure_overhead(
     }
 
 
+def measure_replica_check(
+    shape: Shape | None = None, device: str = "cuda", checks: int = 20, every: int = 100
+) -> dict[str, Any]:
+    """What one replica check costs on the model (fingerprint of every module group and the
+    vote over four replicas' fingerprints; the all-gather of a few bytes is left out), and its
+    share of the steps between two checks at ``replica_check_steps`` = ``every``."""
+    loop = Loop(shape or GPT2_SMALL, compiled=False, device=device)
+    loop.block(3)
+    step_seconds = loop.block(10) / 10
+    names, buckets = parameter_buckets(tuple(loop.model.named_parameters()), 0, 32)
+    where = loop.device
+    for _ in range(3):  # warm-up: the weights, the allocator
+        vote(torch.stack([fingerprint(buckets, where)] * 4))
+    loop.synchronize()
+    started = time.perf_counter()
+    for _ in range(checks):
+        vote(torch.stack([fingerprint(buckets, where)] * 4))
+    issued = time.perf_counter() - started
+    loop.synchronize()
+    seconds = (time.perf_counter() - started) / checks
+    return {
+        "model": shape.name if shape else GPT2_SMALL.name,
+        "module_groups": len(names),
+        "parameters": sum(len(bucket) for bucket in buckets),
+        "check_ms": 1000 * seconds,
+        "host_issue_ms": 1000 * issued / checks,
+        "step_ms": 1000 * step_seconds,
+        "share_of_steps_at_every": seconds / (every * step_seconds),
+        "every": every,
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the results here")
@@ -314,6 +348,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.compile != "only":
             results["mfu"] = measure_mfu(run_dir)
             print(json.dumps(results["mfu"], indent=1), flush=True)
+            results["replica_check"] = measure_replica_check()
+            print(json.dumps(results["replica_check"]), flush=True)
         settings = [] if args.compile == "only" else [(SMALL, False), (GPT2_SMALL, False)]
         if args.compile != "no":
             settings += [(SMALL, True), (GPT2_SMALL, True)]

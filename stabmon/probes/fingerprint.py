@@ -55,19 +55,29 @@ def _as_integers(tensor: torch.Tensor) -> torch.Tensor:
     return flat
 
 
-def _tensor_sums(tensor: torch.Tensor) -> torch.Tensor:
-    """``[plain sum, position-weighted sum]`` of one tensor's integers, int64, mod 2^64."""
-    ints = _as_integers(tensor)
-    count = ints.numel()
-    weights = _row_weights(ints.device)
-    whole = count - count % ROW
-    plain = ints.sum(dtype=torch.int64)
-    weighted = torch.zeros((), dtype=torch.int64, device=ints.device)
-    if whole:
-        columns = ints[:whole].view(-1, ROW).sum(dim=0, dtype=torch.int64)
-        weighted = weighted + (columns * weights).sum()
-    if whole < count:
-        weighted = weighted + (ints[whole:].to(torch.int64) * weights[: count - whole]).sum()
+def _bucket_sums(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``[plain sum, position-weighted sum]`` of a bucket's integers, int64, modulo 2^64.
+
+    Per tensor two reductions (its sum, and its column sums in rows of :data:`ROW`, a
+    short tail zero-padded to one row); the weighting is done once per bucket on the summed
+    columns, so a check costs about two kernels per parameter.
+    """
+    if not tensors:
+        return torch.zeros(2, dtype=torch.int64, device=device)
+    plains: list[torch.Tensor] = []
+    columns: list[torch.Tensor] = []
+    for tensor in tensors:
+        ints = _as_integers(tensor)
+        count = ints.numel()
+        whole = count - count % ROW
+        plains.append(ints.sum(dtype=torch.int64))
+        if whole:
+            columns.append(ints[:whole].view(-1, ROW).sum(dim=0, dtype=torch.int64))
+        if whole < count:
+            tail = ints[whole:].to(torch.int64)
+            columns.append(torch.nn.functional.pad(tail, (0, ROW - (count - whole))))
+    plain = torch.stack(plains).sum()
+    weighted = (torch.stack(columns).sum(dim=0) * _row_weights(device)).sum()
     return torch.stack([plain, weighted])
 
 
@@ -76,14 +86,7 @@ def fingerprint(buckets: Sequence[Sequence[torch.Tensor]], device: torch.device)
 
     Issued on the device, read by nobody here: no host-device synchronisation.
     """
-    rows = []
-    for tensors in buckets:
-        sums = [_tensor_sums(tensor) for tensor in tensors]
-        if sums:
-            rows.append(torch.stack(sums).sum(dim=0))
-        else:
-            rows.append(torch.zeros(2, dtype=torch.int64, device=device))
-    return torch.stack(rows)
+    return torch.stack([_bucket_sums(tensors, device) for tensors in buckets])
 
 
 def vote_layout(replicas: int, buckets: int) -> tuple[int, int, int]:

@@ -35,7 +35,7 @@ from stabmon.probes.grads import group_name
 from stabmon.probes.identity import torch_device_uuids
 from stabmon.probes.module_groups import automatic_groups
 
-__all__ = ["ReplicaGroup", "ReplicaProbe", "find_replica_group"]
+__all__ = ["ReplicaGroup", "ReplicaProbe", "find_replica_group", "parameter_buckets"]
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ def find_replica_group(model: torch.nn.Module) -> ReplicaGroup | str:
     )
 
 
-def _buckets(
+def parameter_buckets(
     named: Sequence[tuple[str, torch.Tensor]], depth: int, max_modules: int
 ) -> tuple[list[str], list[list[torch.Tensor]]]:
     """Parameters by module group (as the gradient norms name them)."""
@@ -113,7 +113,9 @@ class ReplicaProbe:
         self.ranks: tuple[int, ...] = replicas.ranks
         self.how = replicas.how
         self._every = every
-        self.group_names, self._buckets = _buckets(replicas.named_tensors, depth, max_modules)
+        self.group_names, self._buckets = parameter_buckets(
+            replicas.named_tensors, depth, max_modules
+        )
         #: "host GPU-uuid" of each member, learnt at the first check.
         self.where: list[str] = []
 

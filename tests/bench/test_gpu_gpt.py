@@ -36,3 +36,10 @@ def test_overhead_blocks_alternate_and_report_a_ratio_per_pair(tmp_path: Path) -
     assert row["blocks"] == 2 and row["internal_errors"] == 0
     assert row["ratio_min"] <= row["ratio_median"] <= row["ratio_max"]
     assert row["plain_ms_per_step"] > 0 and row["stabmon_ms_per_step"] > 0
+
+
+def test_a_replica_checks_cost_is_measured_against_the_steps_between_two_checks() -> None:
+    result = gpu_gpt.measure_replica_check(TINY, device="cpu", checks=2)
+
+    assert result["module_groups"] >= 2 and result["parameters"] > 0
+    assert result["check_ms"] > 0 and result["share_of_steps_at_every"] > 0

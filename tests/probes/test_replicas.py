@@ -108,3 +108,35 @@ def test_fsdp_alone_has_no_replicas_says_so_once_and_issues_nothing(tmp_path: Pa
         (off,) = [record for record in logged if record.get("event") == "replica_check"]
         assert off["state"] == "off" and "FSDP" in off["reason"]
         assert not mismatches(logged)
+
+
+@pytest.mark.gpu
+def test_a_check_on_cuda_issues_its_collective_and_vote_without_a_host_sync(
+    tmp_path: Path,
+) -> None:
+    # One NCCL rank is a replica group of one: enough to run the real collective and vote
+    # on the device under sync-debug "error". The first check also gathers each member's
+    # host and GPU (a one-off object gather, outside the mode).
+    import torch.distributed as dist
+    from cuda_state import sync_debug_errors
+
+    from stabmon.probes.replicas import ReplicaGroup, ReplicaProbe
+
+    store = dist.HashStore()
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)).cuda()
+        group = dist.group.WORLD
+        named = tuple(model.named_parameters())
+        probe = ReplicaProbe(ReplicaGroup(group, (0,), named, "test"), 1, 0, 32)
+        probe.measure(0)  # the first check: the object gather
+        torch.cuda.synchronize()
+        with sync_debug_errors():
+            values = probe.measure(1)
+        assert values is not None
+        buckets = len(probe.group_names)
+        flat = values.cpu().tolist()
+        assert flat[:buckets] == [0.0] * buckets and flat[-1] == 0.0  # no mismatch, no culprit
+        assert probe.where and "GPU-" in probe.where[0]
+    finally:
+        dist.destroy_process_group()
