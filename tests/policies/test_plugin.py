@@ -337,3 +337,30 @@ def test_a_skip_with_fused_adamw_on_a_real_gpu_is_exact_and_never_syncs(
 
     assert unchanged is True and _finite(model)
     assert not any(monitor._guard.counts.values())  # no sync was made (and contained)
+
+
+def test_a_replica_mismatch_stops_every_rank_says_restart_at_once_and_spoils_later_saves(
+    attach: Callable[..., stabmon.Monitor], tmp_path: Path
+) -> None:
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = attach(model, optimizer, judge_seconds=0, on_anomaly={"replica_mismatch": "stop"})
+    policies = next(p for p in monitor._plugged.plugins if isinstance(p, AnomalyPolicies))
+    for _ in range(3):
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    with monitor.phase("checkpoint", path=tmp_path / "before.pt"):
+        torch.save(model.state_dict(), tmp_path / "before.pt")
+
+    policies.anomaly_recorded("replica_mismatch", 2)  # as issue 36's check records it
+    verdict = _verdict(tmp_path)  # written at once: the loop may never step again
+    with monitor.phase("checkpoint", path=tmp_path / "after.pt"):
+        torch.save(model.state_dict(), tmp_path / "after.pt")
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    optimizer.step()  # agreed here (one process: itself), read at the next step
+    with pytest.raises(stabmon.AnomalyStop):
+        optimizer.step()
+
+    assert (verdict["decision"], verdict["failure_domain"]) == ("restart", "infrastructure")
+    assert _verdict(tmp_path)["last_good_checkpoint"]["path"] == str(tmp_path / "before.pt")
