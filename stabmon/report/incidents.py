@@ -1,5 +1,6 @@
 """Where a fault came from, across ranks: the rank that went non-finite first, each rank's
-NaN provenance verdict, and the batches an incident trained on (from the event logs).
+NaN provenance verdict, the batches an incident trained on, and the replicas that diverged
+(silent data corruption: the rank outvoted, its host and GPU), from the event logs.
 
 In data parallel training every replica's gradients turn non-finite in the same step (the
 all-reduce spreads them), so "first" is the rank whose own forward produced it: of the
@@ -14,7 +15,7 @@ from typing import Any
 
 from stabmon.report.events import Run, count
 
-__all__ = ["first_nonfinite_rank", "incidents_section"]
+__all__ = ["first_nonfinite_rank", "incidents_section", "replica_mismatches"]
 
 _NONFINITE = frozenset({"nonfinite_grad", "nonfinite_loss"})
 #: Batches shown per incident at most (the skip file holds them all).
@@ -55,7 +56,8 @@ def incidents_section(run: Run) -> str:
     first = first_nonfinite_rank(run)
     verdicts = [(log.rank, r) for log in run.ranks for r in log.of("provenance")]
     batches = [(log.rank, r) for log in run.ranks for r in log.of("batch_identities")]
-    if first is None and not verdicts and not batches:
+    replicas = replica_mismatches(run)
+    if first is None and not verdicts and not batches and not replicas:
         return ""
     parts = ['<section id="incidents"><h2>Where faults came from</h2>']
     if first is not None:
@@ -77,8 +79,43 @@ def incidents_section(run: Run) -> str:
             "<p>The same batches are in each rank's <code>rank-N.skip_batches.json</code>, "
             "ready for a loop to skip them on resume (docs/loops.md).</p>"
         )
+    if replicas:
+        rows = "".join(_replica_row(record) for record in replicas[:_BATCHES_SHOWN])
+        parts.append(
+            '<table><tr><th class="num">step</th><th>replicas differ in</th>'
+            f"<th>outvoted rank (host GPU, first group)</th></tr>{rows}</table>"
+            "<p>Replicas that differ hold a silently corrupted state: resume from a checkpoint "
+            "saved before that step and drain the outvoted rank's node "
+            "(docs/runbooks.md#stabmonreplicamismatch).</p>"
+        )
     parts.append("</section>")
     return "".join(parts)
+
+
+def replica_mismatches(run: Run) -> list[dict[str, Any]]:
+    """One ``replica_mismatch`` record per step (every rank of the group writes the same)."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for log in run.ranks:
+        for record in log.of("anomaly"):
+            step = count(record.get("step"))
+            if record.get("kind") == "replica_mismatch" and step is not None:
+                by_step.setdefault(step, record)
+    return [by_step[step] for step in sorted(by_step)]
+
+
+def _replica_row(record: dict[str, Any]) -> str:
+    groups = record.get("groups")
+    listed = ", ".join(map(str, groups)) if isinstance(groups, list) else ""
+    culprits = record.get("culprits")
+    named = "; ".join(
+        f"rank {entry.get('rank')} ({entry.get('where') or 'host unknown'}, {entry.get('group')})"
+        for entry in (culprits if isinstance(culprits, list) else [])
+        if isinstance(entry, dict)
+    )
+    return (
+        f'<tr><td class="num">{escape(str(record.get("step")))}</td><td>{escape(listed)}</td>'
+        f"<td>{escape(named or 'none named: no majority (two replicas)')}</td></tr>"
+    )
 
 
 def _verdict_row(rank: int, record: dict[str, Any]) -> str:

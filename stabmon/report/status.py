@@ -85,6 +85,8 @@ class RankStatus:
     stalled: bool = False
     leaking: tuple[str, ...] = ()
     anomalies: float = 0.0
+    #: Replica checks that found the data-parallel replicas' parameters different.
+    replica_mismatches: float = 0.0
     error: str | None = None
     #: Hang evidence: the loop phase now, the stalled state (None unless stalled), collectives.
     phase: str = ""
@@ -102,6 +104,8 @@ class RankStatus:
             found.append(f"leak on {','.join(self.leaking)}")
         if self.nonfinite:
             found.append("non-finite")
+        if self.replica_mismatches:
+            found.append("replicas differ (silent data corruption)")
         return found
 
     @property
@@ -367,6 +371,7 @@ def _status(url: str, run: str, rank: str, samples: Samples, now: float) -> Rank
         stalled=bool(one(contract.STALLED.name)),
         leaking=tuple(sorted(device for device, v in leaks.items() if v)),
         anomalies=sum(by(contract.ANOMALIES.name, "kind").values()),
+        replica_mismatches=one(contract.REPLICA_MISMATCHES.name) or 0.0,
         phase=next((p for p, v in by(contract.LOOP_PHASE.name, "phase").items() if v == 1), ""),
         hang_state=next(
             (state for state, v in by(contract.HANG_STATE.name, "state").items() if v == 1), None

@@ -14,7 +14,11 @@ import pytest
 
 from stabmon.export.event_log import EventLog
 from stabmon.report.events import read_run
-from stabmon.report.incidents import first_nonfinite_rank, incidents_section
+from stabmon.report.incidents import (
+    first_nonfinite_rank,
+    incidents_section,
+    replica_mismatches,
+)
 from stabmon.shared.guard import Guard
 from stabmon.shared.log import LogLimiter
 
@@ -85,3 +89,21 @@ def test_two_gloo_ranks_name_the_rank_whose_batch_held_the_nan(tmp_path: Path) -
     report = read_run(tmp_path / "nan-job")
     assert [log.rank for log in report.ranks] == [0, 1]
     assert first_nonfinite_rank(report) == (1, 10)
+
+
+def test_a_replica_mismatch_is_one_row_naming_the_outvoted_rank_its_gpu_and_group(
+    tmp_path: Path,
+) -> None:
+    run = tmp_path / "job"
+    mismatch = {
+        "kind": "replica_mismatch", "step": 59, "detail": "replicas differ",
+        "groups": ["blocks.1"], "culprit_ranks": [2],
+        "culprits": [{"rank": 2, "group": "blocks.1", "where": "node-7 GPU-12ab"}],
+    }  # fmt: skip
+    for rank in range(3):  # every rank of the group records the same verdict
+        _log(run, rank, [("anomaly", mismatch)])
+    report = read_run(run)
+
+    assert [record["step"] for record in replica_mismatches(report)] == [59]
+    page = incidents_section(report)
+    assert "rank 2 (node-7 GPU-12ab, blocks.1)" in page and "stabmonreplicamismatch" in page

@@ -169,3 +169,18 @@ def test_status_names_the_run_and_rank_of_a_registered_rank_that_does_not_answer
     assert result.returncode == 1, result.stderr
     (row,) = [line for line in result.stdout.splitlines() if "UNREACHABLE" in line]
     assert row.split()[:2] == ["job", "3"]
+
+
+def test_a_rank_whose_replicas_differ_is_unhealthy_and_says_why() -> None:
+    from stabmon.report.status import _statuses
+
+    labels = {"run": "sdc", "rank": "2"}
+    samples = [
+        ("stabmon_steps_total", labels, 300.0),
+        ("stabmon_replica_checks_total", labels, 3.0),
+        ("stabmon_replica_mismatches_total", labels, 1.0),
+    ]
+    (status,) = _statuses("http://127.0.0.1:1/metrics", samples, now=0.0)
+
+    assert not status.healthy
+    assert status.problems == ["replicas differ (silent data corruption)"]
