@@ -30,7 +30,9 @@ the tensors' shapes, never their values.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -56,6 +58,20 @@ class StepMarker(torch.optim.Optimizer):
 
     def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]  # never takes a closure
         """Does nothing; stepping runs the Monitor's step hooks."""
+
+
+class _TrainerSave:
+    """``on_anomaly``'s checkpoint action for Lightning: ``trainer.save_checkpoint`` into
+    ``<default_root_dir>/stabmon-step<N>.ckpt``, before the anomalous step is applied (every
+    rank calls it at the same step, as Lightning's save needs). Holds the trainer weakly."""
+
+    def __init__(self, trainer: Any) -> None:
+        self._trainer = weakref.ref(trainer)
+
+    def __call__(self, step: int) -> None:
+        trainer = self._trainer()
+        if trainer is not None:
+            trainer.save_checkpoint(Path(trainer.default_root_dir) / f"stabmon-step{step}.ckpt")
 
 
 def parameter_view(module: torch.nn.Module) -> torch.nn.Module:
@@ -112,6 +128,8 @@ class LightningAdapter:
                 # Lightning clips after on_before_optimizer_step, where the marker measured the
                 # unclipped gradients: its clip only gives the coefficient of that step.
                 monitor._clips_after_measuring()
+                if index == 0:  # on_anomaly's checkpoint action: Lightning's own save
+                    monitor.on_checkpoint_action(_TrainerSave(trainer))
                 self._monitors.append(monitor)
                 self._phases.append(PhaseSwitch(monitor))
                 self._markers[id(optimizer)] = marker

@@ -36,6 +36,7 @@ restores the Trainer's step, and ``on_train_begin`` loads the file from
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,35 @@ from stabmon.integrations._common import (
 from stabmon.monitor import Monitor
 
 __all__ = ["ModelLoss", "StabmonCallback", "state_file"]
+
+
+class _ModelSave:
+    """``on_anomaly``'s checkpoint action for the Trainer: the model's weights, before the
+    anomalous step is applied, into ``<output_dir>/stabmon-step<N>`` (``save_pretrained``)
+    or ``stabmon-step<N>.pt`` (a plain module's ``state_dict``), from the main process (the
+    callback sees no Trainer, whose full checkpoint saves after the step)."""
+
+    def __init__(self, model: torch.nn.Module, output_dir: Path) -> None:
+        self._model = weakref.ref(model)
+        self._output_dir = output_dir
+
+    def __call__(self, step: int) -> None:
+        model = self._model()
+        if model is None or _process_index() != 0:
+            return
+        save_pretrained = getattr(model, "save_pretrained", None)
+        if callable(save_pretrained):
+            save_pretrained(str(self._output_dir / f"stabmon-step{step}"))
+        else:
+            self._output_dir.mkdir(parents=True, exist_ok=True)
+            torch.save(model.state_dict(), self._output_dir / f"stabmon-step{step}.pt")
+
+
+def _process_index() -> int:
+    distributed = torch.distributed
+    if distributed.is_available() and distributed.is_initialized():
+        return distributed.get_rank()
+    return 0
 
 
 def state_file(checkpoint_folder: str | Path, rank: int) -> Path:
@@ -109,6 +139,7 @@ class StabmonCallback(TrainerCallback):
             **self._overrides,
         )
         self._monitor, self._phase = monitor, PhaseSwitch(monitor)
+        monitor.on_checkpoint_action(_ModelSave(model, Path(args.output_dir)))  # on_anomaly
         self._losses = ModelLoss()
         with monitor.contain():  # without it the logged loss is observed, as before
             self._unwatch = monitor._watch_output(self._losses)

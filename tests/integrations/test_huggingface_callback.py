@@ -215,3 +215,13 @@ def test_huggingface_callback_stop_raises_out_of_train_before_the_nan_step(
     assert (raised.value.kind, raised.value.step) == ("nonfinite_grad", 4)
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
     assert _verdict(tmp_path)["decision"] == "stop"
+
+
+def test_huggingface_callback_checkpoint_action_saves_the_weights_before_the_nan_step(
+    tmp_path: Path, runs: ModuleType
+) -> None:
+    runs.train(tmp_path, runs.TinyRegressor(nan_at=4), epochs=1,
+               stabmon={"on_anomaly": {"nonfinite_grad": "checkpoint"}})  # fmt: skip
+
+    saved = torch.load(tmp_path / "out" / "stabmon-step4.pt", weights_only=True)
+    assert saved and all(bool(torch.isfinite(v).all()) for v in saved.values())

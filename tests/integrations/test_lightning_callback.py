@@ -182,3 +182,13 @@ def test_lightning_callback_stop_raises_out_of_fit_before_the_nan_step(
 
     assert (raised.value.kind, raised.value.step) == ("nonfinite_grad", 5)
     assert all(bool(torch.isfinite(p).all()) for p in module.parameters())
+
+
+def test_lightning_callback_checkpoint_action_saves_with_the_trainer_before_the_nan_step(
+    tmp_path: Path, fits: ModuleType
+) -> None:
+    module = fits.TinyModule(nan_at=5)
+    fits.fit(tmp_path, module, epochs=1, stabmon={"on_anomaly": {"nonfinite_grad": "checkpoint"}})
+
+    saved = torch.load(tmp_path / "stabmon-step5.ckpt", weights_only=False)
+    assert all(bool(torch.isfinite(v).all()) for v in saved["state_dict"].values())
