@@ -1,25 +1,28 @@
-"""The exporter's HTTP server: one thread per request, bounded connections, quiet handlers.
+"""The exporter's HTTP server: bounded connections, deadlines, a slot kept for Prometheus.
 
 Anyone who can reach the port can connect, and some clients never send a byte. So:
 
-- every connection is accepted at once, and refused (closed, with a ``503`` when it can be
-  said without waiting) when ``max_connections + pending`` are already open: a flood is
-  turned away rather than queued. Refusals cost the serving thread CPU it shares with
-  training, so at most ``REFUSALS_PER_SECOND`` are made; beyond, connections wait in the
-  listen backlog (``BACKLOG``) for a place or a refusal, and the kernel drops the rest;
-- a connection that has not sent its whole request (line and headers) within
-  ``request_line_seconds`` (1 s) of its accept is closed, and every request ends
-  ``request_seconds`` after its accept, however slowly its client trickles;
+- the serving loop accepts every connection at once and keeps it at the door, in one
+  selector, without a thread: at most ``MAX_WAITING`` (256) at a time (beyond, they wait in
+  the kernel's listen backlog, ``BACKLOG``). A connection that has not started its request
+  within ``request_line_seconds`` (1 s) of its accept is closed; idle connections cost a
+  file descriptor for a second, no thread and no queue place;
+- a connection that has sent bytes gets a thread and a *place* while fewer than
+  ``max_connections + pending`` are taken; one that finds none within the same second is
+  refused (a ``503`` when it can be said without waiting, then closed), never queued
+  further. In its thread it must finish its request (line and headers) within that second
+  too, and every request ends ``request_seconds`` after its accept, however slowly its
+  client trickles;
 - at most ``max_connections`` requests are served at once, each slot held at least
-  ``min_request_seconds`` (the pace a flood can cost training), and one slot is kept for a
-  *known scraper*: a request with the right basic-auth credentials, or, without basic
-  auth, one from an address that was answered ``200`` at ``/metrics`` in the last ten
-  minutes, not back to back (its last two answers at least ``KNOWN_GAP_SECONDS`` apart),
-  and has no other connection open: Prometheus scrapes a target one request at a time,
-  every few seconds; a flood does neither. A known scraper's connection is also let in
-  when only the last open place is left, and it is served before the others that wait.
-  On one address (loopback) a flooder that paces itself like Prometheus cannot be told
-  from it without basic auth: set ``basic_auth_file`` where that matters.
+  ``min_request_seconds`` from when it was taken (the pace a flood can cost training), and
+  one slot, and the last place, are kept for a *known scraper*, which also goes first
+  through the door: a request with the right basic-auth credentials or, without basic
+  auth, a connection from an address that was answered ``200`` at ``/metrics`` in the last
+  ten minutes, not back to back (its last two answers at least ``KNOWN_GAP_SECONDS``
+  apart), and has no other connection open: Prometheus scrapes a target one request at a
+  time, every few seconds; a flood does neither. On one address (loopback) a flooder that
+  paces itself like Prometheus cannot be told from it without basic auth: set
+  ``basic_auth_file`` where that matters.
 
 Imported when an exporter starts serving, never at ``import stabmon.monitor``
 (tests/test_layers.py checks it).
@@ -28,6 +31,7 @@ Imported when an exporter starts serving, never at ``import stabmon.monitor``
 from __future__ import annotations
 
 import hmac
+import selectors
 import socket
 import ssl
 import threading
@@ -43,12 +47,14 @@ from stabmon.export.limits import (
     MAX_CONNECTIONS,
     MIN_REQUEST_SECONDS,
     PENDING,
-    REFUSALS_PER_SECOND,
     REQUEST_LINE_SECONDS,
     REQUEST_SECONDS,
 )
 
-__all__ = ["KNOWN_GAP_SECONDS", "KNOWN_SECONDS", "ThreadingServer", "bind"]
+__all__ = ["KNOWN_GAP_SECONDS", "KNOWN_SECONDS", "MAX_WAITING", "ThreadingServer", "bind"]
+
+#: Connections kept at the door (accepted, no thread yet) at most.
+MAX_WAITING = 256
 
 #: How long an address stays a known scraper after it was last answered at /metrics.
 KNOWN_SECONDS = 600.0
@@ -70,8 +76,12 @@ def bind(address: str, port: int, app: Any) -> ThreadingServer:
 class _Connection:
     accepted: float
     host: str
+    address: Any = None
+    #: At the door: whether it has sent anything yet.
+    started: bool = False
     request_read: bool = False
-    serving: bool = False
+    #: When it took a serving slot (None: it never did); the slot is paced from then.
+    serving: float | None = None
 
 
 class ThreadingServer(ThreadingMixIn, WSGIServer):
@@ -91,16 +101,19 @@ class ThreadingServer(ThreadingMixIn, WSGIServer):
 
     def server_activate(self) -> None:
         self._open: dict[Any, _Connection] = {}
+        self._door: dict[socket.socket, _Connection] = {}
         self._serving = 0
         self._waiting_known = 0
         self._changed = threading.Condition()
         #: Address -> (when it was last answered at /metrics, the gap to the answer before).
         self._known: OrderedDict[str, tuple[float, float]] = OrderedDict()
-        #: Connections refused because every place was taken (read by tests and benches).
+        #: Connections refused because no place was free within a second (tests, benches).
         self.refused = 0
-        self._tokens = 1.0
-        self._refilled = time.monotonic()
+        self._halt = threading.Event()
+        self._halted = threading.Event()
+        self._halted.set()
         super().server_activate()
+        self.socket.setblocking(False)
 
     def limit(
         self,
@@ -117,45 +130,121 @@ class ThreadingServer(ThreadingMixIn, WSGIServer):
         self.request_line_seconds = request_line_seconds
         self.pending = pending
 
-    def get_request(self) -> tuple[socket.socket, Any]:
-        with self._changed:
-            if not self._may_accept():
-                self._changed.wait(0.02)  # a place may free; else leave it to the backlog
-                if not self._may_accept():
-                    raise OSError("every place is taken")  # socketserver skips this round
-        connection, address = super().get_request()
-        if self.tls is not None:
+    def serve_forever(self, poll_interval: float = 0.5) -> None:
+        """Accept, keep at the door, admit, and enforce deadlines until :meth:`shutdown`."""
+        self._halted.clear()
+        try:
+            with selectors.DefaultSelector() as selector:
+                listening = False
+                while not self._halt.is_set():
+                    if listening != (len(self._door) < MAX_WAITING):
+                        if listening:
+                            selector.unregister(self.socket)
+                        else:
+                            selector.register(self.socket, selectors.EVENT_READ)
+                        listening = not listening
+                    for key, _ in selector.select(min(poll_interval, 0.05)):
+                        if key.fileobj is self.socket:
+                            self._accept(selector)
+                        else:
+                            self._started(selector, key.fileobj)
+                    self._admit(selector)
+                    self.service_actions()
+        finally:
+            for connection in list(self._door):
+                self._close(connection)
+            self._door.clear()
+            self._halt.clear()
+            self._halted.set()
+
+    def shutdown(self) -> None:
+        """Stop :meth:`serve_forever` and wait until it has (from another thread)."""
+        self._halt.set()
+        self._halted.wait()
+
+    def _accept(self, selector: selectors.BaseSelector) -> None:
+        now = time.monotonic()
+        while len(self._door) < MAX_WAITING:
             try:
-                connection = self.tls.wrap_socket(
+                connection, address = self.socket.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return  # a connection reset before it was taken, too many open files
+            host = str(address[0]) if isinstance(address, tuple) else ""
+            self._door[connection] = _Connection(now, host, address)
+            selector.register(connection, selectors.EVENT_READ)
+
+    def _started(self, selector: selectors.BaseSelector, connection: Any) -> None:
+        selector.unregister(connection)  # readable: its request (or handshake) has begun
+        state = self._door.get(connection)
+        if state is not None:
+            state.started = True
+
+    def _admit(self, selector: selectors.BaseSelector) -> None:
+        """Give started connections a thread while places are free, known scrapers first;
+        close what waited at the door past ``request_line_seconds``."""
+        now = time.monotonic()
+        started = [(c, state) for c, state in self._door.items() if state.started]
+        started.sort(key=lambda item: (not self._known_alone(item[1].host, now), item[1].accepted))
+        for connection, state in started:
+            with self._changed:
+                places = self.max_connections + self.pending
+                reserved = 0 if self._known_alone(state.host, now) else 1
+                if len(self._open) >= places - reserved:
+                    continue  # waits at the door, a second at most
+                del self._door[connection]
+                self._open[connection] = state
+            self._hand_over(connection, state)
+        for connection, state in list(self._door.items()):
+            if now - state.accepted <= self.request_line_seconds:
+                continue
+            del self._door[connection]
+            if state.started:  # asked, and found no place: refused, never queued
+                self.refused += 1
+                self._refuse(connection)
+            else:
+                selector.unregister(connection)
+            self._close(connection)
+
+    def _hand_over(self, connection: socket.socket, state: _Connection) -> None:
+        request: Any = connection
+        try:
+            if self.tls is not None:
+                request = self.tls.wrap_socket(
                     connection, server_side=True, do_handshake_on_connect=False
                 )
-            except BaseException:
-                connection.close()
-                raise
-        return connection, address
+                with self._changed:
+                    self._open[request] = self._open.pop(connection)
+            self.process_request(request, state.address)  # a thread of its own
+        except Exception:
+            with self._changed:
+                self._open.pop(request, None)
+                self._open.pop(connection, None)
+            self._close(connection)
 
-    def verify_request(self, request: Any, client_address: Any) -> bool:
-        """Admit a connection while places are left (the last one for a known scraper)."""
-        host = str(client_address[0]) if isinstance(client_address, tuple) else ""
-        now = time.monotonic()
-        with self._changed:
-            places = self.max_connections + self.pending
-            alone = not any(state.host == host for state in self._open.values())
-            reserved = 0 if alone and self._is_known(host, now) else 1
-            if len(self._open) >= places - reserved:
-                self.refused += 1
-                self._tokens -= 1.0
-                admitted = False
-            else:
-                self._open[request] = _Connection(now, host)
-                admitted = True
-        if not admitted and self.tls is None:
-            try:  # said without waiting, or not at all: the connection is closed either way
-                request.setblocking(False)
-                request.send(_REFUSAL)
-            except OSError:
-                pass
-        return admitted
+    def _refuse(self, connection: socket.socket) -> None:
+        if self.tls is not None:
+            return
+        try:  # said without waiting, or not at all: the connection is closed either way
+            connection.setblocking(False)
+            connection.send(_REFUSAL)
+        except OSError:
+            pass
+
+    @staticmethod
+    def _close(connection: socket.socket) -> None:
+        try:
+            connection.close()
+        except OSError:
+            pass
+
+    def _known_alone(self, host: str, now: float) -> bool:
+        """A known scraper's address with no other connection at the door or in a place."""
+        if not self._is_known(host, now):
+            return False
+        count = sum(1 for state in self._door.values() if state.host == host)
+        return count + sum(1 for state in self._open.values() if state.host == host) <= 1
 
     def serve(self, request: Any, authorization: str | None) -> bool:
         """Called by the handler once the request is read: wait for a serving slot.
@@ -177,7 +266,7 @@ class ThreadingServer(ThreadingMixIn, WSGIServer):
                     free = self._serving < (self.max_connections if known else others)
                     if free and (known or not self._waiting_known):
                         self._serving += 1
-                        state.serving = True
+                        state.serving = time.monotonic()
                         return True
                     left = deadline - time.monotonic()
                     if left <= 0:
@@ -201,19 +290,6 @@ class ThreadingServer(ThreadingMixIn, WSGIServer):
             while len(self._known) > _MAX_KNOWN:
                 self._known.popitem(last=False)
 
-    def _may_accept(self) -> bool:
-        """Whether a connection taken now will be admitted (the place kept for a known
-        scraper aside), or may be refused within the refusal rate. ``_changed`` is held."""
-        if len(self._open) < self.max_connections + self.pending - 1:
-            return True
-        now = time.monotonic()
-        self._tokens = min(
-            self._tokens + (now - self._refilled) * REFUSALS_PER_SECOND,
-            max(REFUSALS_PER_SECOND / 10, 1.0),
-        )
-        self._refilled = now
-        return self._tokens >= 1.0
-
     def _is_known(self, host: str, now: float) -> bool:
         seen = self._known.get(host)
         return seen is not None and now - seen[0] < KNOWN_SECONDS and seen[1] >= KNOWN_GAP_SECONDS
@@ -225,7 +301,7 @@ class ThreadingServer(ThreadingMixIn, WSGIServer):
         if not self._is_known(state.host, time.monotonic()):
             return False
         # Prometheus keeps one scrape of a target at a time; a flood from its address does not.
-        return sum(1 for other in self._open.values() if other.host == state.host) == 1
+        return self._known_alone(state.host, time.monotonic())
 
     def service_actions(self) -> None:
         now = time.monotonic()
@@ -249,10 +325,10 @@ class ThreadingServer(ThreadingMixIn, WSGIServer):
             with self._changed:
                 state = self._open.pop(request, None)
                 self._changed.notify_all()
-            if state is not None and state.serving:
-                # Pace: the slot frees no sooner than min_request_seconds after accept. This
-                # thread sleeps without the GIL; a flood then costs training a bounded rate.
-                rest = state.accepted + self.min_request_seconds - time.monotonic()
+            if state is not None and state.serving is not None:
+                # Pace: the slot frees no sooner than min_request_seconds after it was taken.
+                # This thread sleeps without the GIL; a flood then costs training a bounded rate.
+                rest = state.serving + self.min_request_seconds - time.monotonic()
                 if rest > 0:
                     time.sleep(rest)
                 with self._changed:

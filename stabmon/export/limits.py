@@ -9,27 +9,23 @@ __all__ = [
     "MAX_CONNECTIONS",
     "MIN_REQUEST_SECONDS",
     "PENDING",
-    "REFUSALS_PER_SECOND",
     "REQUEST_LINE_SECONDS",
     "REQUEST_SECONDS",
 ]
 
 #: Requests served at once; one of them is kept for a known scraper (see http_server).
 MAX_CONNECTIONS = 4
-#: Connections accepted beyond those being served (sending their request, or waiting for a
-#: slot); one more is refused at once (closed), never queued.
+#: Connections given a thread beyond those being served (finishing their request, or
+#: waiting for a slot); one that finds no place within a second is refused, never queued.
 PENDING = 8
 #: A connection that has not sent its whole request (line and headers) this long after it
 #: was accepted is closed: idle connections cannot hold the server.
 REQUEST_LINE_SECONDS = 1.0
 #: Every request ends this long after it was accepted, however slowly its client sends.
 REQUEST_SECONDS = 10.0
-#: The listen backlog: connections the kernel holds before the server takes them, to admit
-#: or refuse at once (a refusal is a 503 and a close, never a wait).
+#: The listen backlog: connections the kernel holds while the server's door (256
+#: connections, each a second at most) is full; the kernel drops what comes beyond.
 BACKLOG = 64
-#: Refusals a second at most: each costs the serving thread a little CPU, which it shares
-#: with training. Beyond it, connections wait in the backlog (and the kernel drops the rest).
-REFUSALS_PER_SECOND = 200
 #: A connection slot is held at least this long: at most MAX_CONNECTIONS / this many
 #: requests a second are served (16), however many clients flood the port. Prometheus
 #: scrapes every few seconds; a scrape that arrives in a flood waits its turn in the backlog.

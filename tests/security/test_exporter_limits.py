@@ -177,17 +177,23 @@ def test_132_idle_connections_of_another_user_keep_no_server_unreachable(
             app.stop()  # type: ignore[attr-defined]
 
 
-def test_connections_beyond_the_open_places_are_refused_at_once_not_queued(
+def test_a_request_that_finds_no_place_within_a_second_is_refused_not_queued(
     started: list[Exporter],
 ) -> None:
-    from stabmon.export.limits import MAX_CONNECTIONS, PENDING
+    from stabmon.export.limits import PENDING
 
-    port = _start(started, CollectorRegistry())
-    places = MAX_CONNECTIONS + PENDING - 1  # the last place is kept for a known scraper
-    held = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(places)]
+    # Two slots, each held 5 s once taken. The first request is served (its place is free
+    # again once answered), the next 1 + PENDING wait in their places for a slot; the last
+    # place is kept for a known scraper.
+    port = _start(started, CollectorRegistry(), max_connections=2, min_request_seconds=5.0)
+    request = b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n"
+    held = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(2 + PENDING)]
     try:
-        extra = socket.create_connection(("127.0.0.1", port), timeout=30)
-        with extra:
+        for connection in held:
+            connection.sendall(request)
+        time.sleep(0.3)  # the server gives each a place
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as extra:
+            extra.sendall(request)
             assert extra.recv(100).startswith(b"HTTP/1.0 503")  # refused, then closed
     finally:
         for connection in held:
