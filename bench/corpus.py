@@ -17,6 +17,14 @@ Each loop is a small model with its project's habits, not stabmon's:
   ``gradient_accumulation_steps=2``, monitored by stabmon's ``StabmonCallback``
   (stabmon/integrations/huggingface.py), a loss logged every 50 steps.
 
+- ``vae``: pytorch/examples' VAE: an MLP encoder and decoder, Adam, a ``DataLoader`` through
+  ``mon.track()``, ``BCE + KLD`` summed over the batch, ``train_loss += loss.item()``; its
+  runs are short (``--vae-steps``, 300 by default), as the seed's VAE was;
+- ``lbfgs``: pytorch/examples' time-sequence prediction: two ``LSTMCell`` s and a linear head
+  fit to sine waves with ``LBFGS(lr=0.8)`` and ``optimizer.step(closure)`` (up to 25 forward
+  and backward passes a step), a prediction under ``torch.no_grad()`` after each step; its
+  runs are ``--lbfgs-steps`` (15) steps, as the example's.
+
 The two trainer loops train a small MLP regressor (32 -> 256 -> 256 -> 1, batches of
 32): the faults are injected through the trainers' own callback hooks.
 
@@ -26,7 +34,13 @@ Faults, each at ``fault_step``:
   schedule or a unit mistake does; expected: a ``grad_spike`` within 2 steps;
 - ``leak``: the classic ``total_loss += loss`` (the tensor, graph and all) from then on;
   expected: a ``memory_leak`` within 2,000 steps;
+- ``starve`` (the loops with a ``DataLoader``: ``cnn``, ``vae``): from then on, for
+  ``STARVE_SECONDS`` of real time, every fourth batch waits ``STUTTER_SECONDS`` for its
+  data (a starved worker pool); expected: an ``input_starvation`` within 60 s of its start;
 - ``clean``: nothing; expected: no anomaly of any kind.
+
+The table gives the step of the first matching anomaly and the seconds from the fault's
+first injection to it (wall time: these loops run on the real clock).
 
 Usage::
 
@@ -56,14 +70,33 @@ import torch.nn.functional as F
 
 import stabmon
 
-LOOPS = ("gpt", "lstm", "cnn", "lightning", "hf")
-FAULTS = ("clean", "lr_blowup", "leak")
+LOOPS = ("gpt", "lstm", "cnn", "lightning", "hf", "vae", "lbfgs")
+FAULTS = ("clean", "lr_blowup", "leak", "starve")
+#: Which faults each loop can carry (starve needs a DataLoader; LBFGS keeps no loss).
+LOOP_FAULTS = {
+    "gpt": ("clean", "lr_blowup", "leak"),
+    "lstm": ("clean", "lr_blowup", "leak"),
+    "cnn": FAULTS,
+    "lightning": ("clean", "lr_blowup", "leak"),
+    "hf": ("clean", "lr_blowup", "leak"),
+    "vae": ("clean", "leak", "starve"),
+    "lbfgs": ("clean", "lr_blowup"),
+}
+#: Steps of each run of the loops whose real runs are short (``--vae-steps``, ``--lbfgs-steps``).
+SHORT_RUNS = {"vae": 300, "lbfgs": 15}
+#: Where their faults are injected (a short run's leak starts early).
+SHORT_FAULT_STEP = {"vae": 30, "lbfgs": 8}
+#: The starving loader: every fourth batch waits this long, for this much real time.
+STUTTER_SECONDS, STARVE_SECONDS = 0.4, 45.0
 #: Faults only the gpt loop injects (it names the parameter): ``--faults nan_grad --loops gpt``.
 GPT_FAULTS = ("nan_grad",)
 #: The anomaly kind each fault must raise.
-EXPECTED = {"lr_blowup": "grad_spike", "leak": "memory_leak", "nan_grad": "nonfinite_grad"}
+EXPECTED = {"lr_blowup": "grad_spike", "leak": "memory_leak", "nan_grad": "nonfinite_grad",
+            "starve": "input_starvation"}  # fmt: skip
 #: How many steps after the fault the detection may come.
-DEADLINE = {"lr_blowup": 2, "leak": 2000, "nan_grad": 0}
+DEADLINE = {"lr_blowup": 2, "leak": 2000, "nan_grad": 0, "starve": 10**9}
+#: How many seconds after the fault the detection may come, where that is the limit.
+DEADLINE_SECONDS = {"starve": 60.0}
 
 
 @dataclass
@@ -78,6 +111,8 @@ class Outcome:
     named_modules: list[str] = field(default_factory=list)
     named_parameters: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    #: Seconds from the fault's first injection to the first matching anomaly.
+    detected_seconds: float | None = None
     last_preclip_norm: float | None = None
     exported_grad_norm: float | None = None
 
@@ -91,6 +126,7 @@ class Outcome:
             self.detected_at is not None
             and self.fault_step is not None
             and (self.detected_at - self.fault_step <= DEADLINE[self.fault])
+            and (self.detected_seconds or 0.0) <= DEADLINE_SECONDS.get(self.fault, math.inf)
         )
 
 
@@ -101,12 +137,30 @@ class _Injector:
         self.fault = fault
         self.fault_step = fault_step
         self.kept: Any = 0.0  # total_loss, as the leaky loop writes it
+        #: When the fault was first injected (time.time(), as the event log's records).
+        self.injected_at: float | None = None
+        self._batches = 0
         #: The parameter whose gradient nan_grad poisons (set by the loop: one of a block's).
         self.target: torch.Tensor | None = None
+
+    def _injected(self) -> None:
+        if self.injected_at is None:
+            self.injected_at = time.time()
+
+    def fetched(self, step: int) -> None:
+        """Called by a starving loader's data set for each batch it makes (in the fetch)."""
+        if self.fault != "starve" or step < self.fault_step:
+            return
+        self._injected()
+        assert self.injected_at is not None
+        self._batches += 1
+        if self._batches % 4 == 0 and time.time() - self.injected_at < STARVE_SECONDS:
+            time.sleep(STUTTER_SECONDS)  # a starved worker pool: this batch comes late
 
     def before_step(self, step: int, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
         """Called before ``optimizer.step()``; returns what to call after it."""
         if self.fault == "lr_blowup" and step == self.fault_step:
+            self._injected()
             saved = [group["lr"] for group in optimizer.param_groups]
             for group in optimizer.param_groups:
                 group["lr"] = group["lr"] * 1000.0
@@ -121,10 +175,12 @@ class _Injector:
     def after_loss(self, step: int, loss: torch.Tensor) -> None:
         """Called after each backward (each micro-batch's, under accumulation)."""
         if self.fault == "nan_grad" and step == self.fault_step and self.target is not None:
+            self._injected()
             grad = self.target.grad
             if grad is not None:
                 grad.view(-1)[0] = float("nan")  # a bad kernel in one block's backward
         if self.fault == "leak" and step >= self.fault_step:
+            self._injected()
             self.kept = self.kept + loss  # the bug: the graph of every step is kept
 
 
@@ -314,9 +370,21 @@ def _images(count: int, seed: int) -> torch.utils.data.TensorDataset:
     return torch.utils.data.TensorDataset(images, labels)
 
 
+def _collate(injector: _Injector, step: list[int]) -> Callable[[list[Any]], Any]:
+    """The default collate, with the starving loader's stutter inside the fetch."""
+
+    def collate(batch: list[Any]) -> Any:
+        injector.fetched(step[0])
+        return torch.utils.data.default_collate(batch)
+
+    return collate
+
+
 def run_cnn(monitor_config: dict[str, Any], steps: int, injector: _Injector) -> Outcome:
     torch.manual_seed(0)
-    loader = torch.utils.data.DataLoader(_images(2048, 2), batch_size=32, shuffle=True)
+    at = [0]  # the step the loader fetches for
+    loader = torch.utils.data.DataLoader(_images(2048, 2), batch_size=32, shuffle=True,
+                                         collate_fn=_collate(injector, at))  # fmt: skip
     model = SmallCNN()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     mon = stabmon.attach(model, optimizer, **monitor_config)
@@ -324,6 +392,7 @@ def run_cnn(monitor_config: dict[str, Any], steps: int, injector: _Injector) -> 
     preclip = None
     while step < steps:
         model.train()
+        at[0] = step
         for images, labels in mon.track(loader):
             if step >= steps:
                 break
@@ -339,7 +408,118 @@ def run_cnn(monitor_config: dict[str, Any], steps: int, injector: _Injector) -> 
             restore()
             mon.observe(loss=loss.detach())
             step += 1
+            at[0] = step
     return _finish(mon, "cnn", steps, injector, preclip)
+
+
+# --- vae: pytorch/examples' VAE, a short run --------------------------------------------------
+
+
+class VAE(torch.nn.Module):
+    def __init__(self, pixels: int = 784, hidden: int = 400, latent: int = 20) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(pixels, hidden)
+        self.fc21, self.fc22 = torch.nn.Linear(hidden, latent), torch.nn.Linear(hidden, latent)
+        self.fc3, self.fc4 = torch.nn.Linear(latent, hidden), torch.nn.Linear(hidden, pixels)
+        self.pixels = pixels
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h1 = F.relu(self.fc1(x.view(-1, self.pixels)))
+        mu, logvar = self.fc21(h1), self.fc22(h1)
+        z = mu + torch.randn_like(logvar) * torch.exp(0.5 * logvar)
+        return torch.sigmoid(self.fc4(F.relu(self.fc3(z)))), mu, logvar
+
+
+def run_vae(monitor_config: dict[str, Any], steps: int, injector: _Injector) -> Outcome:
+    torch.manual_seed(0)
+    # 28x28 "digits" in [0, 1]: four blurred strokes, as MNIST's pixels are mostly 0 or near 1.
+    generator = torch.Generator().manual_seed(3)
+    strokes = torch.rand(4096, 1, 7, 7, generator=generator) < 0.25
+    images = F.interpolate(strokes.float(), size=(28, 28), mode="bilinear").clamp(0, 1)
+    at = [0]
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(images), batch_size=128, shuffle=True,
+        collate_fn=_collate(injector, at),
+    )  # fmt: skip
+    model = VAE()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    mon = stabmon.attach(model, optimizer, **monitor_config)
+    step, train_loss = 0, 0.0
+    while step < steps:
+        model.train()
+        at[0] = step
+        for (data,) in mon.track(loader):
+            if step >= steps:
+                break
+            optimizer.zero_grad()
+            recon, mu, logvar = model(data)
+            bce = F.binary_cross_entropy(recon, data.view(-1, model.pixels), reduction="sum")
+            loss = bce - 0.5 * torch.sum(1 + logvar - mu.pow(2) - logvar.exp())
+            loss.backward()
+            injector.after_loss(step, loss)  # leak: train_loss += loss, the tensor
+            train_loss += loss.item()
+            restore = injector.before_step(step, optimizer)
+            optimizer.step()
+            restore()
+            mon.observe(loss=loss.detach())
+            step += 1
+            at[0] = step
+    return _finish(mon, "vae", steps, injector, None)
+
+
+# --- lbfgs: pytorch/examples' time-sequence prediction ----------------------------------------
+
+
+class Sequence(torch.nn.Module):
+    def __init__(self, width: int = 51) -> None:
+        super().__init__()
+        self.width = width
+        self.lstm1, self.lstm2 = torch.nn.LSTMCell(1, width), torch.nn.LSTMCell(width, width)
+        self.linear = torch.nn.Linear(width, 1)
+
+    def forward(self, inputs: torch.Tensor, future: int = 0) -> torch.Tensor:
+        outputs = []
+        h_t = c_t = h_t2 = c_t2 = torch.zeros(inputs.size(0), self.width, dtype=inputs.dtype)
+        output = torch.zeros(inputs.size(0), 1, dtype=inputs.dtype)
+        for input_t in inputs.split(1, dim=1):
+            h_t, c_t = self.lstm1(input_t, (h_t, c_t))
+            h_t2, c_t2 = self.lstm2(h_t, (h_t2, c_t2))
+            output = self.linear(h_t2)
+            outputs.append(output)
+        for _ in range(future):
+            h_t, c_t = self.lstm1(output, (h_t, c_t))
+            h_t2, c_t2 = self.lstm2(h_t, (h_t2, c_t2))
+            output = self.linear(h_t2)
+            outputs.append(output)
+        return torch.cat(outputs, dim=1)
+
+
+def run_lbfgs(monitor_config: dict[str, Any], steps: int, injector: _Injector) -> Outcome:
+    torch.manual_seed(0)
+    t = torch.arange(100.0).view(1, 100) + torch.randint(-16, 16, (24, 1)).float()
+    wave = torch.sin(t / 5.0)
+    inputs, target = wave[3:, :-1], wave[3:, 1:]
+    test_input, test_target = wave[:3, :-1], wave[:3, 1:]
+    seq = Sequence()
+    optimizer = torch.optim.LBFGS(seq.parameters(), lr=0.8)
+    mon = stabmon.attach(seq, optimizer, **monitor_config)
+    for step in range(steps):
+
+        def closure() -> torch.Tensor:
+            optimizer.zero_grad()
+            loss = F.mse_loss(seq(inputs), target)
+            loss.backward()
+            return loss
+
+        restore = injector.before_step(step, optimizer)
+        loss = optimizer.step(closure)
+        restore()
+        mon.observe(loss=loss)
+        with torch.no_grad():  # the example predicts after each step
+            future = 20
+            pred = seq(test_input, future=future)
+            F.mse_loss(pred[:, :-future], test_target)
+    return _finish(mon, "lbfgs", steps, injector, None)
 
 
 # --- lightning and hf: the real trainers, through stabmon's adapters --------------------------
@@ -507,6 +687,8 @@ RUNNERS: dict[str, Callable[[dict[str, Any], int, _Injector], Outcome]] = {
     "cnn": run_cnn,
     "lightning": run_lightning,
     "hf": run_hf,
+    "vae": run_vae,
+    "lbfgs": run_lbfgs,
 }
 
 
@@ -532,6 +714,8 @@ def _outcome(loop: str, steps: int, injector: _Injector, capture: _Capture) -> O
             # A blow-up that reaches Inf/NaN at once is reported as non-finite: also found.
             if outcome.detected_at is None:
                 outcome.detected_at = step
+                if injector.injected_at is not None and "time" in event:
+                    outcome.detected_seconds = round(event["time"] - injector.injected_at, 1)
                 if kind == "nonfinite_grad":
                     outcome.named_modules = list(event.get("modules") or [])
                     outcome.named_parameters = list(event.get("parameters") or [])
@@ -594,8 +778,9 @@ def table(outcomes: list[Outcome]) -> str:
                 cells.append(f"missed (fault at {o.fault_step})")
             else:
                 assert o.fault_step is not None
+                seconds = "" if o.detected_seconds is None else f", {o.detected_seconds:.1f} s"
                 cells.append(f"step {o.detected_at} (fault {o.fault_step}, "
-                             f"+{o.detected_at - o.fault_step})")  # fmt: skip
+                             f"+{o.detected_at - o.fault_step}{seconds})")  # fmt: skip
         lines.append(f"| {fault} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -605,6 +790,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20_000, help="steps of each clean run")
     parser.add_argument("--fault-steps", type=int, default=3_000, help="steps of each faulty run")
     parser.add_argument("--fault-step", type=int, default=600)
+    parser.add_argument("--vae-steps", type=int, default=SHORT_RUNS["vae"])
+    parser.add_argument("--lbfgs-steps", type=int, default=SHORT_RUNS["lbfgs"])
     parser.add_argument("--loops", default=",".join(LOOPS))
     parser.add_argument("--faults", default=",".join(FAULTS))
     parser.add_argument("--json", type=Path, default=None)
@@ -614,24 +801,32 @@ def main(argv: list[str] | None = None) -> int:
     if args.one:  # one run in this process, its outcome as JSON on the last line
         loop, fault = args.one
         steps = args.steps if fault == "clean" else args.fault_steps
+        fault_step = args.fault_step
+        if loop in SHORT_RUNS:  # runs as short as the real ones
+            steps = {"vae": args.vae_steps, "lbfgs": args.lbfgs_steps}[loop]
+            fault_step = SHORT_FAULT_STEP[loop]
         with tempfile.TemporaryDirectory() as run_dir:
-            outcome = run(loop, fault, steps, args.fault_step, run_dir)
+            outcome = run(loop, fault, steps, fault_step, run_dir)
         print(json.dumps(outcome.__dict__))
         return 0
     outcomes: list[Outcome] = []
     for loop in args.loops.split(","):
         for fault in args.faults.split(","):
+            if fault not in LOOP_FAULTS.get(loop, ()) + (GPT_FAULTS if loop == "gpt" else ()):
+                continue
             # Each run in its own process: memory freed by an earlier run would hide a leak
             # in RSS until it is used up, and detector state must not carry over.
             done = subprocess.run(
                 [sys.executable, __file__, "--one", loop, fault, "--steps", str(args.steps),
-                 "--fault-steps", str(args.fault_steps), "--fault-step", str(args.fault_step)],
+                 "--fault-steps", str(args.fault_steps), "--fault-step", str(args.fault_step),
+                 "--vae-steps", str(args.vae_steps), "--lbfgs-steps", str(args.lbfgs_steps)],
                 capture_output=True, text=True, check=True,
             )  # fmt: skip
             outcome = Outcome(**json.loads(done.stdout.strip().splitlines()[-1]))
             outcomes.append(outcome)
             print(f"{loop:5s} {fault:9s} {outcome.steps:6d} steps in {outcome.seconds:6.1f} s: "
-                  f"detected at {outcome.detected_at}, false positives "
+                  f"detected at {outcome.detected_at} ({outcome.detected_seconds} s), "
+                  f"false positives "
                   f"{outcome.false_positives[:3]}, pre-clip {outcome.last_preclip_norm} "
                   f"exported {outcome.exported_grad_norm}", flush=True)  # fmt: skip
     print()

@@ -129,7 +129,7 @@ class MemoryLeaks:
         median = self._heartbeat.median_step_seconds()
         if not median or median <= 0:
             return 1
-        return max(1, min(self._every, int(self._config.leak_sample_seconds / median)))
+        return max(1, min(int(self._every), int(self._config.leak_sample_seconds / median)))
 
     def trend(
         self,

@@ -40,6 +40,9 @@ __all__ = ["BLOCKS", "Episode", "InputStarvation", "StarvationDetector"]
 
 #: Blocks per window: the window's share moves by at most 1/BLOCKS of it per block.
 BLOCKS = 6
+#: Most steps between two looks at the phase counters: a loop whose steps slow down (the
+#: stutter itself) would otherwise close its block long after the median step time says.
+MAX_BLOCK_STEPS = 50
 #: Steps completed before the first block opens: start-up (the loader's workers starting,
 #: the first batches, compilation) is not starvation.
 WARMUP_STEPS = 5
@@ -198,14 +201,14 @@ class InputStarvation:
             self._first_step = None
 
     def _detector_window(self) -> float:
-        return self._block * BLOCKS
+        return float(self._block * BLOCKS)
 
     def _steps_per_block(self, seconds: float | None = None) -> int:
         median = self._heartbeat.median_step_seconds()
         wanted = self._block if seconds is None else abs(seconds)
         if not median or median <= 0:
             return 1
-        return max(1, int(wanted / median))
+        return max(1, min(MAX_BLOCK_STEPS, int(wanted / median)))
 
     def readings(self) -> Iterable[tuple[Any, Iterable[tuple[tuple[str, ...], float]]]]:
         yield INPUT_STARVATION_ACTIVE, [((), 1.0 if self._detector.active else 0.0)]
