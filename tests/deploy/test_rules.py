@@ -32,8 +32,10 @@ FROZEN_TESTS = ROOT / "deploy" / "prometheus" / "tests" / "stabmon.frozen.test.y
 FOR_TESTS = ROOT / "deploy" / "prometheus" / "tests" / "stabmon.for.test.yml"
 # The leak rules over 6 to 24 hours, at a 5-minute evaluation interval.
 MEMORY_TESTS = ROOT / "deploy" / "prometheus" / "tests" / "stabmon.memory.test.yml"
+# The per-run and per-node aggregates and the recorded forecasts, at 1 min (issue 39).
+AGGREGATES_TESTS = ROOT / "deploy" / "prometheus" / "tests" / "stabmon.aggregates.test.yml"
 PROMTOOL_TESTS = (RULE_TESTS, RESILIENCE_TESTS, THROUGHPUT_TESTS, FROZEN_TESTS, FOR_TESTS,
-                  MEMORY_TESTS)  # fmt: skip
+                  MEMORY_TESTS, AGGREGATES_TESTS)  # fmt: skip
 ALL_ALERTS = (*contract.ALERT_NAMES, *contract.EXTENSION_ALERT_NAMES)
 RUNBOOKS = ROOT / "docs" / "runbooks.md"
 RUNBOOK_BASE = "https://github.com/stabmon/stabmon/blob/main/docs/runbooks.md#"
@@ -201,6 +203,41 @@ def test_recorded_series_are_named_level_metric_operations_once_each() -> None:
         )
         assert re.fullmatch(r"[a-z0-9_]+", operations), name
         assert not name.startswith("stabmon_"), name
+
+
+def test_forecasts_are_recorded_once_and_alerts_and_fleet_views_read_them() -> None:
+    # Each GPU's and each node's trend is fitted once a minute by a recording rule; the alerts
+    # compare the recorded ratios (issue 39), so no alert fits a trend itself.
+    groups = {g["name"]: g for g in yaml.safe_load(RULES.read_text())["groups"]}
+    forecasts = groups["stabmon.forecasts"]["rules"]
+    fitted = [r["record"] for r in forecasts if "predict_linear" in r.get("expr", "")]
+    assert sorted(fitted) == [
+        "gpu:stabmon_gpu_memory_used_bytes:predict4h_ratio",
+        "gpu:stabmon_gpu_memory_used_bytes:predict72h_ratio",
+        "node:stabmon_process_memory_bytes:predict4h_ratio",
+        "node:stabmon_process_memory_bytes:predict72h_ratio",
+    ]
+    assert [r["alert"] for r in _alerts() if "predict_linear" in r["expr"]] == []
+    assert "node:stabmon_gpu_memory_used_bytes:max_predict72h_ratio" in _recorded()
+
+
+def test_fleet_aggregates_keep_one_series_a_run_or_a_node() -> None:
+    # What a dashboard over thousands of ranks reads: aggregated by run, by (run, node), or
+    # per daemon target without the GPU's own labels; no alert reads them.
+    group = next(
+        g for g in yaml.safe_load(RULES.read_text())["groups"] if g["name"] == "stabmon.aggregates"
+    )
+    for rule in group["rules"]:
+        level = rule["record"].split(":")[0]
+        expr = _strip_comments(rule["expr"])
+        if level == "run":
+            assert re.match(r"(avg|min|max|sum|count) by \(run(, kind)?\)", expr), expr
+        elif level == "run_node":
+            assert re.match(r"(avg|sum) by \(run, node(, kind)?\)", expr), expr
+        else:
+            assert level == "node" and re.match(r"(avg|sum) without \(gpu, uuid", expr), expr
+    aggregates = {rule["record"] for rule in group["rules"]}
+    assert [a["alert"] for a in _alerts() if _series_names(a["expr"]) & aggregates] == []
 
 
 def test_the_contract_check_is_strict_about_series_the_file_does_not_record() -> None:
