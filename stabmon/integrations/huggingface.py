@@ -139,7 +139,8 @@ class StabmonCallback(TrainerCallback):
             **self._overrides,
         )
         self._monitor, self._phase = monitor, PhaseSwitch(monitor)
-        monitor.on_checkpoint_action(_ModelSave(model, Path(args.output_dir)))  # on_anomaly
+        output_dir = Path(args.output_dir or ".")
+        monitor.on_checkpoint_action(_ModelSave(model, output_dir))  # on_anomaly's checkpoint
         self._losses = ModelLoss()
         with monitor.contain():  # without it the logged loss is observed, as before
             self._unwatch = monitor._watch_output(self._losses)

@@ -22,6 +22,7 @@ acts on the agreed flags only, so all act alike at the same step.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -130,44 +131,70 @@ class AnomalyPolicies:
     def _own_flags(self, step: int, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """This rank's flags: one float64 slot per acting kind, the step it fired at + 1."""
         device = _device_of(optimizer)
-        flags = torch.zeros(len(self._plan.kinds), dtype=torch.float64, device=device)
+        values = [0.0] * len(self._plan.kinds)
+        on_device: list[tuple[int, torch.Tensor]] = []
         try:
             with self._lock:
                 pending, self._pending = self._pending, {}
             for kind, at in pending.items():
-                flags[self._slots[kind]] = float(at + 1)
+                values[self._slots[kind]] = float(at + 1)
             if self._checks:
-                self._check_gradients(flags, step, optimizer, device)
+                on_device = self._check_gradients(values, step, optimizer)
         except Exception as error:  # the collective goes ahead all the same
+            on_device = []
             self._context.log(
                 "policies:flags", logging.WARNING,
                 "stabmon: on_anomaly could not check step %d on rank %d (%s: %s); it takes "
                 "part in the agreement with no flag of its own", step, self._rank,
                 type(error).__name__, error,
             )  # fmt: skip
+        if device.type == "cpu":  # host memory: built from the values, nothing to wait for
+            flags = torch.tensor(values, dtype=torch.float64)
+        else:  # filled on the device (a tensor built from a list would be a blocking copy)
+            flags = torch.zeros(len(values), dtype=torch.float64, device=device)
+            for slot, value in enumerate(values):
+                if value:
+                    flags[slot] = value
+        for slot, fired in on_device:
+            flags[slot] = fired
         return flags
 
     def _check_gradients(
-        self, flags: torch.Tensor, step: int, optimizer: torch.optim.Optimizer, device: Any
-    ) -> None:
-        """The step's own gradients, judged on the device (no value leaves it)."""
+        self, values: list[float], step: int, optimizer: torch.optim.Optimizer
+    ) -> list[tuple[int, torch.Tensor]]:
+        """The step's own gradients judged: into ``values`` where the norms are in host
+        memory (a CPU model), else as device tensors by slot (no value leaves the device)."""
         norms = self._context.gradient_norms()
         if norms is None:
-            return
-        total = step_norm(norms, device)
-        finite = torch.isfinite(total)
-        scaler_flag = getattr(optimizer, "found_inf", None)
+            return []
         at = float(step + 1)
-        slot = self._checks.get("nonfinite_grad")
-        if slot is not None:
-            nonfinite = ~finite
-            if isinstance(scaler_flag, torch.Tensor):  # GradScaler skips an overflow itself
-                nonfinite &= scaler_flag.to(nonfinite.device) == 0
-            flags[slot] = nonfinite.to(torch.float64) * at
-        slot = self._checks.get("grad_spike")
         limit = self.limit
-        if slot is not None and limit is not None:
-            flags[slot] = (finite & (total > limit)).to(torch.float64) * at
+        nonfinite_slot = self._checks.get("nonfinite_grad")
+        spike_slot = self._checks.get("grad_spike") if limit is not None else None
+        scaler_flag = getattr(optimizer, "found_inf", None)
+        if not isinstance(norms, torch.Tensor) or norms.device.type == "cpu":
+            host = norms if isinstance(norms, list) else norms.tolist()
+            total = math.sqrt(math.fsum(x * x for x in host))
+            finite = math.isfinite(total)
+            # GradScaler skips an overflow itself: not ours to act on.
+            scaler_skips = isinstance(scaler_flag, torch.Tensor) and float(scaler_flag) != 0
+            if nonfinite_slot is not None and not finite and not scaler_skips:
+                values[nonfinite_slot] = at
+            if spike_slot is not None and limit is not None and finite and total > limit:
+                values[spike_slot] = at
+            return []
+        norm = step_norm(norms, norms.device)
+        finite_now = torch.isfinite(norm)
+        fired: list[tuple[int, torch.Tensor]] = []
+        if nonfinite_slot is not None:
+            nonfinite_now = ~finite_now
+            if isinstance(scaler_flag, torch.Tensor):
+                nonfinite_now &= scaler_flag.to(nonfinite_now.device) == 0
+            fired.append((nonfinite_slot, nonfinite_now.to(torch.float64) * at))
+        if spike_slot is not None and limit is not None:
+            spiked = finite_now & (norm > limit)
+            fired.append((spike_slot, spiked.to(torch.float64) * at))
+        return fired
 
     # --- acting on agreed flags --------------------------------------------------------------
 
