@@ -22,11 +22,34 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402 (after OMP_NUM_THREADS)
+from process_groups import become_subreaper, describe, kill_group, stray_processes  # noqa: E402
 
 import stabmon
 
 _ISOLATED_VARIABLES = ("CUDA_VISIBLE_DEVICES", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
                        "WORLD_SIZE", "TORCHELASTIC_RUN_ID")  # fmt: skip
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Orphans of the processes tests start come back to this process, where the session's
+    # end finds them (a daemon whose parent was killed at a timeout, say).
+    become_subreaper()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_stray_processes() -> Iterator[None]:
+    """Fails the session (as an error at its last teardown) when a process a test started,
+    or a process that one started, is still running at the end; each is killed first."""
+    yield
+    strays = stray_processes()
+    for process in strays:
+        with contextlib.suppress(OSError):
+            kill_group(os.getpgid(process.pid))
+        with contextlib.suppress(Exception):
+            process.kill()
+    if strays:
+        listed = "\n".join(describe(process) for process in strays)
+        raise AssertionError(f"{len(strays)} process(es) outlived the tests, killed now:\n{listed}")
 
 
 @pytest.fixture(autouse=True)

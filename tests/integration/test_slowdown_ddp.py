@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from process_groups import run_group
 
 TRAINEE = Path(__file__).with_name("slowdown_trainee.py")
 
@@ -18,10 +18,10 @@ def test_the_rank_with_the_slow_input_names_data_wait_and_its_peer_names_backwar
     tmp_path: Path,
 ) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "STABMON_RUN_ID": "ddp-slowdown"}
-    result = subprocess.run(
+    result = run_group(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
          str(TRAINEE), str(tmp_path)],
-        env=env, capture_output=True, text=True, timeout=300, check=False,
+        env=env, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     named: dict[int, list[str]] = {}

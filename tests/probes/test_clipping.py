@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from process_groups import run_group
 
 from stabmon.monitor import Monitor
 from stabmon.probes.clipping import clipping_wrapped
@@ -197,8 +197,8 @@ print(float(total), found["stabmon_grad_norm"], found["stabmon_grad_clipped_step
 
 @pytest.mark.slow
 def test_grad_norm_is_the_pre_clip_norm_with_fsdp_clip_grad_norm(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-c", _FSDP_SCRIPT], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    done = run_group([sys.executable, "-c", _FSDP_SCRIPT], timeout=300,
+                     env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     total, exported, clipped = (float(v) for v in done.stdout.split()[-3:])
     assert total > 1.0  # the clip bit

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from process_groups import run_group
 
 from stabmon.probes.replicas import find_replica_group
 
@@ -23,10 +23,10 @@ def run_ranks(
     tmp_path: Path, mode: str, steps: int, ranks: int = 4
 ) -> dict[int, list[dict[str, Any]]]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
+    result = run_group(
         [sys.executable, "-m", "torch.distributed.run", "--standalone",
          f"--nproc_per_node={ranks}", str(TRAINEE), str(tmp_path), mode, str(steps)],
-        env=env, capture_output=True, text=True, timeout=600, check=False,
+        env=env, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     records: Records = {}

@@ -5,12 +5,12 @@ rank writes with) through the report's reader."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from process_groups import run_group
 
 from stabmon.export.event_log import EventLog
 from stabmon.report.events import read_run
@@ -81,11 +81,12 @@ def test_a_clean_run_has_no_incident_section(tmp_path: Path) -> None:
 def test_two_gloo_ranks_name_the_rank_whose_batch_held_the_nan(tmp_path: Path) -> None:
     trainee = Path(__file__).with_name("nan_rank_trainee.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run(
+    done = run_group(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
          str(trainee), str(tmp_path)],
-        env=env, check=True, capture_output=True, timeout=240,
+        env=env, timeout=240,
     )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
     report = read_run(tmp_path / "nan-job")
     assert [log.rank for log in report.ranks] == [0, 1]
     assert first_nonfinite_rank(report) == (1, 10)
