@@ -249,7 +249,18 @@ class AnomalyPolicies:
         self._record(kind, "checkpoint", at, step, what)
 
     def _record(self, kind: str, action: str, at: int, step: int, what: str) -> None:
-        """An action's event, log line and verdict."""
+        """An action's event, log line and verdict; a failure here is logged and changes
+        nothing the ranks agreed on (the action itself was taken the same on every rank)."""
+        try:
+            self._tell(kind, action, at, step, what)
+        except Exception as error:
+            self._context.log(
+                "policies:record", logging.WARNING,
+                "stabmon: rank %d: on_anomaly.%s: %s at step %d was taken but not recorded "
+                "(%s: %s)", self._rank, kind, action, step, type(error).__name__, error,
+            )  # fmt: skip
+
+    def _tell(self, kind: str, action: str, at: int, step: int, what: str) -> None:
         result = outcome(kind)
         decision = result.on_stop if action == "stop" else "continue"
         advice = result.advice.format(rank=self._rank)
