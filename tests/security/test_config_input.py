@@ -185,7 +185,7 @@ def test_every_seconds_key_has_an_upper_bound(key: str) -> None:
 
 def test_a_sample_seconds_of_1e10_is_a_one_line_cli_error(tmp_path: Path) -> None:
     path = tmp_path / "run.yaml"
-    path.write_text("sample_seconds: 1e10\n")
+    path.write_text("sample_seconds: 10000000000.0\n")  # YAML 1.1 reads 1e10 as text
     result = subprocess.run([sys.executable, "-c", _CLI, "check-config", str(path)],
                             capture_output=True, text=True, timeout=60)  # fmt: skip
     assert result.returncode == 2 and result.stderr.count("\n") == 1
