@@ -16,6 +16,7 @@ from panels import (
     layout,
     matches,
     rate,
+    recorded,
     selector,
     stat,
     steps,
@@ -219,6 +220,60 @@ process_cpu = timeseries(
     width=12,
 )
 
+# --- nodes: recorded per-node aggregates and forecasts (issue 39) ------------------------------
+# One series a node (a daemon target), recorded each minute by the stabmon.aggregates and
+# stabmon.forecasts rules: the fleet view of a thousand nodes, where the per-GPU panels are
+# best filtered to a few GPUs.
+
+NODE = "{{instance}} {{node}}"
+
+node_utilization = timeseries(
+    "GPU utilization per node (mean of its GPUs)",
+    [Query(recorded("node:stabmon_gpu_utilization_ratio:avg"), NODE)],
+    unit="percentunit",
+    description="The mean NVML utilization of each node's GPUs. A node well below the others "
+    "in one run starves its GPUs (input, host) or waits for a slower one.",
+    min_value=0,
+    max_value=1,
+    legend_calcs=("lastNotNull", "min"),
+    width=12,
+)
+node_forecast = timeseries(
+    "Memory in 72 h at the last hour's trend, per node",
+    [
+        Query(
+            recorded("node:stabmon_gpu_memory_used_bytes:max_predict72h_ratio"),
+            "worst GPU " + NODE,
+        ),
+        Query(recorded("node:stabmon_process_memory_bytes:predict72h_ratio"), "host " + NODE),
+    ],
+    unit="percentunit",
+    description="The node's GPU whose framebuffer fills first and the host memory of its "
+    "training processes, 72 hours ahead at the last hour's trend, as a share of the total: "
+    "what StabmonMemoryExhaustionForecast reads (above 100% while over half is used).",
+    thresholds=steps("green", (1, "red")),
+    width=12,
+)
+node_host_memory = timeseries(
+    "Host memory held by training, per node",
+    [Query(recorded("node:stabmon_process_memory_bytes:ratio"), NODE)],
+    unit="percentunit",
+    description="Memory (PSS) of every monitored process and its data loader workers as a "
+    "share of the node's memory.",
+    min_value=0,
+    max_value=1,
+    width=12,
+)
+node_xids = timeseries(
+    "XID errors per node (last hour)",
+    [Query(recorded("node:stabmon_gpu_xid_errors:increase1h") + " > 0", NODE)],
+    unit="none",
+    description="XID events on any GPU of the node over the last hour: a node that keeps "
+    "reporting them is one to drain.",
+    bars=True,
+    width=12,
+)
+
 # --- the daemon itself ------------------------------------------------------------------------
 
 poll_duration = timeseries(
@@ -261,6 +316,7 @@ dashboard = Dashboard(
     templating=Templating([datasource_variable(), gpu_variable()]),
     panels=layout(
         ("Overview", [nvml_up, processes_down, oldest_heartbeat, throttled, wrong_gpu]),
+        ("Nodes", [node_utilization, node_forecast, node_host_memory, node_xids]),
         ("GPUs", [utilization, memory, temperature, power, sm_clock, throttle, xid, ecc]),
         (
             "Training processes",

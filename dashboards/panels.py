@@ -23,9 +23,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import attr
+import yaml
 from grafanalib.core import (
     REFRESH_ON_TIME_RANGE_CHANGE,
     SORT_ALPHA_ASC,
@@ -82,6 +84,29 @@ def selector(metric: MetricDef, *matchers: str, suffix: str = "") -> str:
         )
     inner = ", ".join(matchers)
     return f"{metric.name}{suffix}{{{inner}}}" if inner else f"{metric.name}{suffix}"
+
+
+#: The alert and recording rules: a dashboard may read what they record (issue 39).
+RULES_FILE = (
+    Path(__file__).resolve().parents[1] / "deploy" / "prometheus" / "rules" / "stabmon.rules.yml"
+)
+
+
+def recorded_series() -> frozenset[str]:
+    """Every series the shipped rules record (``level:metric:operations``)."""
+    groups = yaml.safe_load(RULES_FILE.read_text(encoding="utf-8"))["groups"]
+    return frozenset(
+        rule["record"] for group in groups for rule in group["rules"] if "record" in rule
+    )
+
+
+def recorded(name: str, *matchers: str) -> str:
+    """``name{matchers}`` of a series the rules record: what a fleet view reads instead of
+    every rank's raw series, computed once a minute rather than at every dashboard refresh."""
+    if name not in recorded_series():
+        raise ValueError(f"{name} is recorded by no rule in {RULES_FILE.name}")
+    inner = ", ".join(matchers)
+    return f"{name}{{{inner}}}" if inner else name
 
 
 def _counter_range(

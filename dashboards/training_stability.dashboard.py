@@ -23,6 +23,7 @@ from panels import (
     quantile,
     rank_variable,
     rate,
+    recorded,
     run_variable,
     selector,
     stat,
@@ -111,6 +112,68 @@ environment = stat(
     height=3,
 )
 
+# --- runs: recorded per-run and per-node aggregates (stabmon.aggregates, issue 39) -------------
+# One series a run or a node of a run, recorded each minute: what to open first on a run of
+# thousands of ranks, where the per-rank panels below are best filtered to a few ranks.
+
+RUN_ONLY = (matches("run", "$run"),)
+
+run_pace = timeseries(
+    "Step rate per run: mean and slowest rank",
+    [
+        Query(recorded("run:stabmon_steps:avg_rate5m", *RUN_ONLY), "mean {{run}}"),
+        Query(recorded("run:stabmon_steps:min_rate5m", *RUN_ONLY), "slowest rank {{run}}"),
+    ],
+    unit="suffix: steps/s",
+    description="Optimizer steps per second over 5 minutes: the mean of the run's ranks and its "
+    "slowest rank (recorded by the stabmon.aggregates rules). The slowest apart from the mean "
+    "is a straggler (see Stragglers); both at 0 is a stall.",
+    width=8,
+)
+run_ranks = timeseries(
+    "Ranks attached and stalled per run",
+    [
+        Query(recorded("run:stabmon_build_info:count", *RUN_ONLY), "attached {{run}}"),
+        Query(recorded("run:stabmon_stalled:sum", *RUN_ONLY), "stalled {{run}}"),
+    ],
+    unit="none",
+    description="Ranks serving metrics (from attach to detach) and those the in-process "
+    "watchdog reports stalled. A drop in attached ranks is a crash or a lost target.",
+    width=8,
+)
+run_anomalies = timeseries(
+    "Anomalies per run (5 min)",
+    [Query(recorded("run:stabmon_anomalies:increase5m", *RUN_ONLY), "{{kind}} {{run}}")],
+    unit="none",
+    description="Anomalies of each kind the run's ranks recorded over the last 5 minutes.",
+    bars=True,
+    width=8,
+)
+node_pace = timeseries(
+    "Step rate per node of the run",
+    [Query(recorded("run_node:stabmon_steps:avg_rate5m", *RUN_ONLY), "{{node}} {{run}}")],
+    unit="suffix: steps/s",
+    description="The mean step rate of each node's ranks over 5 minutes (by the node label the "
+    "PodMonitor adds; one line per run without it): a slow node stands out here before its "
+    "ranks are looked at one by one.",
+    legend_calcs=("lastNotNull", "min"),
+    width=12,
+)
+node_anomalies = timeseries(
+    "Anomalies per node of the run (5 min)",
+    [
+        Query(
+            recorded("run_node:stabmon_anomalies:increase5m", *RUN_ONLY) + " > 0",
+            "{{kind}} {{node}} {{run}}",
+        )
+    ],
+    unit="none",
+    description="Anomalies each node's ranks recorded over the last 5 minutes: one node "
+    "recording them all points at its hardware.",
+    bars=True,
+    width=12,
+)
+
 # --- throughput -------------------------------------------------------------------------------
 
 step_rate = timeseries(
@@ -128,45 +191,22 @@ step_time = timeseries(
     description="Host wall time from one optimizer step's end to the next. A p99 far above "
     "p50 means periodic pauses (checkpoints, evaluation, input hiccups).",
 )
-#: Mean step time per rank over the rate window (the straggler alert's ingredient).
-_MEAN_STEP = (
-    f"{sum_by(RANK, rate(c.STEP_DURATION, *RUN_RANK, suffix='_sum'))}"
-    f" / {sum_by(RANK, rate(c.STEP_DURATION, *RUN_RANK, suffix='_count'))}"
-)
-_MEAN_WAIT = (
-    f"{sum_by(RANK, rate(c.DATA_WAIT, *RUN_RANK, suffix='_sum'))}"
-    f" / {sum_by(RANK, rate(c.DATA_WAIT, *RUN_RANK, suffix='_count'))}"
-)
-_MEAN_FORWARD = (
-    f"({sum_by(RANK, rate(c.DEVICE_PHASE_SECONDS, *RUN_RANK, equals('phase', 'forward')))}"
-    f" or {sum_by(RANK, rate(c.PHASE_SECONDS, *RUN_RANK, equals('phase', 'forward')))})"
-    f" / {sum_by(RANK, rate(c.STEP_DURATION, *RUN_RANK, suffix='_count'))}"
-)
 stragglers = timeseries(
     "Stragglers: rank vs run median",
     [
         Query(
-            f"({_MEAN_STEP}) / on (run) group_left quantile by (run) (0.5, {_MEAN_STEP})",
-            "step time " + WHO,
-        ),
-        Query(
-            f"1 + (({_MEAN_WAIT}) - on (run) group_left quantile by (run) (0.5, {_MEAN_WAIT}))"
-            f" / on (run) group_left quantile by (run) (0.5, {_MEAN_STEP})",
-            "input wait " + WHO,
-        ),
-        Query(
-            f"1 + (({_MEAN_FORWARD}) - on (run) group_left"
-            f" quantile by (run) (0.5, {_MEAN_FORWARD}))"
-            f" / on (run) group_left quantile by (run) (0.5, {_MEAN_STEP})",
-            "forward " + WHO,
-        ),
+            recorded("run_rank:stabmon_step_duration_seconds:ratio_to_run_median10m", *RUN_RANK),
+            "{{leg}} " + WHO,
+        )
     ],
     unit="none",
-    description="Each rank's mean step time, and its input wait and forward time (device time on "
-    "CUDA) beyond the run's median added to a median step, as multiples of the run's median "
-    "step. 1.0 is the pack; StabmonStragglerRank fires above 1.2 for 15 minutes (over 10-minute "
-    "windows). Under DDP every rank shows the slowest one's step time, so the straggler is the "
-    "rank whose input wait or forward time stands out.",
+    description="What StabmonStragglerRank reads (recorded each minute by the stabmon.throughput "
+    "rules over 10-minute windows, so each run's median is computed once, not per panel "
+    "refresh over every rank): each rank's mean step time (leg step), and its input wait "
+    "(data_wait) and forward time (forward; device time on CUDA) beyond the run's median added "
+    "to a median step, as multiples of the run's median step. 1.0 is the pack; the alert fires "
+    "above 1.2 for 15 minutes. Under DDP every rank shows the slowest one's step time, so the "
+    "straggler is the rank whose input wait or forward time stands out.",
     thresholds=steps("green", (1.2, "orange")),
 )
 data_wait_share = timeseries(
@@ -438,6 +478,7 @@ dashboard = Dashboard(
     ),
     panels=layout(
         ("Overview", [stalled, leaking, oldest_heartbeat, epoch, anomalies_in_range, environment]),
+        ("Runs and nodes", [run_pace, run_ranks, run_anomalies, node_pace, node_anomalies]),
         (
             "Throughput",
             [

@@ -12,6 +12,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+import yaml
 
 from stabmon import contract
 
@@ -143,7 +144,9 @@ def test_dashboard_expressions_select_only_contract_metrics(uid: str) -> None:
     selectors = [re.fullmatch(r"label_values\((.+), *\w+\)", query) for query in variables]
     assert all(selectors), variables
     queries = generate.expressions(dashboard) + [m.group(1) for m in selectors if m]
-    unknown = {expr: _metric_names(expr) - set(CONTRACT_METRICS) for expr in queries}
+    # Besides the contract's metrics, what the shipped rules record (fleet aggregates).
+    known = set(CONTRACT_METRICS) | panels.recorded_series()
+    unknown = {expr: _metric_names(expr) - known for expr in queries}
     assert {expr: names for expr, names in unknown.items() if names} == {}
     assert all(_metric_names(expr) for expr in generate.expressions(dashboard))
 
@@ -186,13 +189,55 @@ def test_training_dashboard_filters_by_multi_value_run_and_rank_variables() -> N
         assert variables[name]["multi"] and variables[name]["includeAll"]
         assert contract.BUILD_INFO.name in variables[name]["query"]
     # Run-level figures combine every rank of the run on purpose (the global gradient norm).
-    run_level = re.compile(r"^sqrt\(sum by \(run\) ")
+    # So do the recorded per-run and per-node aggregates, filtered by run only.
+    run_level = re.compile(r'^sqrt\(sum by \(run\) |^run(_node)?:stabmon_\w+:\w+\{run=~"\$run"\}')
     unfiltered = [
         expr
         for expr in generate.expressions(_dashboard(TRAINING_UID))
         if 'run=~"$run"' not in expr or ('rank=~"$rank"' not in expr and not run_level.match(expr))
     ]
     assert unfiltered == []
+
+
+def _recorded_in_group(name: str) -> set[str]:
+    groups = yaml.safe_load(panels.RULES_FILE.read_text(encoding="utf-8"))["groups"]
+    group = next(g for g in groups if g["name"] == name)
+    return {rule["record"] for rule in group["rules"] if "record" in rule}
+
+
+def test_every_fleet_aggregate_and_node_forecast_is_on_a_dashboard() -> None:
+    # Issue 39: at thousands of ranks the first panels to open read one series a run or a node,
+    # recorded once a minute, not every rank's raw series at every refresh.
+    # (The 4-hour forecasts are the paging alert's; the panel shows the 72-hour horizon.)
+    fleet = _recorded_in_group("stabmon.aggregates") | {
+        name
+        for name in _recorded_in_group("stabmon.forecasts")
+        if name.startswith("node:") and not name.endswith("predict4h_ratio")
+    }
+    shown: set[str] = set()
+    for uid in (TRAINING_UID, GPU_NODES_UID):
+        shown |= set().union(*map(_metric_names, generate.expressions(_dashboard(uid))))
+    assert sorted(fleet - shown) == []
+    assert {name.split(":")[0] for name in fleet} == {"run", "run_node", "node"}
+
+
+def test_no_dashboard_computes_a_run_median_over_every_ranks_raw_series() -> None:
+    # The straggler panel reads the ratio StabmonStragglerRank reads, recorded with each run's
+    # median, instead of three quantiles over every rank per refresh.
+    expressions = generate.expressions(_dashboard(TRAINING_UID))
+    assert [expr for expr in expressions if "quantile by" in expr] == []
+    assert any(
+        expr.startswith("run_rank:stabmon_step_duration_seconds:ratio_to_run_median10m{")
+        for expr in expressions
+    )
+
+
+def test_recorded_rejects_a_series_no_rule_records() -> None:
+    assert panels.recorded("run:stabmon_steps:avg_rate5m", 'run=~"$run"') == (
+        'run:stabmon_steps:avg_rate5m{run=~"$run"}'
+    )
+    with pytest.raises(ValueError, match="run:stabmon_made_up:rate5m is recorded by no rule"):
+        panels.recorded("run:stabmon_made_up:rate5m")
 
 
 def test_gpu_nodes_dashboard_has_a_gpu_variable_over_the_utilization_metric() -> None:

@@ -102,6 +102,10 @@ def test_every_dashboard_expression_parses_and_the_trainings_return_data(stack: 
     hardware = re.compile(r"stabmon_(gpu_|process_gpu_|device_memory_|device_phase|device_step|"
                           r"device_utilization|mfu_ratio|peak_flops|"
                           r"step_time_baseline)")  # fmt: skip
+    # Series the rules record in groups of their own interval (1 min; stabmon.aggregates,
+    # stabmon.forecasts, stabmon.throughput): these short runs may end before their first
+    # evaluation, and the forecasts and straggler ratios need an hour or two ranks a run.
+    recorded = re.compile(r"\b[a-z_]+:stabmon_\w+:\w+")
     empty = []
     for path in sorted(DASHBOARDS.glob("*.json")):
         for expr in generate.expressions(json.loads(path.read_text())):
@@ -109,7 +113,8 @@ def test_every_dashboard_expression_parses_and_the_trainings_return_data(stack: 
             result = stack.prometheus.query(
                 concrete
             )  # a PromQL error fails here, in Prometheus's parser
-            if not result and not hardware.search(expr) and not _FILTER.search(expr):
+            if not result and not hardware.search(expr) and not _FILTER.search(expr) \
+                    and not recorded.search(expr):  # fmt: skip
                 empty.append(f"{path.name}: {concrete}")
     assert not empty
 
