@@ -27,6 +27,7 @@ _TRAINER_WARNINGS = [
 LOOPS = [
     pytest.param(loop, marks=_TRAINER_WARNINGS) if loop in ("lightning", "hf") else loop
     for loop in corpus.LOOPS
+    if loop not in corpus.SHORT_RUNS  # the VAE and LBFGS loops have tests of their own below
 ]
 
 
@@ -65,3 +66,29 @@ def test_corpus_lstm_leak_is_flagged_within_two_thousand_steps(tmp_path: Path) -
     outcome = corpus.run("lstm", "leak", 2600, 300, str(tmp_path))
     assert outcome.false_positives == []
     assert outcome.detected_at is not None and outcome.detected_at - 300 <= 2000
+
+
+@pytest.mark.slow
+def test_corpus_vae_short_run_flags_its_train_loss_leak_before_it_ends(tmp_path: Path) -> None:
+    """pytorch/examples' VAE, 300 steps, ``train_loss += loss`` (the tensor) from step 30."""
+    outcome = corpus.run("vae", "leak", 300, 30, str(tmp_path))
+    assert outcome.false_positives == []
+    assert outcome.detected_at is not None and 30 < outcome.detected_at < 300
+
+
+@pytest.mark.slow
+def test_corpus_lbfgs_loop_runs_clean_and_finds_its_lr_blowup(tmp_path: Path) -> None:
+    """time_sequence_prediction: step(closure) with up to 25 passes a step, a prediction under
+    no_grad() after each; an LR 1,000 times too large at step 3 blows the weights up."""
+    clean = corpus.run("lbfgs", "clean", 4, 0, str(tmp_path / "clean"))
+    assert clean.false_positives == []
+    blowup = corpus.run("lbfgs", "lr_blowup", 5, 3, str(tmp_path / "blowup"))
+    assert blowup.false_positives == [] and blowup.detected_at == 3
+
+
+@pytest.mark.slow
+def test_corpus_starving_loader_is_an_input_starvation_within_a_minute(tmp_path: Path) -> None:
+    outcome = corpus.run("vae", "starve", 300, 30, str(tmp_path))
+    assert outcome.false_positives == []
+    assert outcome.detected_at is not None
+    assert outcome.detected_seconds is not None and outcome.detected_seconds <= 60
