@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import stabmon
+from stabmon.probes import device_timing
 
 STEPS = 40
 
@@ -33,8 +34,13 @@ class OperatorCount(TorchDispatchMode):
         self.count = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        # Tensor lists too (_foreach_norm, stack); not prim.device, a property read on a real
+        # tensor, which only a fake one dispatches.
         flat = [*args, *(kwargs or {}).values()]
-        if any(isinstance(a, torch.Tensor) and a.device.type == "cuda" for a in flat):
+        flat += [t for a in flat if isinstance(a, (list, tuple)) for t in a]
+        if func.namespace != "prim" and any(
+            isinstance(a, torch.Tensor) and a.device.type == "cuda" for a in flat
+        ):
             self.count += 1
         return func(*args, **(kwargs or {}))
 
@@ -122,6 +128,9 @@ def cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCuda]:
 
 @pytest.fixture
 def calls(cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch) -> RuntimeCalls:
+    # Fast steps whatever the machine's load: the device timer samples them (fake CUDA steps
+    # on a loaded machine can take longer than its limit for timing every step).
+    monkeypatch.setattr(device_timing, "LONG_STEP_SECONDS", float("inf"))
     return RuntimeCalls(monkeypatch)
 
 
@@ -139,11 +148,13 @@ def test_stabmon_adds_a_bounded_number_of_device_calls_per_step(
     # step, with its five elapsed_time reads; it recorded four a step and read five, 35
     # runtime calls a step in all with the copies' events, before it sampled) and one
     # completion event per read-back copy; one copy for the gradient measurement (the clip's
-    # norm rides with it) and one for observe()'s loss; a dozen small measurement kernels.
+    # norm rides with it) and one for observe()'s loss; six operators: the fused norm and its
+    # stack, the loss's detach and view (read back in its own dtype: no conversion), the two
+    # copies.
     assert added["event records"] <= 3
     assert added["elapsed_time reads"] <= 1
-    assert added["event queries"] <= 6
+    assert added["event queries"] <= 8  # the judge thread may poll too, in a quiet moment
     assert added["current_stream calls"] <= 3
     assert added["device-to-host copies"] <= 2
-    assert added["CUDA operators"] <= 12
+    assert added["CUDA operators"] <= 6
     cuda.assert_clean()

@@ -225,7 +225,9 @@ class Measurements:
             if value.is_cpu:  # host memory: no device to wait for
                 host: torch.Tensor | list[float] = [value.item()]
             else:
-                host = value.detach().reshape(1).double()
+                # Read back in its own dtype (tolist() gives the exact value as a float): a
+                # conversion would be one more launch a step (issue 38).
+                host = value.detach().reshape(1)
         else:
             host = [float(loss)]  # through the queue too (a complex raises here: skipped)
         engine = self.engine

@@ -110,7 +110,7 @@ class Assembly:
         probe = measurements.probe
         self.devices = devices = cuda_devices(probe.params) if probe else ()
         self.memory = _memory_sampler(readings, guard, probe)
-        self.device_timer = device_timer = _device_timer(readings, devices)
+        self.device_timer = device_timer = _device_timer(readings, devices, clock)
         context = PluginContext(
             config, model, optimizer, readings=readings, memory=self.memory, heartbeat=heartbeat,
             run_directory=paths.run_directory, rank=rank, recorder=recorder,
@@ -281,11 +281,14 @@ def _run_paths(config: Config, run_id: str, rank: int) -> RunPaths:
     return RunPaths(root=root, run_id=run_id, rank=rank)
 
 
-def _device_timer(readings: Readings, devices: Sequence[torch.device]) -> DeviceTimer | None:
-    """Phase times on the first CUDA device's stream, fast steps sampled; None on a CPU loop."""
+def _device_timer(
+    readings: Readings, devices: Sequence[torch.device], clock: Callable[[], float]
+) -> DeviceTimer | None:
+    """Phase times on the first CUDA device's stream, fast steps (on the loop clock) sampled;
+    None on a CPU loop."""
     if not devices:
         return None
-    return DeviceTimer(readings, record=recorder_for(devices[0]), every=TIMED_STEPS)
+    return DeviceTimer(readings, record=recorder_for(devices[0]), every=TIMED_STEPS, clock=clock)
 
 
 def _placement(config: Config, model: torch.nn.Module, recorder: Recorder) -> PlacementWatch | None:
