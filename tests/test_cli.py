@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 
 def _stabmon(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -124,3 +125,21 @@ def test_demo_serving_after_training_is_not_reported_as_a_stall(
     events = [json.loads(line) for line in Path(events_path).read_text().splitlines()]
     stalls = [e for e in events if e.get("event") == "anomaly" and e.get("kind") == "stall"]
     assert len(stalls) == 1 and stalls[0]["step"] < 400  # the injected one, during training
+
+
+def test_the_demo_trains_its_tiny_model_on_one_thread_and_puts_the_count_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Intra-op threads on a 64x128 matmul only spin-wait: on a busy 2-core machine they made
+    # `demo --fast` take 49 s instead of 15 s (issue 43). The caller's setting is restored.
+    from stabmon import demo
+
+    seen: list[int] = []
+    monkeypatch.setattr(demo, "_run", lambda plan, **_: seen.append(torch.get_num_threads()) or {})
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        demo.run_demo(demo.DemoPlan.fast())
+        assert seen == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
