@@ -66,7 +66,10 @@ class _TrainerSave:
     rank calls it at the same step, as Lightning's save needs). Holds the trainer weakly."""
 
     def __init__(self, trainer: Any) -> None:
-        self._trainer = weakref.ref(trainer)
+        try:
+            self._trainer: Callable[[], Any] = weakref.ref(trainer)
+        except TypeError:  # an object without weak references (a stand-in): held as it is
+            self._trainer = lambda: trainer
 
     def __call__(self, step: int) -> None:
         trainer = self._trainer()
