@@ -1,4 +1,4 @@
-"""Throughput, MFU, goodput and slowdown panels of the training dashboard (issue 27).
+"""Throughput, MFU, goodput, slowdown and input-starvation panels of the training dashboard.
 
 Kept beside ``panels.py`` rather than in the dashboard file, so the row reads as one
 unit: ``training_stability.dashboard.py`` places it with ``("Throughput, MFU and
@@ -115,4 +115,29 @@ slowdown_active = timeseries(
     steps_after=True,
 )
 
-THROUGHPUT_PANELS = [samples_rate, tokens_rate, mfu, goodput, slowdown, slowdown_active]
+_INPUT_SHARE = (
+    f"{sum_by(RANK, rate(c.PHASE_SECONDS, *RUN_RANK, matches('phase', 'data_wait')))}"
+    f" / {sum_by(RANK, rate(c.PHASE_SECONDS, *RUN_RANK, LOOP_PHASES))}"
+)
+input_starvation = timeseries(
+    "Input starvation: share of training time waiting for batches",
+    [
+        Query(_INPUT_SHARE, "input wait " + WHO),
+        Query(
+            sum_by(RANK, selector(c.INPUT_STARVATION_ACTIVE, *RUN_RANK), aggregation="max"),
+            "starvation held " + WHO,
+        ),
+    ],
+    unit="percentunit",
+    description="The host's input wait over the loop's own phases (named phases left out), and 1 "
+    "while the in-process input_starvation rule holds (on CUDA it judges the device's idle time "
+    "for input). StabmonInputStarvation fires when the rule holds: at least 30% of the training "
+    "time over 30 s, still a minute later.",
+    min_value=0,
+    max_value=1,
+    thresholds=steps("green", (0.3, "orange")),
+)
+
+THROUGHPUT_PANELS = [
+    samples_rate, tokens_rate, mfu, goodput, slowdown, slowdown_active, input_starvation,
+]  # fmt: skip
