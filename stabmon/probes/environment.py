@@ -28,6 +28,7 @@ __all__ = [
     "format_environment",
     "process_identity",
     "relevant_variables",
+    "set_in_process",
 ]
 
 #: How long a rank waits at attach for rank 0's run id in the process group's store.
@@ -38,6 +39,11 @@ _NAMES = frozenset(
     {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
      "GROUP_RANK", "ROLE_RANK", "NODE_RANK"}
 )  # fmt: skip
+#: The environment when this module was imported (at the first stabmon.attach): what the user
+#: and the launcher set. A relevant variable that appears or changes later was set inside the
+#: process (torch sets TORCHINDUCTOR_CACHE_DIR to its default the first time inductor looks
+#: for its cache, which counting a compiled step's FLOPs does), and the report says so.
+_AT_IMPORT: dict[str, str] = dict(os.environ)
 #: Names that may hold a credential: their values are never recorded.
 _SECRET = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|(^|_)KEY($|_)", re.IGNORECASE)
 
@@ -177,13 +183,26 @@ def relevant_variables(env: Mapping[str, str]) -> dict[str, str]:
     return dict(sorted(chosen.items()))
 
 
+def set_in_process(env: Mapping[str, str], at_start: Mapping[str, str]) -> list[str]:
+    """The relevant variables of ``env`` that were not so in ``at_start``: set (or changed) by
+    torch or stabmon inside this process, not by the user or the launcher."""
+    return [name for name in relevant_variables(env) if at_start.get(name) != env.get(name)]
+
+
 def environment_record(
     versions: Mapping[str, str],
     gpus: Sequence[Mapping[str, str]],
     driver: str,
     env: Mapping[str, str],
+    at_start: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Everything two runs need to be compared: the event log's first line, ``stabmon env``."""
+    """Everything two runs need to be compared: the event log's first line, ``stabmon env``.
+
+    ``at_start`` is the environment before the process changed it (by default, as it was
+    when stabmon was imported, where ``env`` is this process's own).
+    """
+    if at_start is None:
+        at_start = _AT_IMPORT if env is os.environ else env
     return {
         "versions": dict(versions),
         "driver_version": driver,
@@ -197,6 +216,7 @@ def environment_record(
         "cuda_visible_devices": env.get("CUDA_VISIBLE_DEVICES"),
         "gpus": [dict(gpu) for gpu in gpus],
         "variables": relevant_variables(env),
+        "set_in_process": set_in_process(env, at_start),
     }
 
 
@@ -244,7 +264,11 @@ def format_environment(record: Mapping[str, Any]) -> str:
                   for row in rows]  # fmt: skip
     lines.append("Variables")
     variables = record["variables"]
-    lines += [f"  {name}={value}" for name, value in variables.items()] or ["  (none set)"]
+    inside = set(record.get("set_in_process") or ())
+    lines += [
+        f"  {name}={value}" + ("  (set inside the process, by torch or stabmon)" * (name in inside))
+        for name, value in variables.items()
+    ] or ["  (none set)"]
     return "\n".join(lines)
 
 

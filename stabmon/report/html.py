@@ -221,8 +221,14 @@ def _environment_section(run: Run) -> str:
         for gpu in gpus if isinstance(gpu, dict)
     )  # fmt: skip
     variables = _dict(environment.get("variables"))
+    inside = environment.get("set_in_process")
+    inside = set(map(str, inside)) if isinstance(inside, list) else set()
+    shown = {
+        name: f"{value} (set inside the process, by torch or stabmon)" if name in inside else value
+        for name, value in variables.items()
+    }
     right = '<h3 style="font-size:14px;margin:0 0 6px">Variables</h3>' + (
-        _key_table(sorted(variables.items())) if variables else '<p class="empty">none set</p>'
+        _key_table(sorted(shown.items())) if shown else '<p class="empty">none set</p>'
     )
     if gpu_rows:
         right += (

@@ -34,7 +34,9 @@ __all__ = [
 ]
 
 MAX_POINTS = 2000
-INSTALL_HINT = "pip install 'stabmon[report]'"
+#: As the README installs stabmon (from a clone; it is not on PyPI): the ``report`` extra is
+#: matplotlib alone.
+INSTALL_HINT = "pip install matplotlib (the report extra: pip install './stabmon[report]')"
 
 #: One colour per anomaly kind, the same on every plot and in the table.
 KIND_COLORS: dict[str, str] = {

@@ -160,3 +160,16 @@ def test_build_info_without_a_cudnn_version_when_cudnn_cannot_initialise(
     monkeypatch.setattr(torch.backends.cudnn, "version", broken)
 
     assert build_info("9.9.9")["cudnn_version"] == ""
+
+
+def test_variables_set_inside_the_process_are_told_apart_from_the_users() -> None:
+    # torch sets TORCHINDUCTOR_CACHE_DIR itself the first time inductor looks for its cache;
+    # a report that shows it as the user's sends them looking for a setting they never made.
+    at_start = {"NCCL_DEBUG": "INFO", "OMP_NUM_THREADS": "4"}
+    now = {**at_start, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_CACHE_DIR": "/tmp/torchinductor_u"}
+    record = environment_record({"torch_version": "2"}, [], "", now, at_start)
+
+    assert record["set_in_process"] == ["OMP_NUM_THREADS", "TORCHINDUCTOR_CACHE_DIR"]
+    text = format_environment(record)
+    assert "TORCHINDUCTOR_CACHE_DIR=/tmp/torchinductor_u  (set inside the process" in text
+    assert "NCCL_DEBUG=INFO\n" in text + "\n"

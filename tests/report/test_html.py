@@ -149,3 +149,16 @@ def test_write_report_refuses_a_module_rank_the_run_does_not_have(tmp_path: Path
     with pytest.raises(StabmonError, match="has no rank 4 \\(its ranks: 0, 1\\); pass one"):
         write_report(run, output, module_rank=4)
     assert not output.exists()
+
+
+def test_the_environment_tells_variables_set_inside_the_process_from_the_users(
+    tmp_path: Path,
+) -> None:
+    attach = _attach(
+        variables={"NCCL_DEBUG": "INFO", "TORCHINDUCTOR_CACHE_DIR": "/tmp/torchinductor_u"},
+        set_in_process=["TORCHINDUCTOR_CACHE_DIR"],
+    )
+    page = render(read_run(_write(tmp_path, {0: [attach, {"event": "detach", "step": 0}]})),
+                  now=NOW)  # fmt: skip
+    assert "/tmp/torchinductor_u (set inside the process, by torch or stabmon)" in page
+    assert "INFO (set inside" not in page

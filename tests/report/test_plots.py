@@ -5,6 +5,7 @@ plot's title, axis labels and legend are read back from it."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -116,5 +117,5 @@ def test_require_matplotlib_names_the_extra_when_matplotlib_cannot_be_imported(
 ) -> None:
     require_matplotlib()  # installed here: nothing to say
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import now raises ImportError
-    with pytest.raises(StabmonError, match=INSTALL_HINT.replace("[", "\\[").replace("]", "\\]")):
+    with pytest.raises(StabmonError, match=re.escape(INSTALL_HINT)):
         require_matplotlib()
