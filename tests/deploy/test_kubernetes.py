@@ -52,6 +52,7 @@ KUBERNETES_VERSIONS = ("1.29", "1.33")
 CUSTOM_SCHEMAS = {
     "PodMonitor": "podmonitor.schema.json",
     "PrometheusRule": "prometheusrule.schema.json",
+    "PrometheusAgent": "prometheusagent.schema.json",
     "PyTorchJob": "pytorchjob.schema.json",
 }
 NAMESPACE = "stabmon"
@@ -143,7 +144,16 @@ def test_kustomization_uses_only_fields_these_tests_check() -> None:
 
 def test_kustomization_leaves_the_examples_out() -> None:
     assert not any(name.startswith("examples") for name in _kustomization()["resources"])
-    assert {d["kind"] for d in _examples()} == {"PyTorchJob", "Job"}
+    # Training jobs to copy from, and the agent-mode layout past one Prometheus (issue 39).
+    assert {d["kind"] for d in _examples()} == {
+        "PyTorchJob",
+        "Job",
+        "PrometheusAgent",
+        "ServiceAccount",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "NetworkPolicy",
+    }
 
 
 def test_every_applied_object_lives_in_the_stabmon_namespace() -> None:
@@ -228,6 +238,14 @@ def _rule_with_unknown_field(rule: dict[str, Any]) -> None:
     rule["spec"]["groups"][0]["rules"][0]["severity"] = "critical"  # belongs under labels
 
 
+def _agent_with_misspelt_shards(agent: dict[str, Any]) -> None:
+    agent["spec"]["shard"] = agent["spec"].pop("shards")
+
+
+def _agent_writing_without_a_url(agent: dict[str, Any]) -> None:
+    agent["spec"]["remoteWrite"][0]["endpoint"] = agent["spec"]["remoteWrite"][0].pop("url")
+
+
 def _two_masters(job: dict[str, Any]) -> None:
     job["spec"]["pytorchReplicaSpecs"]["Master"]["replicas"] = 2
 
@@ -243,6 +261,8 @@ def _renamed_container(job: dict[str, Any]) -> None:
         ("PodMonitor", "stabmon-training", _misspelt_endpoints),
         ("PodMonitor", "stabmon-daemon", _string_scrape_interval),
         ("PrometheusRule", "stabmon", _rule_with_unknown_field),
+        ("PrometheusAgent", "stabmon", _agent_with_misspelt_shards),
+        ("PrometheusAgent", "stabmon", _agent_writing_without_a_url),
         ("PyTorchJob", "llm-pretrain", _two_masters),
         ("PyTorchJob", "llm-pretrain", _renamed_container),
     ],
@@ -410,6 +430,44 @@ def test_monitoring_objects_carry_one_release_label() -> None:
     monitoring = [d for d in _applied() if d["apiVersion"].startswith("monitoring.coreos.com/")]
     assert len(monitoring) == 3
     assert {d["metadata"]["labels"]["release"] for d in monitoring} == {generate.RELEASE}
+
+
+def _example(kind: str, name: str) -> dict[str, Any]:
+    (found,) = [o for o in _examples() if o["kind"] == kind and o["metadata"]["name"] == name]
+    return found
+
+
+def test_example_agents_scrape_both_podmonitors_and_forward_without_shard_labels() -> None:
+    # Issue 39: the agents select the PodMonitors by the label both carry (not the release
+    # label, which is kube-prometheus-stack's), in the namespace they live in ...
+    agent = _example("PrometheusAgent", "stabmon")["spec"]
+    for name in ("stabmon-daemon", "stabmon-training"):
+        podmonitor = _one("PodMonitor", name)
+        assert agent["podMonitorSelector"]["matchLabels"].items() <= (
+            podmonitor["metadata"]["labels"].items()
+        )
+        namespace = {"kubernetes.io/metadata.name": podmonitor["metadata"]["namespace"]}
+        assert agent["podMonitorNamespaceSelector"]["matchLabels"] == namespace
+    # ... keep no label that differs between shards on what they forward ...
+    assert agent["shards"] > 1
+    assert agent["prometheusExternalLabelName"] == agent["replicaExternalLabelName"] == ""
+    assert "externalLabels" not in agent
+    (write,) = agent["remoteWrite"]
+    assert write["url"].endswith("/api/v1/push")
+    # ... run as their own service account, which may list pods everywhere ...
+    account = _example("ServiceAccount", agent["serviceAccountName"])
+    binding = _example("ClusterRoleBinding", "stabmon-agent")
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": account["metadata"]["name"], "namespace": NAMESPACE}
+    ]
+    (rule,) = _example("ClusterRole", binding["roleRef"]["name"])["rules"]
+    assert rule == {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+    # ... and may reach the daemon's metrics port, which its own policy keeps from others.
+    policy = _example("NetworkPolicy", "stabmon-daemon-from-agents")["spec"]
+    assert policy["podSelector"] == _one("NetworkPolicy", "stabmon-daemon")["spec"]["podSelector"]
+    ((source,),) = [rule["from"] for rule in policy["ingress"]]
+    assert source["podSelector"]["matchLabels"].items() <= agent["podMetadata"]["labels"].items()
+    assert [port["port"] for rule in policy["ingress"] for port in rule["ports"]] == ["metrics"]
 
 
 def _training_container(template: dict[str, Any]) -> dict[str, Any]:
