@@ -77,6 +77,8 @@ def _bucket_sums(tensors: Sequence[torch.Tensor], device: torch.device) -> torch
             tail = ints[whole:].to(torch.int64)
             columns.append(torch.nn.functional.pad(tail, (0, ROW - (count - whole))))
     plain = torch.stack(plains).sum()
+    if not columns:  # only zero-size tensors (a placeholder, an empty shard): nothing weighs
+        return torch.stack([plain, torch.zeros_like(plain)])
     weighted = (torch.stack(columns).sum(dim=0) * _row_weights(device)).sum()
     return torch.stack([plain, weighted])
 

@@ -107,3 +107,36 @@ def test_fingerprints_on_cuda_equal_the_cpus_bit_for_bit() -> None:
     assert torch.equal(on_gpu.cpu(), on_cpu)
     gathered = torch.stack([on_gpu, on_gpu, on_gpu.clone().add_(1)])
     assert vote(gathered).cpu().tolist()[-3:] == [0, 0, 1]
+
+
+def test_a_bucket_of_zero_size_tensors_has_zero_sums_instead_of_failing() -> None:
+    # A placeholder parameter (torch.empty(0)) or an HSDP shard left empty (a dimension
+    # smaller than the shard count) is a module group with no elements: it must not turn
+    # the check into an internal error at every check.
+    got = fingerprint([[torch.empty(0)], [torch.empty(0, 4), torch.empty(0)]], CPU).tolist()
+    assert got == [[0, 0], [0, 0]]
+    flat = [torch.randn(5)]
+    assert fingerprint([[*flat, torch.empty(0)]], CPU).tolist() == fingerprint([flat], CPU).tolist()
+
+
+def test_parameters_of_every_dtype_are_read_as_their_bytes() -> None:
+    # int8, uint8, bool, complex and fp8 parameters (quantised or masked models): summed
+    # as integers of their width, and one changed element moves the sum.
+    tensors = [
+        torch.tensor([-128, 5, 7], dtype=torch.int8),
+        torch.tensor([True, False, True]),
+        torch.tensor([1 + 2j, -3j], dtype=torch.complex64),
+        torch.tensor([0.5, -2.0]).to(torch.float8_e4m3fn),
+    ]
+    for tensor in tensors:
+        before = fingerprint([[tensor]], CPU)
+        changed = tensor.clone()
+        changed.view(torch.uint8).view(-1)[0] ^= 1
+        assert not torch.equal(fingerprint([[changed]], CPU), before), tensor.dtype
+
+
+def test_a_non_contiguous_parameter_reads_as_its_values_in_logical_order() -> None:
+    weight = torch.randn(8, ROW + 3)
+    assert torch.equal(
+        fingerprint([[weight.t()]], CPU), fingerprint([[weight.t().contiguous()]], CPU)
+    )
