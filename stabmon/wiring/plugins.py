@@ -17,6 +17,7 @@ is contained by the guard, under the plug-in's ``component``.
 
 from __future__ import annotations
 
+import operator
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -85,6 +86,10 @@ PLUGINS: tuple[Factory, ...] = (
     InputStarvation,
     anomaly_policies,  # last: acts on what the judges before it recorded
 )
+
+#: Read in C by Plugged._refresh, after every judged result.
+_NEXT_STEP = operator.attrgetter("next_step")
+_MEASURING = operator.attrgetter("measuring")
 
 #: Submits a device result to the readback queue: (judge, step, tensor).
 Submit = Callable[["DeviceJudge", int, torch.Tensor], None]
@@ -155,6 +160,11 @@ class Plugged:
         self.publishing: tuple[Publishes, ...] = ()
         #: Whether a plug-in measures on the device before / after each optimizer step.
         self.measures_before = self.measures_after = False
+        #: The device plug-ins with a ``measuring`` attribute, and whether one without it (one
+        #: that always measures) is plugged: set at attach, read by _refresh.
+        self._watch_before: tuple[MeasuresOnDevice, ...] = ()
+        self._watch_after: tuple[MeasuresOnDevice, ...] = ()
+        self._always_before = self._always_after = False
         #: Steps completed at which a step_end plug-in is next due (read every step).
         self.next_step = sys.maxsize
 
@@ -184,6 +194,14 @@ class Plugged:
         self._after_step = tuple(
             (p, DeviceJudge(p, self._guard)) for p in device if p.measure_at != "before_step"
         )
+        # Which device plug-ins say whether they measure now (``measuring``); one that does
+        # not always measures.
+        before = [p for p, _ in self._before_step]
+        after = [p for p, _ in self._after_step]
+        self._watch_before = tuple(p for p in before if hasattr(p, "measuring"))
+        self._watch_after = tuple(p for p in after if hasattr(p, "measuring"))
+        self._always_before = len(self._watch_before) < len(before)
+        self._always_after = len(self._watch_after) < len(after)
         self._grads_judged = _bound(plugins, GradsJudged, "grads_judged")
         self._loss_judged = _bound(plugins, LossJudged, "loss_judged")
         self._clip_judged = _bound(plugins, ClipJudged, "clip_judged")
@@ -322,10 +340,14 @@ class Plugged:
 
     def _refresh(self) -> None:
         """Re-read what the step hooks compare each step: the next step_end due, and whether
-        a device plug-in measures now (one that says ``measuring = False`` costs no call)."""
-        self.next_step = self._next_step()
-        self.measures_before = any(getattr(p, "measuring", True) for p, _ in self._before_step)
-        self.measures_after = any(getattr(p, "measuring", True) for p, _ in self._after_step)
+        a device plug-in measures now (one that says ``measuring = False`` costs no call).
+
+        Called after every judged result: read in C (``map`` of an ``attrgetter``), with no
+        generator frame per plug-in, and a plug-in without ``measuring`` (always measuring)
+        is known at attach (issue 38: the judging's host time a step)."""
+        self.next_step = min(map(_NEXT_STEP, self._step_end), default=sys.maxsize)
+        self.measures_before = self._always_before or any(map(_MEASURING, self._watch_before))
+        self.measures_after = self._always_after or any(map(_MEASURING, self._watch_after))
 
     def _next_step(self) -> int:
-        return min((plugin.next_step for plugin in self._step_end), default=sys.maxsize)
+        return min(map(_NEXT_STEP, self._step_end), default=sys.maxsize)
