@@ -6,7 +6,7 @@
 - The *trend* rule (:class:`~stabmon.detectors.trend.MemoryTrend`): memory sampled at step
   ends, at most ``leak_sample_steps`` steps and ``leak_sample_seconds`` of loop time apart,
   keeps growing (Mann-Kendall over bucket floors), for loops whose epochs are long or never
-  end. It is judged at three scales at once (:data:`SCALES`), so its latency is stated in
+  end. It is judged at four scales at once (:data:`SCALES`), so its latency is stated in
   time whatever the step time (0.05 s or 10 s): ``slow`` (floors of 15 x
   ``leak_trend_bucket`` seconds, 150 s by default: a window of an hour, judged from half of
   it) needs ``leak_trend_min_growth`` (2%), so a leak of 5% an hour is flagged within about
@@ -14,10 +14,12 @@
   minutes) needs 5x that (10%), so a leak that doubles memory in 10 minutes is flagged
   within about 2.5 minutes; ``short`` (one sample a floor: 24 samples, at most 240 steps)
   needs 3x that (6%), so a run of a few hundred steps whose memory grows unmistakably (a
-  VAE's +10% in 300 steps) is flagged before it ends. Each scale also needs its window's
-  second half to grow (a warm-up that flattened is no leak), and nothing is sampled before
-  ``leak_trend_warmup_steps`` steps or ``WARMUP_SECONDS`` of loop time, whichever comes
-  first.
+  VAE's +10% in 300 steps) is flagged before it ends; ``steps`` (floors of 10 samples, at
+  most 100 steps) needs 2%, as the rule counted in steps before (a ``total_loss += loss``
+  in a fast loop whose run is over before a time scale has judged). Each scale also needs
+  its window's second half to grow (a warm-up that flattened is no leak), and nothing is
+  sampled before ``leak_trend_warmup_steps`` steps or ``WARMUP_SECONDS`` of loop time,
+  whichever comes first.
 
 A leak reported by one rule is not reported again by the other while either still holds
 (``leak_rule`` picks one or both). The trend's slope also gives
@@ -42,12 +44,14 @@ if TYPE_CHECKING:
 
 __all__ = ["SCALES", "WARMUP_SECONDS", "MemoryLeaks"]
 
-#: The trend rule's scales: name, seconds per floor in units of ``leak_trend_bucket`` (None:
-#: one sample a floor), and the growth each needs in units of ``leak_trend_min_growth``.
-SCALES: tuple[tuple[str, float | None, float], ...] = (
-    ("short", None, 3.0),
-    ("fast", 1.0, 5.0),
-    ("slow", 15.0, 1.0),
+#: The trend rule's scales: name, samples per floor (when floors are counted in samples),
+#: seconds per floor in units of ``leak_trend_bucket`` (when they are measured in time), and
+#: the growth each needs in units of ``leak_trend_min_growth``.
+SCALES: tuple[tuple[str, int, float | None, float], ...] = (
+    ("short", 1, None, 3.0),
+    ("steps", 10, None, 1.0),
+    ("fast", 1, 1.0, 5.0),
+    ("slow", 1, 15.0, 1.0),
 )
 #: Loop time after attach (on the loop clock) after which the trend rule samples, even
 #: before ``leak_trend_warmup_steps`` steps (a loop of 10 s steps warms up in a few).
@@ -172,14 +176,14 @@ class MemoryLeaks:
         self,
         label: str,
         value: float,
-        scale: tuple[str, float | None, float],
+        scale: tuple[str, int, float | None, float],
         verdict: TrendVerdict,
         steps: int | None,
     ) -> None:
         cfg = self._config
-        name, floor_units, _ = scale
+        name, samples, floor_units, _ = scale
         span = (
-            f"{cfg.leak_trend_window} samples"
+            f"{cfg.leak_trend_window * samples} samples"
             if floor_units is None
             else f"{cfg.leak_trend_window * floor_units * cfg.leak_trend_bucket / 60:.0f} min"
         )
@@ -266,10 +270,10 @@ def _new_leak(cfg: Config) -> LeakDetector:
     )  # fmt: skip
 
 
-def _new_trend(cfg: Config, scale: tuple[str, float | None, float]) -> MemoryTrend:
-    _, floor_units, growth_units = scale
+def _new_trend(cfg: Config, scale: tuple[str, int, float | None, float]) -> MemoryTrend:
+    _, samples, floor_units, growth_units = scale
     return MemoryTrend(
-        bucket=1, window=cfg.leak_trend_window, min_floors=cfg.leak_trend_window // 2,
+        bucket=samples, window=cfg.leak_trend_window, min_floors=cfg.leak_trend_window // 2,
         z_threshold=cfg.leak_trend_z, min_growth=cfg.leak_trend_min_growth * growth_units,
         bucket_seconds=None if floor_units is None else floor_units * cfg.leak_trend_bucket,
     )  # fmt: skip
