@@ -342,8 +342,8 @@ def _run_daemon(args: argparse.Namespace) -> int:
         return 2
     from stabmon.export.exporter import address_note
 
-    print(f"stabmon daemon: serving {app.url}{address_note(address)}", flush=True)
-    app.run_until_signalled()
+    line = f"stabmon daemon: serving {app.url}{address_note(address)}"
+    app.run_until_signalled(ready=lambda: print(line, flush=True))  # once signals stop it
     return 0
 
 

@@ -32,7 +32,7 @@ def test_cli_daemon_interval_zero_names_the_flag_not_attach(
 ) -> None:
     assert main(["daemon", "--interval", "0"]) == 2
     line = _one_line_error(capsys)
-    assert "--interval in the command line: expected a number > 0, got 0" in line
+    assert "--interval in the command line: expected a number > 0 and <= 2592000, got 0" in line
     assert "attach()" not in line
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -207,12 +207,13 @@ class DaemonApp:
         if not self._threads[0].alive:  # never shut NVML down under a call still in flight
             self._gpus.close()
 
-    def run_until_signalled(self) -> None:
+    def run_until_signalled(self, ready: Callable[[], None] | None = None) -> None:
         """Serve until SIGTERM, SIGINT or SIGHUP, then stop cleanly (the CLI's main loop).
 
         SIGHUP is a stop, not a reload: a daemon whose terminal closes, or whose supervisor
         sends it for a config change, ends its threads and frees its port, and the
-        supervisor starts it again with the new config (nothing is half reloaded).
+        supervisor starts it again with the new config (nothing is half reloaded). ``ready``
+        is called once the handlers are in place (the CLI prints its serving line there).
         """
 
         def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -222,6 +223,8 @@ class DaemonApp:
         stops = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
         previous = {sig: signal.signal(sig, on_signal) for sig in stops}
         try:
+            if ready is not None:  # only now: a signal sent on seeing it is a clean stop
+                ready()
             while not self._stopped.wait(0.1):
                 pass
         finally:

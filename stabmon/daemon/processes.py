@@ -74,8 +74,10 @@ RECORD_BUDGET_SECONDS = 0.25
 #: Unusable files logged one by one per owner uid and poll; the rest go into one summary line
 #: a poll (rate-limited), so 20,000 junk files never flood the daemon's log.
 LOGGED_PROBLEMS_PER_OWNER = 4
-#: Seconds one poll may spend sampling processes; records past it keep their last sample.
+#: Seconds one poll may spend sampling processes; records past it keep their last sample
+#: (the first MIN_SAMPLED are sampled whatever the time: a loaded node still makes progress).
 POLL_SECONDS = 3.0
+MIN_SAMPLED = 64
 
 _RecordKey = tuple[str, int, int, float]  # run, rank, pid, create_time
 _ChildKey = tuple[int, float]  # pid, create_time
@@ -185,7 +187,7 @@ class ProcessTable:
             if record.exit_status == _CLEAN_EXIT:
                 continue  # finished normally without detach: nothing is down
             key = _record_key(record)
-            if self._budget_clock() > deadline:
+            if len(by_path) >= MIN_SAMPLED and self._budget_clock() > deadline:
                 late += 1  # out of this poll's time: the last sample stands, if any
                 last = self._by_path.get(entry.path)
                 if last is None:

@@ -174,7 +174,8 @@ def scrape_status(
         outcome = outcomes.pop(0)
         run, rank = ("?", "?") if isinstance(target, str) else (target.run, target.rank)
         if isinstance(outcome, BaseException):
-            statuses.append(RankStatus(url=url, run=run, rank=rank, error=_problem(outcome)))
+            problem = _problem(outcome, timeout)
+            statuses.append(RankStatus(url=url, run=run, rank=rank, error=problem))
             continue
         found = _statuses(url, outcome, clock())
         if isinstance(target, str):
@@ -214,13 +215,13 @@ def _plan(
     return url, credentials, None
 
 
-def _problem(error: BaseException) -> str:
+def _problem(error: BaseException, timeout: float) -> str:
     if isinstance(error, urllib.error.HTTPError):  # before URLError, its base class
         hint = " (see --basic-auth-file)" if error.code == 401 else ""
         return f"HTTP {error.code} {error.reason}{hint}"
-    if isinstance(error, TimeoutError) and str(error).startswith("no whole answer"):
-        return str(error)
     reason = getattr(error, "reason", None) or error
+    if isinstance(reason, TimeoutError):  # the deadline, or a read's own timeout just before it
+        return f"no whole answer within {timeout:g} s (see --timeout)"
     return f"{type(error).__name__}: {reason}"
 
 

@@ -77,6 +77,9 @@ MAX_FILES_PER_OWNER = 1024
 MAX_ENTRIES = 65536
 #: Seconds one read of a root may take; the files left are read at the next one.
 READ_SECONDS = 1.0
+#: Files of each owner read whatever the time: a slow disk or a loaded node never leaves
+#: a user with nothing read.
+MIN_FILES_PER_OWNER = 16
 
 #: The run ids used as directory names as they are: letters, digits, ``.``, ``_`` and ``-``,
 #: 1 to 128 characters, not starting with a dot (so never ``.`` or ``..``).
@@ -373,7 +376,8 @@ def read_owned_records(
     Bounded per owner uid, so no user's files push out another's: at most
     ``budget.records_per_owner`` records and ``budget.files_per_owner`` files are read per
     uid, taking one file of each uid in turn, and the whole read ends after
-    ``budget.seconds`` (what is left is one summary problem per uid). Run directories
+    ``budget.seconds``, once each uid had :data:`MIN_FILES_PER_OWNER` files read (what is
+    left is one summary problem per uid). Run directories
     that are symlinks are not entered, and record files are opened without following
     symlinks or blocking (a FIFO or ``/dev/zero`` under a record's name is a problem,
     never a hang).
@@ -393,8 +397,9 @@ def read_owned_records(
             if not paths:
                 active.remove(owner)
                 continue
+            late = opened[owner] >= MIN_FILES_PER_OWNER and budget.clock() > deadline
             if (
-                budget.clock() > deadline
+                late
                 or opened[owner] >= budget.files_per_owner
                 or kept[owner] >= budget.records_per_owner
             ):
