@@ -401,3 +401,13 @@ def test_status_scrapes_20_records_at_a_socket_that_never_answers_within_one_tim
     )  # fmt: skip
     assert result.returncode == 1
     assert result.stdout.count("no whole answer within 2 s") == 20
+
+
+def test_status_refuses_a_run_directory_root_another_user_owns_with_one_line(
+    hostile: Hostile, shared: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = shared / "their-root"
+    hostile.run("import os, sys; os.mkdir(sys.argv[1]); os.chmod(sys.argv[1], 0o1777)", str(root))
+    assert main(["status", "--run-dir", str(root)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "owned by uid 65534" in err
