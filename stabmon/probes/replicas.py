@@ -6,9 +6,12 @@ parameters per module group (:mod:`stabmon.probes.fingerprint`: two int64 per gr
 fingerprints are gathered across the replica group with an asynchronous ``all_gather``
 whose result the device waits for (NCCL: a stream wait, never the host), the vote runs on
 the device and its few floats come back with the Monitor's batched readback a step or more
-later: no host-device synchronisation on the step. The check is keyed to the global
-optimizer step, the same on every rank, so every rank issues the same collectives in the
-same order; it never runs inside an evaluation or any phase some ranks skip.
+later: no host-device synchronisation on the step. The check is keyed to the optimizer
+steps this probe has seen since attach, the same count on every rank, so every rank issues
+the same collectives in the same order; not to the step's number, which a resumed run may
+number differently on some ranks (one that restored a Monitor state the others did not):
+ranks that gathered at different iterations would pair the gather with another collective
+and hang. It never runs inside an evaluation or any phase some ranks skip.
 
 The replica group is found, not configured: a model wrapped in DistributedDataParallel
 compares across its process group; parameters that are DTensors on a 2-D mesh (HSDP,
@@ -118,6 +121,8 @@ class ReplicaProbe:
         )
         #: "host GPU-uuid" of each member, learnt at the first check.
         self.where: list[str] = []
+        #: Optimizer steps seen since attach: what the checks are keyed to (every rank alike).
+        self._seen = 0
 
     @classmethod
     def create(cls, context: Context) -> ReplicaProbe | None:
@@ -141,7 +146,8 @@ class ReplicaProbe:
     def measure(self, step: int) -> torch.Tensor | None:
         """After optimizer step ``step``, when due: fingerprint, gather and vote, all on the
         device; the vote (:func:`stabmon.probes.fingerprint.vote`) is read back later."""
-        if (step + 1) % self._every:
+        self._seen += 1
+        if self._seen % self._every:
             return None
         replicas = self.replicas
         if not self.where:

@@ -8,7 +8,9 @@ MODE: ``flip`` (one mantissa bit of ``blocks.1.0.weight`` flipped on rank 2 afte
 gradient bucket views), ``straggler``
 (rank 1 sleeps a little each step), ``fsdp`` (``fully_shard`` on a 1-D mesh: no replicas),
 ``hsdp`` (``fully_shard`` on a 2x2 mesh, replicate x shard; rank 2's shard corrupted after
-``FLIP_AFTER``). Checks run every ``CHECK_EVERY`` steps.
+``FLIP_AFTER``), ``skew`` (``flip`` in a resumed run whose step numbering differs across
+ranks: rank 0 restored a Monitor state of step ``SKEW``, the others none). Checks run every
+``CHECK_EVERY`` steps; a collective that waits more than a minute fails the job.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -26,6 +29,7 @@ import stabmon
 FLIP_AFTER = 50
 CHECK_EVERY = 10
 CORRUPTED_RANK = 2
+SKEW = 7
 
 
 class Net(nn.Module):
@@ -71,7 +75,7 @@ def build(mode: str) -> tuple[nn.Module, nn.Module]:
 
 def main() -> None:
     run_dir, mode, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()
     model, net = build(mode)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -79,6 +83,9 @@ def main() -> None:
         model, optimizer, port=0, run_dir=run_dir, run_id=f"replicas-{mode}",
         replica_check_steps=CHECK_EVERY,
     )  # fmt: skip
+    if mode == "skew" and rank == 0:  # resumed from a state the other ranks did not load
+        state = monitor.state_dict()
+        monitor.load_state_dict({**state, "step": SKEW})
     generator = torch.Generator().manual_seed(1000 + rank)
     accumulate = 2 if mode == "clean" else 1
     for step in range(steps):
@@ -96,7 +103,7 @@ def main() -> None:
         if mode == "straggler" and rank == 1:
             time.sleep(0.002)
         corrupted = 0 if mode == "flip2" else CORRUPTED_RANK  # flip2: a job of two ranks
-        if mode in ("flip", "flip2", "hsdp") and rank == corrupted and step == FLIP_AFTER:
+        if mode in ("flip", "flip2", "hsdp", "skew") and rank == corrupted and step == FLIP_AFTER:
             weight = net.blocks[1][0].weight
             flip_one_bit(weight.to_local() if hasattr(weight, "to_local") else weight)
     monitor.detach()

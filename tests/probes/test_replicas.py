@@ -65,6 +65,22 @@ def test_one_flipped_bit_on_rank_2_is_named_at_the_next_check_on_every_rank(
 
 
 @pytest.mark.slow
+def test_ranks_resumed_with_different_step_numbers_check_together_and_name_the_culprit(
+    tmp_path: Path,
+) -> None:
+    # Rank 0 restored a Monitor state of step 7, the others started at 0: the checks are
+    # keyed to the optimizer steps this Monitor saw, the same count on every rank, so every
+    # rank gathers at the same iteration (no collective paired with another, no hang) and
+    # each reports the mismatch under its own step numbering.
+    records = run_ranks(tmp_path, "skew", 70)
+
+    for rank, logged in records.items():
+        (first, *_) = mismatches(logged)
+        assert first["culprit_ranks"] == [2]
+        assert first["step"] == 59 + (7 if rank == 0 else 0)
+
+
+@pytest.mark.slow
 def test_two_replicas_that_differ_report_a_mismatch_without_a_culprit(tmp_path: Path) -> None:
     records = run_ranks(tmp_path, "flip2", 70, ranks=2)
 
