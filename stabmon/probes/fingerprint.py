@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["ROW", "fingerprint", "vote", "vote_layout"]
+__all__ = ["ABSTAIN", "ROW", "abstention", "fingerprint", "vote", "vote_layout"]
 
 #: Row length of the position-weighted sum: the weights are one vector of this many int64.
 ROW = 1024
@@ -33,6 +33,10 @@ _INTEGER_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _weights: dict[torch.device, torch.Tensor] = {}
 #: Odd (so multiplying by it is a bijection modulo 2^64): the golden-ratio constant, signed.
 _KEY_MULTIPLIER = 0x9E3779B97F4A7C15 - 2**64
+#: Every value of the fingerprint a rank sends when it could not take one (an error on that
+#: rank alone, e.g. out of memory): it still takes part in the gather, so the others do not
+#: wait for it forever, and the vote leaves it out.
+ABSTAIN = -(2**63)
 
 
 def _row_weights(device: torch.device) -> torch.Tensor:
@@ -91,6 +95,11 @@ def fingerprint(buckets: Sequence[Sequence[torch.Tensor]], device: torch.device)
     return torch.stack([_bucket_sums(tensors, device) for tensors in buckets])
 
 
+def abstention(buckets: int, device: torch.device) -> torch.Tensor:
+    """The fingerprint of a rank that could not take one: :data:`ABSTAIN` everywhere."""
+    return torch.full((buckets, 2), ABSTAIN, dtype=torch.int64, device=device)
+
+
 def vote_layout(replicas: int, buckets: int) -> tuple[int, int, int]:
     """Offsets of :func:`vote`'s three parts: (mismatch per bucket, majority per bucket,
     culprit per replica) in its flat output, and its length."""
@@ -107,18 +116,25 @@ def vote(gathered: torch.Tensor) -> torch.Tensor:
       majority, or 0 (no culprit, or no majority).
     """
     replicas, buckets, _ = gathered.shape
+    device = gathered.device
+    # Replicas that sent :func:`abstention` take no part: not compared, not counted.
+    voting = ~(gathered == ABSTAIN).flatten(1).all(dim=1)  # [replicas]
+    voters = voting.sum()
     # One sort key per (replica, bucket): equal pairs give equal keys, and unequal pairs
     # (almost surely) unequal ones; every pair is then compared whole with the median's.
+    # The abstaining replicas are sorted after the others (a second, stable sort).
     key = gathered[..., 0] * _KEY_MULTIPLIER + gathered[..., 1]
     order = torch.sort(key, dim=0, stable=True).indices
-    middle = order[replicas // 2]  # [buckets]: which replica holds the median
-    median = gathered[middle, torch.arange(buckets, device=gathered.device)]  # [buckets, 2]
-    differs = (gathered != median.unsqueeze(0)).any(dim=-1)  # [replicas, buckets]
-    agreeing = (~differs).sum(dim=0)
-    majority = agreeing * 2 > replicas
-    mismatch = (gathered != gathered[:1]).any(dim=-1).any(dim=0)
+    order = order.gather(0, torch.sort((~voting)[order].int(), dim=0, stable=True).indices)
+    middle = order.gather(0, (voters // 2).expand(1, buckets))[0]  # [buckets]: the median's
+    median = gathered[middle, torch.arange(buckets, device=device)]  # [buckets, 2]
+    votes = voting.unsqueeze(1)  # [replicas, 1]
+    differs = (gathered != median.unsqueeze(0)).any(dim=-1) & votes  # [replicas, buckets]
+    agreeing = (~differs & votes).sum(dim=0)
+    majority = agreeing * 2 > voters
+    mismatch = differs.any(dim=0)  # a voter differs from the median: they do not all agree
     blamed = differs & majority.unsqueeze(0)
-    positions = torch.arange(1, buckets + 1, device=gathered.device)
+    positions = torch.arange(1, buckets + 1, device=device)
     first = torch.where(blamed, positions, buckets + 1).min(dim=1).values
     culprit = torch.where(first <= buckets, first, 0)
     return torch.cat([mismatch.float(), majority.float(), culprit.float()])

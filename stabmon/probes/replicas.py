@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from stabmon.extension import Context
-from stabmon.probes.fingerprint import fingerprint, vote
+from stabmon.probes.fingerprint import abstention, fingerprint, vote
 from stabmon.probes.grads import group_name
 from stabmon.probes.identity import torch_device_uuids
 from stabmon.probes.module_groups import automatic_groups
@@ -153,18 +153,27 @@ class ReplicaProbe:
         if not self.where:
             self.where = self._gather_where()
         device = self._buckets[0][0].device
-        local = fingerprint(self._buckets, device)
+        failed: Exception | None = None
+        try:
+            local = fingerprint(self._buckets, device)
+        except Exception as error:  # this rank alone (out of memory...): the others gather
+            failed, local = error, abstention(len(self._buckets), device)
         gathered = [torch.empty_like(local) for _ in replicas.ranks]
         work = dist.all_gather(gathered, local, group=replicas.group, async_op=True)
         if work is not None:
             work.wait()  # NCCL: the current stream waits for the collective; the host does not
+        if failed is not None:
+            raise failed  # contained and counted; the others judged without this rank
         return vote(torch.stack(gathered))
 
     def _gather_where(self) -> list[str]:
         """Each member's host and GPU, once (a small object gather at the first check)."""
         device = self._buckets[0][0].device
-        uuids = torch_device_uuids([device])
-        mine = f"{socket.gethostname()} {uuids[0] if uuids else device}"
+        try:  # a failure here must not leave the others waiting in the gather
+            uuids = torch_device_uuids([device])
+            mine = f"{socket.gethostname()} {uuids[0] if uuids else device}"
+        except Exception:
+            mine = "host unknown"
         where: list[Any] = [None] * len(self.ranks)
         dist.all_gather_object(where, mine, group=self.replicas.group)
         return [str(item) for item in where]

@@ -9,7 +9,9 @@ gradient bucket views), ``straggler``
 (rank 1 sleeps a little each step), ``fsdp`` (``fully_shard`` on a 1-D mesh: no replicas),
 ``hsdp`` (``fully_shard`` on a 2x2 mesh, replicate x shard; rank 2's shard corrupted after
 ``FLIP_AFTER``), ``skew`` (``flip`` in a resumed run whose step numbering differs across
-ranks: rank 0 restored a Monitor state of step ``SKEW``, the others none). Checks run every
+ranks: rank 0 restored a Monitor state of step ``SKEW``, the others none), ``fail``
+(``flip``, and rank 1's fingerprints fail from ``FLIP_AFTER`` on: an injected error, as an
+out-of-memory on that rank alone would be). Checks run every
 ``CHECK_EVERY`` steps; a collective that waits more than a minute fails the job.
 """
 
@@ -30,6 +32,7 @@ FLIP_AFTER = 50
 CHECK_EVERY = 10
 CORRUPTED_RANK = 2
 SKEW = 7
+FLIPPED = ("flip", "flip2", "hsdp", "skew", "fail")
 
 
 class Net(nn.Module):
@@ -86,6 +89,18 @@ def main() -> None:
     if mode == "skew" and rank == 0:  # resumed from a state the other ranks did not load
         state = monitor.state_dict()
         monitor.load_state_dict({**state, "step": SKEW})
+    if mode == "fail" and rank == 1:
+        import stabmon.probes.replicas as replicas
+
+        taken = replicas.fingerprint
+
+        def failing(*args: object, **kwargs: object) -> torch.Tensor:
+            if failing.now:  # type: ignore[attr-defined]
+                raise MemoryError("injected: out of memory on rank 1 alone")
+            return taken(*args, **kwargs)  # type: ignore[arg-type]
+
+        failing.now = False  # type: ignore[attr-defined]
+        replicas.fingerprint = failing  # type: ignore[assignment]
     generator = torch.Generator().manual_seed(1000 + rank)
     accumulate = 2 if mode == "clean" else 1
     for step in range(steps):
@@ -103,7 +118,9 @@ def main() -> None:
         if mode == "straggler" and rank == 1:
             time.sleep(0.002)
         corrupted = 0 if mode == "flip2" else CORRUPTED_RANK  # flip2: a job of two ranks
-        if mode in ("flip", "flip2", "hsdp", "skew") and rank == corrupted and step == FLIP_AFTER:
+        if mode == "fail" and rank == 1 and step == FLIP_AFTER:
+            replicas.fingerprint.now = True  # type: ignore[attr-defined]
+        if mode in FLIPPED and rank == corrupted and step == FLIP_AFTER:
             weight = net.blocks[1][0].weight
             flip_one_bit(weight.to_local() if hasattr(weight, "to_local") else weight)
     monitor.detach()

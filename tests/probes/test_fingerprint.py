@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stabmon.probes.fingerprint import ROW, fingerprint, vote, vote_layout
+from stabmon.probes.fingerprint import ROW, abstention, fingerprint, vote, vote_layout
 
 CPU = torch.device("cpu")
 MASK = 2**64
@@ -140,3 +140,22 @@ def test_a_non_contiguous_parameter_reads_as_its_values_in_logical_order() -> No
     assert torch.equal(
         fingerprint([[weight.t()]], CPU), fingerprint([[weight.t().contiguous()]], CPU)
     )
+
+
+def test_a_replica_that_abstains_is_left_out_of_the_vote() -> None:
+    # A rank whose fingerprint failed (an error on it alone) still joins the gather with
+    # abstention(): the others are judged among themselves, and it is never named.
+    rows = _replicas(4, {2: 1})
+    rows[1] = abstention(3, CPU)
+    mismatch, majority, culprit = _read(vote(rows), 4)
+    assert mismatch == [0, 1, 0] and majority == [1, 1, 1]  # replicas 0 and 3 outvote 2
+    assert culprit == [0, 0, 2, 0]
+
+    clean = _replicas(3, {})
+    clean[0] = abstention(3, CPU)
+    mismatch, majority, culprit = _read(vote(clean), 3)
+    assert not any(mismatch) and not any(culprit)
+
+    alone = torch.stack([abstention(3, CPU)] * 2)
+    mismatch, _, culprit = _read(vote(alone), 2)
+    assert not any(mismatch) and not any(culprit)

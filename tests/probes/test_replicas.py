@@ -81,6 +81,21 @@ def test_ranks_resumed_with_different_step_numbers_check_together_and_name_the_c
 
 
 @pytest.mark.slow
+def test_a_rank_whose_fingerprint_fails_still_gathers_and_the_others_judge_without_it(
+    tmp_path: Path,
+) -> None:
+    # Rank 1's fingerprint raises from step 50 on (injected): it joins the gather with an
+    # abstention instead of leaving the others waiting in it forever; ranks 0 and 3 outvote
+    # the corrupted rank 2, and rank 1 is never named.
+    records = run_ranks(tmp_path, "fail", 70)
+
+    for rank in (0, 2, 3):
+        (first, *_) = mismatches(records[rank])
+        assert first["step"] == 59 and first["culprit_ranks"] == [2]
+    assert not mismatches(records[1])
+
+
+@pytest.mark.slow
 def test_two_replicas_that_differ_report_a_mismatch_without_a_culprit(tmp_path: Path) -> None:
     records = run_ranks(tmp_path, "flip2", 70, ranks=2)
 
