@@ -319,8 +319,9 @@ def check_root(root: Path, *, uid: int | None = None) -> None:
     It must be a real directory (not a symlink, which another user could point anywhere),
     owned by root or by ``uid`` (this process's effective uid): a root another user owns
     (any name under /tmp that did not exist yet) is theirs to empty, swap or read. When
-    others may write it, it must be sticky (mode 1777, like /tmp), so no user can rename
-    or remove another's run directory. A root that does not exist is no error here.
+    every user may write it, it must be sticky (mode 1777, like /tmp), so no user can
+    rename or remove another's run directory (a group-writable root trusts its group).
+    A root that does not exist is no error here.
     """
     mine = os.geteuid() if uid is None else uid
     try:
@@ -341,11 +342,11 @@ def check_root(root: Path, *, uid: int | None = None) -> None:
             "run_dir of your own",
             str(root),
         )
-    if info.st_mode & (stat.S_IWOTH | stat.S_IWGRP) and not info.st_mode & stat.S_ISVTX:
+    if info.st_mode & stat.S_IWOTH and not info.st_mode & stat.S_ISVTX:
         raise UnsafePathError(
             0,
-            f"is writable by others (mode {stat.S_IMODE(info.st_mode):o}) without the sticky "
-            "bit: any user could rename or remove another's run. chmod 1777 it",
+            f"is writable by every user (mode {stat.S_IMODE(info.st_mode):o}) without the "
+            "sticky bit: any user could rename or remove another's run. chmod 1777 it",
             str(root),
         )
 
