@@ -23,10 +23,14 @@ is printed apart (``torch calls``), so the Python share can be read on its own.
 
 Usage::
 
-    python bench/host_time.py [--steps 60] [--device cpu|cuda] [--wall] [--json PATH] [--profile]
+    python bench/host_time.py [--steps 30] [--device cpu|cuda|fake-cuda] [--wall] [--json PATH]
 
 Runs in well under a minute on two CPU cores. ``--device cuda`` times the same on a GPU
-(the figure issue 38 sets a bound for: at most ~100 us a step).
+(the figure issue 38 sets a bound for: at most ~100 us a step). ``--device fake-cuda`` runs it
+on tests/fake_cuda.py's fake runtime, where stabmon takes its CUDA branches (phase events,
+pinned copies, event queries) on a machine without a GPU: its operators cost far more than
+CUDA launches, so its times compare runs of that mode only (``--steps 16 --blocks 3``: each
+fake step takes about half a second).
 """
 
 from __future__ import annotations
@@ -59,6 +63,9 @@ from stabmon.wiring import hooks as hooks_module  # noqa: E402
 STABMON_DIR = str(Path(stabmon.__file__).resolve().parent)
 #: Steps after attach before anything is measured: past the FLOPs count and the first judgement.
 WARMUP_STEPS = 30
+#: The gradient norms' kernels (stabmon.probes.grads), timed apart: the host computes them on
+#: a CPU; on CUDA each is one launch.
+KERNELS = ("_foreach_norm", "stack")
 #: Entry points, in the order a step reaches them.
 ENTRY_POINTS = ("forward_pre", "forward_post", "clip", "step_pre", "step_post", "observe")
 
@@ -70,11 +77,30 @@ class Clock:
         self.clock = clock
         self.ns = dict.fromkeys(ENTRY_POINTS, 0)
         self.calls = dict.fromkeys(ENTRY_POINTS, 0)
+        #: Inside the entry points: time in the gradient norms' kernels (computed by the host
+        #: on a CPU, one launch each on CUDA).
+        self.kernel_ns = 0
         self.inside = False
 
     def reset(self) -> None:
         for name in ENTRY_POINTS:
             self.ns[name] = self.calls[name] = 0
+        self.kernel_ns = 0
+
+    def kernel(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        """``function`` (a torch kernel), its time inside an entry point counted apart."""
+        clock = self.clock
+
+        def kernel(*args: Any, **kwargs: Any) -> Any:
+            if not self.inside:
+                return function(*args, **kwargs)
+            started = clock()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.kernel_ns += clock() - started
+
+        return kernel
 
     def timed(self, name: str, function: Callable[..., Any]) -> Callable[..., Any]:
         ns, calls, clock = self.ns, self.calls, self.clock
@@ -131,9 +157,14 @@ def instrumented(loop: gpu_gpt.Loop, monitor: stabmon.Monitor, clock: Clock) -> 
     cell.cell_contents = clock.outside("clip", original)
     clip_grad._clip_grads_with_norm_ = clock.timed("clip", wrapper)  # type: ignore[assignment]
     monitor.observe = clock.timed("observe", monitor.observe)  # type: ignore[method-assign]
+    kernels = {name: getattr(torch, name) for name in KERNELS}
+    for name, function in kernels.items():
+        setattr(torch, name, clock.kernel(function))
     try:
         yield
     finally:
+        for name, function in kernels.items():
+            setattr(torch, name, function)
         del monitor.observe
         clip_grad._clip_grads_with_norm_ = wrapper  # type: ignore[assignment]
         cell.cell_contents = original
@@ -211,11 +242,15 @@ def count_calls(loop: gpu_gpt.Loop, monitor: stabmon.Monitor, clock: Clock, step
     python = torch_calls = 0
     frames: dict[str, int] = {}
 
+    kernel = Clock().kernel(len).__code__  # the wrapper of a timed kernel: a torch call
+
     def profile(frame: Any, event: str, arg: Any) -> None:
         nonlocal python, torch_calls
         if event == "call":
             code = frame.f_code
-            if code.co_filename.startswith(STABMON_DIR):
+            if code is kernel and frame.f_back.f_code.co_filename.startswith(STABMON_DIR):
+                torch_calls += 1
+            elif code.co_filename.startswith(STABMON_DIR):
                 python += 1
                 key = f"{Path(code.co_filename).name}:{code.co_name}"
                 frames[key] = frames.get(key, 0) + 1
@@ -235,23 +270,88 @@ def count_calls(loop: gpu_gpt.Loop, monitor: stabmon.Monitor, clock: Clock, step
         "python_calls": python / steps,
         "torch_calls": torch_calls / steps,
         "operators": counts.operators / steps,
-        "top_frames": dict(sorted(frames.items(), key=lambda kv: -kv[1])[:25]),
+        "top_frames": {k: v / steps for k, v in sorted(frames.items(), key=lambda kv: -kv[1])[:40]},
     }
 
 
+class FakeCudaLoop(gpu_gpt.Loop):
+    """The same GPT loop on the fake CUDA runtime (tests/fake_cuda.py): stabmon takes its CUDA
+    branches (device phase events, pinned copies, event queries), which a CPU loop never
+    reaches. No figure of the model is real; the backward is stood in for (a fresh gradient
+    for each parameter), and each fake operator costs far more than a CUDA launch, so compare
+    runs of this mode with each other only."""
+
+    def __init__(self, shape: gpu_gpt.Shape, cuda: Any) -> None:
+        torch.manual_seed(0)
+        self.shape, self.device, self.cuda = shape, torch.device("cuda"), cuda
+        with torch.device("cuda"):  # a fake tensor cannot move: built on the device
+            self.model = gpu_gpt.GPT(vocab=shape.vocab, width=shape.width, layers=shape.layers,
+                                     heads=shape.heads, context=shape.context)  # fmt: skip
+        self.trained = self.model
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=True)
+        self.batches = [
+            torch.randint(0, shape.vocab, (shape.batch, shape.context + 1), device="cuda")
+            for _ in range(2)
+        ]  # fmt: skip
+        self.index = 0
+
+    def step(self, monitor: stabmon.Monitor | None = None) -> None:
+        self.cuda.device.catch_up()  # the device runs a step behind the host
+        loss = self.loss()
+        self.cuda.stand_in_backward(self.model.parameters())
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if monitor is not None:
+            monitor.observe(loss=loss)
+
+    def synchronize(self) -> None:
+        self.cuda.device.catch_up()
+
+
+@contextmanager
+def fake_cuda_loop(shape: gpu_gpt.Shape) -> Iterator[FakeCudaLoop]:
+    """A :class:`FakeCudaLoop` inside the fake runtime, which is undone at the end."""
+    import pytest
+
+    sys.path.insert(0, str(HERE.parent / "tests"))
+    from fake_cuda import fake_cuda
+
+    with pytest.MonkeyPatch.context() as patch, fake_cuda(patch) as cuda:
+        patch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
+        yield FakeCudaLoop(shape, cuda)
+        cuda.assert_clean()
+
+
 def measure(
-    *, device: str = "cpu", steps: int = 60, blocks: int = 3, profile: bool = False,
+    *, device: str = "cpu", steps: int = 30, blocks: int = 5, profile: bool = False,
     shape: gpu_gpt.Shape = gpu_gpt.SMALL, count_steps: int = 10, wall: bool = False,
+    warmup: int = WARMUP_STEPS,
 ) -> dict[str, Any]:  # fmt: skip
     """stabmon's host microseconds per step at each entry point, the median of ``blocks``:
-    the training thread's CPU time, or with ``wall`` its wall time (preemption included)."""
-    loop = gpu_gpt.Loop(shape, compiled=False, device=device)
+    the training thread's CPU time, or with ``wall`` its wall time (preemption included).
+    ``device`` "fake-cuda" runs on the fake CUDA runtime (:class:`FakeCudaLoop`)."""
+    if device == "fake-cuda":
+        with fake_cuda_loop(shape) as fake:
+            return _measure(fake, steps=steps, blocks=blocks, profile=profile,
+                            count_steps=count_steps, wall=wall, warmup=warmup)  # fmt: skip
+    return _measure(gpu_gpt.Loop(shape, compiled=False, device=device), steps=steps,
+                    blocks=blocks, profile=profile, count_steps=count_steps, wall=wall,
+                    warmup=warmup)  # fmt: skip
+
+
+def _measure(
+    loop: gpu_gpt.Loop, *, steps: int, blocks: int, profile: bool, count_steps: int,
+    wall: bool, warmup: int,
+) -> dict[str, Any]:  # fmt: skip
+    shape, device = loop.shape, "fake-cuda" if isinstance(loop, FakeCudaLoop) else loop.device.type
     for _ in range(3):
         loop.step()
     plain_ms = 1000 * loop.block(max(5, steps // 10)) / max(5, steps // 10)
     clock = Clock(time.perf_counter_ns if wall else time.thread_time_ns)
     overhead_ns = timer_cost_ns(clock)
     per_block: list[dict[str, float]] = []
+    kernels: list[float] = []
     result: dict[str, Any] = {
         "model": f"{shape.name}: {shape.layers}x{shape.width}, {shape.heads} heads, vocab "
         f"{shape.vocab}, batch {shape.batch}x{shape.context}, bf16 autocast, fused AdamW, clip",
@@ -260,20 +360,22 @@ def measure(
         "torch": torch.__version__,
         "plain_ms_per_step": plain_ms,
         "timer_overhead_ns_per_call": overhead_ns,
-        "module_hook_dispatch_us": module_hook_cost_us(device),
+        "module_hook_dispatch_us": module_hook_cost_us("cpu" if device == "fake-cuda" else device),
     }
     with tempfile.TemporaryDirectory() as scratch:
         with gpu_gpt.attached(loop, Path(scratch)) as monitor:
-            loop.block(WARMUP_STEPS, monitor)
+            loop.block(warmup, monitor)
             with instrumented(loop, monitor, clock):
                 for _ in range(blocks):
                     clock.reset()
                     gc.collect()
                     loop.block(steps, monitor)
+                    calls = {name: clock.calls[name] / steps for name in ENTRY_POINTS}
                     per_block.append({
                         name: (clock.ns[name] - clock.calls[name] * overhead_ns) / steps / 1000
                         for name in ENTRY_POINTS
                     })  # fmt: skip
+                    kernels.append(clock.kernel_ns / steps / 1000)
                 result.update(count_calls(loop, monitor, clock, count_steps))
                 if profile:
                     profiler = cProfile.Profile()
@@ -283,9 +385,16 @@ def measure(
             result["internal_errors"] = gpu_gpt.internal_errors(monitor)
     entry = {name: statistics.median(b[name] for b in per_block) for name in ENTRY_POINTS}
     result["us_per_step"] = entry
+    result["entry_calls_per_step"] = calls
     totals = [sum(b.values()) for b in per_block]
     result["stabmon_us_per_step"] = statistics.median(totals)
     result["stabmon_us_per_step_blocks"] = totals
+    # A shared machine only adds time: the quietest block is the best estimate of the cost.
+    result["stabmon_us_per_step_min"] = min(totals)
+    result["kernel_us_per_step"] = statistics.median(kernels)
+    without = [total - kernel for total, kernel in zip(totals, kernels, strict=True)]
+    result["without_kernels_us_per_step"] = statistics.median(without)
+    result["without_kernels_us_per_step_min"] = min(without)
     if profile:
         stats = pstats.Stats(profiler)
         stats.sort_stats("cumulative").print_stats(STABMON_DIR, 40)
@@ -299,7 +408,11 @@ def report(result: dict[str, Any]) -> str:
         f"stabmon host time ({result['clock']}): {result['stabmon_us_per_step']:.1f} us/step "
         "(median of blocks "
         + ", ".join(f"{t:.1f}" for t in result["stabmon_us_per_step_blocks"])
-        + f"), + ~{result['module_hook_dispatch_us']:.1f} us of torch's hooked Module.__call__",
+        + f"; min {result['stabmon_us_per_step_min']:.1f}), + ~"
+        f"{result['module_hook_dispatch_us']:.1f} us of torch's hooked Module.__call__",
+        f"  of which the gradient norms' kernels {result['kernel_us_per_step']:.1f} us; without "
+        f"them {result['without_kernels_us_per_step']:.1f} us/step "
+        f"(min {result['without_kernels_us_per_step_min']:.1f})",
         "  " + ", ".join(f"{name} {us:.1f}" for name, us in result["us_per_step"].items()),
         f"per step: {result['python_calls']:.1f} stabmon Python calls, "
         f"{result['torch_calls']:.1f} torch calls, {result['operators']:.1f} operators "
@@ -310,9 +423,9 @@ def report(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60, help="steps per timed block")
-    parser.add_argument("--blocks", type=int, default=3, help="timed blocks (the median)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--steps", type=int, default=30, help="steps per timed block")
+    parser.add_argument("--blocks", type=int, default=5, help="timed blocks (the median)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or fake-cuda")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--wall", action="store_true", help="wall time, not thread CPU time")
     parser.add_argument("--json", type=Path, help="also write the results here")
