@@ -91,8 +91,9 @@ class Readback(Generic[Tag]):
     def _copy(self, tag: Tag, values: torch.Tensor) -> None:
         slot = self._take_slot(values)
         slot.host.copy_(values, non_blocking=True)
-        # The copy runs on the source device's stream, which need not be the current device's.
-        slot.event.record(torch.cuda.current_stream(values.device))
+        # The copy runs on the source device's stream, which need not be the current device's;
+        # an index, not ``values.device``: no device object to build and parse per copy.
+        slot.event.record(torch.cuda.current_stream(values.get_device()))
         self._queue(_Pending(tag, slot))
 
     def _queue(self, pending: _Pending[Tag]) -> None:

@@ -62,9 +62,11 @@ def _record_on_current_stream(event: Any) -> None:
 
 def recorder_for(device: torch.device) -> Callable[[Any], None]:
     """Records events on ``device``'s current stream, where the loop issues its work."""
+    # Its index when it has one: current_stream() parses a device object at every call.
+    where: torch.device | int = device if device.index is None else device.index
 
     def record(event: Any) -> None:
-        event.record(torch.cuda.current_stream(device))
+        event.record(torch.cuda.current_stream(where))
 
     return record
 
