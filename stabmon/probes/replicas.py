@@ -64,10 +64,14 @@ def find_replica_group(model: torch.nn.Module) -> ReplicaGroup | str:
     ddp = torch.nn.parallel.DistributedDataParallel
     if isinstance(model, ddp):
         group = model.process_group
-        named = tuple((n, p) for n, p in model.module.named_parameters() if p.requires_grad)
+        named = tuple(_ddp_synchronised(model))
         return ReplicaGroup(group, tuple(dist.get_process_group_ranks(group)), named, "DDP")
-    named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    meshes = {id(p.device_mesh): p for _, p in named_params if hasattr(p, "device_mesh")}
+    # Frozen parameters too: a corrupted frozen weight (a fine-tuned base model) skews that
+    # replica's gradients from then on while the trained ones stay identical (all-reduced).
+    # Plain tensors beside DTensors (a module fully_shard left out) are not known to be
+    # replicated the mesh's way: left out.
+    named_params = [(n, p) for n, p in model.named_parameters() if hasattr(p, "device_mesh")]
+    meshes = {id(p.device_mesh): p for _, p in named_params}
     if not meshes:
         return (
             "the model is not wrapped in DistributedDataParallel and its parameters are not "
@@ -91,6 +95,19 @@ def find_replica_group(model: torch.nn.Module) -> ReplicaGroup | str:
     return ReplicaGroup(
         group, tuple(dist.get_process_group_ranks(group)), named, f"HSDP mesh dimension {label}"
     )
+
+
+def _ddp_synchronised(model: Any) -> list[tuple[str, torch.Tensor]]:
+    """The parameters DDP keeps identical: every one, frozen ones too, but those it was told
+    to ignore (``_set_params_and_buffers_to_ignore_for_model``: they may differ by design);
+    the ones whose all-reduce it delays are in that set too, yet all-reduced, so kept."""
+    ignored = set(getattr(model, "parameters_to_ignore", ()))
+    delayed = {id(p) for p in getattr(model, "_delay_all_reduce_params", ())}
+    return [
+        (name, param)
+        for name, param in model.module.named_parameters()
+        if name not in ignored or id(param) in delayed
+    ]
 
 
 def parameter_buckets(

@@ -11,7 +11,9 @@ gradient bucket views), ``straggler``
 ``FLIP_AFTER``), ``skew`` (``flip`` in a resumed run whose step numbering differs across
 ranks: rank 0 restored a Monitor state of step ``SKEW``, the others none), ``fail``
 (``flip``, and rank 1's fingerprints fail from ``FLIP_AFTER`` on: an injected error, as an
-out-of-memory on that rank alone would be). Checks run every
+out-of-memory on that rank alone would be), ``frozen`` (``flip`` of the frozen ``stem``,
+beside a parameter DDP is told to ignore whose value differs on every rank by design).
+Checks run every
 ``CHECK_EVERY`` steps; a collective that waits more than a minute fails the job.
 """
 
@@ -32,7 +34,7 @@ FLIP_AFTER = 50
 CHECK_EVERY = 10
 CORRUPTED_RANK = 2
 SKEW = 7
-FLIPPED = ("flip", "flip2", "hsdp", "skew", "fail")
+FLIPPED = ("flip", "flip2", "hsdp", "skew", "fail", "frozen")
 
 
 class Net(nn.Module):
@@ -73,6 +75,12 @@ def build(mode: str) -> tuple[nn.Module, nn.Module]:
             fully_shard(block, mesh=mesh)
         fully_shard(net, mesh=mesh)
         return net, net
+    if mode == "frozen":
+        net.stem.requires_grad_(False)  # frozen, as a fine-tuned base model is
+        net.local = nn.Module()  # a submodule: DDP's reducer names a top-level one ".name"
+        net.local.scale = nn.Parameter(torch.full((3,), float(dist.get_rank())))
+        ddp = nn.parallel.DistributedDataParallel
+        ddp._set_params_and_buffers_to_ignore_for_model(net, ["local.scale"])
     return nn.parallel.DistributedDataParallel(net), net
 
 
@@ -121,7 +129,7 @@ def main() -> None:
         if mode == "fail" and rank == 1 and step == FLIP_AFTER:
             replicas.fingerprint.now = True  # type: ignore[attr-defined]
         if mode in FLIPPED and rank == corrupted and step == FLIP_AFTER:
-            weight = net.blocks[1][0].weight
+            weight = net.stem.weight if mode == "frozen" else net.blocks[1][0].weight
             flip_one_bit(weight.to_local() if hasattr(weight, "to_local") else weight)
     monitor.detach()
     dist.destroy_process_group()

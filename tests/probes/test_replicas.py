@@ -96,6 +96,20 @@ def test_a_rank_whose_fingerprint_fails_still_gathers_and_the_others_judge_witho
 
 
 @pytest.mark.slow
+def test_a_frozen_parameter_is_compared_and_one_ddp_ignores_is_not(tmp_path: Path) -> None:
+    # A corrupted frozen weight (a fine-tuned base model) makes its replica compute wrong
+    # gradients from then on, while the trained parameters stay identical (all-reduced):
+    # only comparing the frozen weight itself finds it. A parameter DDP is told to ignore
+    # may differ across ranks by design: never a mismatch.
+    records = run_ranks(tmp_path, "frozen", 70)
+
+    for rank, logged in records.items():
+        (first, *_) = mismatches(logged)
+        assert first["step"] == 59, (rank, first["detail"])
+        assert first["culprit_ranks"] == [2] and first["groups"] == ["stem"]
+
+
+@pytest.mark.slow
 def test_two_replicas_that_differ_report_a_mismatch_without_a_culprit(tmp_path: Path) -> None:
     records = run_ranks(tmp_path, "flip2", 70, ranks=2)
 
