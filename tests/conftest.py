@@ -22,7 +22,7 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402 (after OMP_NUM_THREADS)
-from process_groups import become_subreaper, describe, kill_group, stray_processes  # noqa: E402
+from process_groups import describe, kill_group, mark_owner, stray_processes  # noqa: E402
 
 import stabmon
 
@@ -31,9 +31,10 @@ _ISOLATED_VARIABLES = ("CUDA_VISIBLE_DEVICES", "RANK", "LOCAL_RANK", "LOCAL_WORL
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    # Orphans of the processes tests start come back to this process, where the session's
-    # end finds them (a daemon whose parent was killed at a timeout, say).
-    become_subreaper()
+    # Every process a test starts carries this process's pid in its environment, so the
+    # session's end finds what is left, orphans too (a daemon whose parent was killed at a
+    # timeout, say). An xdist worker marks its own.
+    mark_owner()
 
 
 @pytest.fixture(scope="session", autouse=True)

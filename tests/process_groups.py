@@ -5,10 +5,12 @@ its ``stabmon daemon`` child running for a quarter of an hour).
 - :func:`run_group` runs a command in a session of its own and, on every path (done,
   timed out, interrupted), kills what is left of its process group: a child's own children
   (a daemon it started, data loader workers) go with it.
-- :func:`become_subreaper` makes this process the one orphans are re-parented to (Linux's
-  ``PR_SET_CHILD_SUBREAPER``), so a grandchild whose parent was killed is still ours to see.
-- :func:`stray_processes` lists what remains below this process: the session fixture in
-  conftest fails the run on any, after killing them.
+- :func:`mark_owner` puts this process's pid in the environment every process a test starts
+  inherits (:data:`OWNER`), so a grandchild whose parent was killed (re-parented to init) is
+  still known as ours, without making pytest a subreaper (whose unreaped zombie orphans
+  would show up as its children in the tests that look at them).
+- :func:`stray_processes` lists the live processes that carry the mark: the session fixture
+  in conftest fails the run on any, after killing them.
 - :func:`time_scale` stretches subprocess timeouts with the machine's load: a timeout is a
   safety net against a hang, never a measure of speed, so a busy machine must not trip it.
 """
@@ -16,7 +18,6 @@ its ``stabmon daemon`` child running for a quarter of an hour).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
@@ -33,7 +34,9 @@ _LIBRARY_CHILDREN = (
     "torch._inductor.compile_worker",
     "multiprocessing.resource_tracker",
 )
-_PR_SET_CHILD_SUBREAPER = 36
+#: The variable that marks a process as started by this test process (not ``STABMON_*``: the
+#: tests clear those).
+OWNER = "TESTS_PROCESS_OWNER"
 
 
 def time_scale() -> float:
@@ -82,30 +85,30 @@ def kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
 
 
-def become_subreaper() -> bool:
-    """Orphaned descendants are re-parented to this process (Linux); False elsewhere."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return bool(libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
-    except (OSError, AttributeError):
-        return False
+def mark_owner() -> None:
+    """Mark every process started from now on (through the environment) as this one's."""
+    os.environ[OWNER] = str(os.getpid())
 
 
-def stray_processes(keep: Sequence[int] = ()) -> list[psutil.Process]:
-    """Live processes below this one, but ``keep`` and the libraries' own (reaps zombies)."""
+def stray_processes() -> list[psutil.Process]:
+    """Live processes that carry this process's mark, but itself and the libraries' own."""
+    mark = f"{OWNER}={os.getpid()}".encode()
     found = []
-    for child in psutil.Process().children(recursive=True):
+    for process in psutil.process_iter():
+        if process.pid == os.getpid():
+            continue
         try:
-            if child.status() == psutil.STATUS_ZOMBIE:
-                with contextlib.suppress(ChildProcessError):
-                    os.waitpid(child.pid, os.WNOHANG)
+            with open(f"/proc/{process.pid}/environ", "rb") as environ:
+                if mark not in environ.read().split(b"\0"):
+                    continue
+            if process.status() == psutil.STATUS_ZOMBIE:
                 continue
-            command = " ".join(child.cmdline())
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            command = " ".join(process.cmdline())
+        except (OSError, psutil.Error):
             continue
-        if child.pid in keep or any(owner in command for owner in _LIBRARY_CHILDREN):
+        if any(owner in command for owner in _LIBRARY_CHILDREN):
             continue
-        found.append(child)
+        found.append(process)
     return found
 
 

@@ -9,7 +9,7 @@ import time
 
 import psutil
 import pytest
-from process_groups import become_subreaper, kill_group, run_group, stray_processes, time_scale
+from process_groups import kill_group, run_group, stray_processes, time_scale
 
 #: Starts a grandchild in the same group that would outlive its parent, prints its pid.
 _LEAVES_A_CHILD = (
@@ -47,7 +47,6 @@ def test_a_timed_out_command_is_killed_with_its_children(monkeypatch: pytest.Mon
 
 
 def test_an_orphan_whose_parent_was_killed_is_found_as_a_stray() -> None:
-    assert become_subreaper()  # Linux: what pytest_configure did for the session
     parent = subprocess.Popen([sys.executable, "-c", _LEAVES_A_CHILD + "; import time; "
                                "time.sleep(300)"], stdout=subprocess.PIPE, text=True,
                               start_new_session=True)  # fmt: skip

@@ -207,7 +207,9 @@ def test_report_without_matplotlib_fails_with_one_line_naming_the_extra(
 
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1
-    assert "pip install 'stabmon[report]'" in result.stderr
+    assert "pip install matplotlib (the report extra: pip install './stabmon[report]')" in (
+        result.stderr
+    )
     assert not output.exists()
 
 
