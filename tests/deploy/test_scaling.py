@@ -253,7 +253,7 @@ def _point_at(config: dict[str, Any], node: str, *, sd: str | None = None) -> No
             ]
 
 
-def test_agent_mode_refuses_rules_so_the_shipped_agent_config_is_agent_mode_checked(
+def test_agent_mode_refuses_a_config_with_rules_which_the_store_evaluates_instead(
     tmp_path: Path,
 ) -> None:
     prometheus = required_tool("prometheus", "prometheus")
