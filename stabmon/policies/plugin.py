@@ -289,7 +289,17 @@ class AnomalyPolicies:
     def anomaly_recorded(self, kind: str, step: int | None) -> None:
         if kind in self._damaging or kind == "replica_mismatch":
             where = "at an unknown step" if step is None else f"at step {step}"
-            self._checkpoints.damaged(f"{kind} {where} reached the parameters before this save")
+            since = step
+            if step is not None and kind == "replica_mismatch":  # parted since the last check
+                since = step - max(self._context.config.replica_check_steps, 1) + 1
+            before = self._checkpoints.last_good
+            self._checkpoints.damaged(
+                f"{kind} {where} reached the parameters before this save", since
+            )
+            if self._checkpoints.last_good is not before:  # a save taken back: say so now
+                with self._verdict_lock:
+                    self._verdict.checkpoint(self._checkpoints.last_good)
+                    self._write()
         action = self._plan.actions.get(kind)
         if action is None or kind in BEFORE_STEP:
             return  # not acted on, or judged on the device before its step

@@ -31,6 +31,7 @@ import json
 import os
 import stat
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,10 @@ def checkpoint_size(path: str) -> int | None:
     return total
 
 
+#: Good saves remembered, so that damage recorded late can take the latest ones back.
+MAX_GOOD_SAVES = 64
+
+
 class Checkpoints:
     """The saves seen, and whether the parameters were damaged before each."""
 
@@ -82,11 +87,33 @@ class Checkpoints:
         #: The latest save, good or not.
         self.last: dict[str, Any] | None = None
         self._damage: str | None = None
+        self._good: deque[dict[str, Any]] = deque(maxlen=MAX_GOOD_SAVES)
 
-    def damaged(self, why: str) -> None:
-        """The parameters may be wrong from now on: no later save is good."""
+    def damaged(self, why: str, since: int | None = None) -> None:
+        """The parameters may be wrong from now on: no later save is good. ``since``: the
+        first step whose result may already have been damaged (anomalies are recorded after
+        the fact: a NaN read back a step late, a replica check every K steps), so saves of
+        that step or later, made before the damage was known, are not good either."""
         if self._damage is None:
             self._damage = why
+        if since is None:
+            return
+        for entry in self._good:
+            if entry["step"] is not None and entry["step"] >= since and entry["good"]:
+                entry["good"] = False
+                entry["why_not_good"] = why
+        kept = [entry for entry in self._good if entry["good"]]
+        self._good.clear()
+        self._good.extend(kept)
+        self.last_good = self._latest_good()
+
+    def _latest_good(self) -> dict[str, Any] | None:
+        """The latest good save; one without a path (a checkpoint phase an adapter opened
+        around no save, or a loop that named none) never hides one whose path is known."""
+        for entry in reversed(self._good):
+            if entry["path"] is not None:
+                return entry
+        return self._good[-1] if self._good else None
 
     def saved(self, step: int | None, path: str | None, completed: bool) -> dict[str, Any]:
         entry: dict[str, Any] = {
@@ -101,11 +128,9 @@ class Checkpoints:
         elif self._damage is not None:
             entry["why_not_good"] = self._damage
         self.last = entry
-        known = self.last_good
-        # A save without a path (a checkpoint phase an adapter opened around no save, or a
-        # loop that named none) never hides one whose path is known.
-        if entry["good"] and (path is not None or known is None or known["path"] is None):
-            self.last_good = entry
+        if entry["good"]:
+            self._good.append(entry)
+            self.last_good = self._latest_good()
         return entry
 
 

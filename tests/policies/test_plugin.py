@@ -344,7 +344,8 @@ def test_a_replica_mismatch_stops_every_rank_says_restart_at_once_and_spoils_lat
 ) -> None:
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    monitor = attach(model, optimizer, judge_seconds=0, on_anomaly={"replica_mismatch": "stop"})
+    monitor = attach(model, optimizer, judge_seconds=0, replica_check_steps=1,
+                     on_anomaly={"replica_mismatch": "stop"})  # fmt: skip
     policies = next(p for p in monitor._plugged.plugins if isinstance(p, AnomalyPolicies))
     for _ in range(3):
         model(torch.randn(4, 8)).pow(2).mean().backward()
@@ -353,7 +354,9 @@ def test_a_replica_mismatch_stops_every_rank_says_restart_at_once_and_spoils_lat
     with monitor.phase("checkpoint", path=tmp_path / "before.pt"):
         torch.save(model.state_dict(), tmp_path / "before.pt")
 
-    policies.anomaly_recorded("replica_mismatch", 2)  # as issue 36's check records it
+    # As issue 36's check records it: the check after step 3 (every step) found them
+    # parted, so the save of step 2 is still good (one of step 3 would not be).
+    policies.anomaly_recorded("replica_mismatch", 3)
     verdict = _verdict(tmp_path)  # written at once: the loop may never step again
     with monitor.phase("checkpoint", path=tmp_path / "after.pt"):
         torch.save(model.state_dict(), tmp_path / "after.pt")
@@ -364,3 +367,26 @@ def test_a_replica_mismatch_stops_every_rank_says_restart_at_once_and_spoils_lat
 
     assert (verdict["decision"], verdict["failure_domain"]) == ("restart", "infrastructure")
     assert _verdict(tmp_path)["last_good_checkpoint"]["path"] == str(tmp_path / "before.pt")
+
+
+def test_saves_the_damage_predates_are_not_good_though_it_is_recorded_after_them(
+    attach: Callable[..., stabmon.Monitor], tmp_path: Path
+) -> None:
+    # Anomalies are recorded after the fact: a replica check every 10 steps that finds a
+    # mismatch at step 59 says the replicas parted somewhere in steps 50..59, so saves of
+    # steps 50..59 hold a corrupted replica; a NaN loss of step 30 read back later spoiled
+    # the save of step 30 made before it was read. None of them may be the last good one.
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = attach(model, optimizer, judge_seconds=0, replica_check_steps=10,
+                     on_anomaly={"replica_mismatch": "stop"})  # fmt: skip
+    policies = next(p for p in monitor._plugged.plugins if isinstance(p, AnomalyPolicies))
+    for step in (20, 29, 30, 49, 55, 59):
+        policies.checkpoint_saved(step, str(tmp_path / f"ckpt-{step}.pt"), True)
+
+    policies.anomaly_recorded("replica_mismatch", 59)
+    assert _verdict(tmp_path)["last_good_checkpoint"]["step"] == 49
+    policies.anomaly_recorded("nonfinite_loss", 30)
+    assert _verdict(tmp_path)["last_good_checkpoint"]["step"] == 29
+    monitor.detach()
+    assert _verdict(tmp_path)["last_good_checkpoint"]["step"] == 29
