@@ -23,9 +23,11 @@ nothing (tensor- or pipeline-parallel ranks hold different parameters by design)
 
 from __future__ import annotations
 
+import itertools
 import logging
 import socket
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,6 +112,25 @@ def _ddp_synchronised(model: Any) -> list[tuple[str, torch.Tensor]]:
     ]
 
 
+#: Attaches in this process so far: every rank that attaches alike counts in the same key.
+_attaches = itertools.count()
+
+
+def _store() -> Any:
+    return dist.distributed_c10d._get_default_store()
+
+
+def _answer_roll_call(ranks: Sequence[int]) -> str | None:
+    """Count this rank in the store key of the group's replica check (at attach); the key,
+    or None where there is no store to count in."""
+    key = f"stabmon/replica_check/{next(_attaches)}/{','.join(map(str, ranks))}"
+    try:
+        _store().add(key, 1)
+    except Exception:
+        return None
+    return key
+
+
 def parameter_buckets(
     named: Sequence[tuple[str, torch.Tensor]], depth: int, max_modules: int
 ) -> tuple[list[str], list[list[torch.Tensor]]]:
@@ -128,8 +149,21 @@ def parameter_buckets(
 class ReplicaProbe:
     """Fingerprints, gathers and votes after the due optimizer steps (the training thread)."""
 
-    def __init__(self, replicas: ReplicaGroup, every: int, depth: int, max_modules: int) -> None:
+    def __init__(
+        self,
+        replicas: ReplicaGroup,
+        every: int,
+        depth: int,
+        max_modules: int,
+        *,
+        roll_call: str | None = None,
+        off: Callable[[str], None] | None = None,
+    ) -> None:
         self.replicas = replicas
+        #: The store key each member's attach counted itself in (None: no store, no count).
+        self._roll_call = roll_call
+        #: Says, once, why the check turned itself off (an event and a log line).
+        self._off = off
         self.ranks: tuple[int, ...] = replicas.ranks
         self.how = replicas.how
         self._every = every
@@ -158,7 +192,18 @@ class ReplicaProbe:
             return None
         if len(found.ranks) < 2 or not found.named_tensors:
             return None
-        return cls(found, config.replica_check_steps, config.module_depth, config.max_modules)
+
+        def off(reason: str) -> None:
+            context.event("replica_check", state="off", reason=reason)
+            context.log(
+                "replica_check", logging.WARNING,
+                "stabmon: replica check off on rank %d: %s", context.rank, reason,
+            )  # fmt: skip
+
+        return cls(
+            found, config.replica_check_steps, config.module_depth, config.max_modules,
+            roll_call=_answer_roll_call(found.ranks), off=off,
+        )  # fmt: skip
 
     def measure(self, step: int) -> torch.Tensor | None:
         """After optimizer step ``step``, when due: fingerprint, gather and vote, all on the
@@ -168,6 +213,8 @@ class ReplicaProbe:
             return None
         replicas = self.replicas
         if not self.where:
+            if not self._all_attached():
+                return None
             self.where = self._gather_where()
         device = self._buckets[0][0].device
         failed: Exception | None = None
@@ -182,6 +229,29 @@ class ReplicaProbe:
         if failed is not None:
             raise failed  # contained and counted; the others judged without this rank
         return vote(torch.stack(gathered))
+
+    def _all_attached(self) -> bool:
+        """At the first check: whether every member of the group attached stabmon (a loop may
+        monitor rank 0 alone; its gathers would wait for ranks that never join, or pair
+        with DDP's all-reduce). Read from the process group's store, not a collective; by
+        the first check every member that attaches at the start has (the ranks' steps are
+        in lockstep), so every member reads the same count and decides alike."""
+        if self._roll_call is None:
+            return True
+        try:
+            attached = _store().add(self._roll_call, 0)
+        except Exception:  # no store to read: as before, every rank is taken to be there
+            return True
+        if attached >= len(self.ranks):
+            return True
+        self._every = sys.maxsize  # never due again
+        if self._off is not None:
+            self._off(
+                f"stabmon is attached on {attached} of the {len(self.ranks)} ranks of the "
+                f"replica group ({self.how}): a check would wait for ranks that never take "
+                "part; attach stabmon on every rank to compare the replicas"
+            )
+        return False
 
     def _gather_where(self) -> list[str]:
         """Each member's host and GPU, once (a small object gather at the first check)."""

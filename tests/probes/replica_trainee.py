@@ -12,7 +12,9 @@ gradient bucket views), ``straggler``
 ranks: rank 0 restored a Monitor state of step ``SKEW``, the others none), ``fail``
 (``flip``, and rank 1's fingerprints fail from ``FLIP_AFTER`` on: an injected error, as an
 out-of-memory on that rank alone would be), ``frozen`` (``flip`` of the frozen ``stem``,
-beside a parameter DDP is told to ignore whose value differs on every rank by design).
+beside a parameter DDP is told to ignore whose value differs on every rank by design),
+``rank0`` (``clean``, with stabmon attached on rank 0 alone, as a loop that monitors one
+rank does).
 Checks run every
 ``CHECK_EVERY`` steps; a collective that waits more than a minute fails the job.
 """
@@ -93,8 +95,10 @@ def main() -> None:
     monitor = stabmon.attach(
         model, optimizer, port=0, run_dir=run_dir, run_id=f"replicas-{mode}",
         replica_check_steps=CHECK_EVERY,
-    )  # fmt: skip
-    if mode == "skew" and rank == 0:  # resumed from a state the other ranks did not load
+    ) if mode != "rank0" or rank == 0 else None  # fmt: skip
+    if (
+        mode == "skew" and rank == 0 and monitor
+    ):  # resumed from a state the other ranks did not load
         state = monitor.state_dict()
         monitor.load_state_dict({**state, "step": SKEW})
     if mode == "fail" and rank == 1:
@@ -122,7 +126,8 @@ def main() -> None:
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        monitor.observe(loss=loss)
+        if monitor:
+            monitor.observe(loss=loss)
         if mode == "straggler" and rank == 1:
             time.sleep(0.002)
         corrupted = 0 if mode == "flip2" else CORRUPTED_RANK  # flip2: a job of two ranks
@@ -131,7 +136,8 @@ def main() -> None:
         if mode in FLIPPED and rank == corrupted and step == FLIP_AFTER:
             weight = net.stem.weight if mode == "frozen" else net.blocks[1][0].weight
             flip_one_bit(weight.to_local() if hasattr(weight, "to_local") else weight)
-    monitor.detach()
+    if monitor:
+        monitor.detach()
     dist.destroy_process_group()
 
 

@@ -110,6 +110,26 @@ def test_a_frozen_parameter_is_compared_and_one_ddp_ignores_is_not(tmp_path: Pat
 
 
 @pytest.mark.slow
+def test_stabmon_attached_on_rank_0_alone_issues_no_collective_the_others_never_join(
+    tmp_path: Path,
+) -> None:
+    # A loop that monitors one rank: rank 0 must not gather with ranks that never will (a
+    # hang at the first check, or its gather paired with DDP's all-reduce); it says why.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = run_group(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(TRAINEE), str(tmp_path), "rank0", "30"],
+        env=env, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = tmp_path / "replicas-rank0" / "rank-0.events.jsonl"
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    (off,) = [record for record in records if record.get("event") == "replica_check"]
+    assert off["state"] == "off" and "1 of the 2" in off["reason"]
+    assert not mismatches(records)
+
+
+@pytest.mark.slow
 def test_two_replicas_that_differ_report_a_mismatch_without_a_culprit(tmp_path: Path) -> None:
     records = run_ranks(tmp_path, "flip2", 70, ranks=2)
 
