@@ -164,21 +164,21 @@ def node() -> Iterator[str]:
     """A stub daemon on a free port: four runs' process series, a GPU, and two ranks a run."""
     lines = [f'stabmon_process_up{{run="{run}",rank="0",pid="1"}} 1' for run in RUNS]
     lines.append('stabmon_gpu_utilization_ratio{gpu="0",uuid="u0"} 0.5')
-    rank = [
+    rank_lines = [
         'stabmon_build_info{run="run-a",rank="0",stabmon_version="0"} 1',
         'stabmon_steps_total{run="run-a",rank="0"} 7',
     ]
-    handler = type(
-        "Node",
-        (_Stub,),
-        {"metrics": "\n".join(lines) + "\n", "rank_metrics": "\n".join(rank) + "\n"},
-    )
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+
+    class Node(_Stub):
+        metrics = "\n".join(lines) + "\n"
+        rank_metrics = "\n".join(rank_lines) + "\n"
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Node)
     address = f"127.0.0.1:{server.server_address[1]}"
     # Ranks of each run at addresses nothing answers on: a target is listed, kept or dropped
     # by its run whether or not its scrape succeeds. The stub itself is run-a's rank 0.
     at_rank = {"__meta_stabmon_run": "run-a", "__metrics_path__": "/rank"}
-    handler.targets = [{"targets": [address], "labels": at_rank}] + [
+    Node.targets = [{"targets": [address], "labels": at_rank}] + [
         {"targets": [f"127.0.0.1:{9 + 2 * i + rank}"], "labels": {"__meta_stabmon_run": run}}
         for i, run in enumerate(RUNS)
         for rank in range(2)
@@ -239,6 +239,10 @@ def _until(what: str, check: Callable[[], bool], timeout: float = 45.0) -> None:
             pass  # not listening yet
         time.sleep(0.5)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def _returns(get: Callable[[], list[str]], expected: list[str]) -> Callable[[], bool]:
+    return lambda: get() == expected
 
 
 def _point_at(config: dict[str, Any], node: str, *, sd: str | None = None) -> None:
@@ -349,9 +353,9 @@ def test_two_shards_split_runs_and_keep_each_runs_daemon_series_with_its_ranks(
 
             # Each run's ranks (two each; run-a's stub rank too) on its own shard only ...
             expected = sorted([*mine, *mine, *(["run-a"] if "run-a" in mine else [])])
-            _until(f"shard {index}'s targets", lambda e=expected: training_runs() == e)
+            _until(f"shard {index}'s targets", _returns(training_runs, expected))
             # ... with the daemon's series about that run, and none of the other shard's.
-            _until(f"shard {index}'s daemon series", lambda m=mine: daemon_runs() == m)
+            _until(f"shard {index}'s daemon series", _returns(daemon_runs, mine))
             # The series without a run: on shard 0 of 2 only, as shard.yml says.
             gpu = shard.query("stabmon_gpu_utilization_ratio")
             assert bool(gpu) == (index == hashmod("", 2))
