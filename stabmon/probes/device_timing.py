@@ -23,7 +23,9 @@ launch-bound loop (a small model, steps of a few milliseconds) four boundaries a
 most of stabmon's host time (issue 38). So the Monitor's timer times fast steps one in
 :data:`TIMED_STEPS` (``every``; 1 times each step): a *window* records the step end before a
 timed step, its boundaries and its end (five events), and the steps between windows record
-nothing. Each interval of a window counts ``weight`` times, the steps the window stands for,
+nothing; the gap to the next window is drawn at random, ``every`` steps on average, so that
+no periodic pattern of the loop keeps falling between windows. Each interval of a window
+counts ``weight`` times, the steps the window stands for (its own and the untimed ones before),
 so the phase counters still estimate all device time, and the utilization (a ratio) and the
 input-starvation share are unchanged in expectation; the device step-duration histogram
 observes the timed steps. When the steps between two windows took :data:`LONG_STEP_SECONDS`
@@ -33,6 +35,7 @@ Named phases (``eval``, ``checkpoint``) are always timed, once each (weight 1).
 
 from __future__ import annotations
 
+import random
 import time
 from collections import deque
 from collections.abc import Callable
@@ -100,8 +103,10 @@ class DeviceTimer:
         self._recording = True
         #: Step ends still to pass untimed before the next window opens.
         self._countdown = 0
-        #: Steps the open window stands for.
-        self._weight = 1
+        #: Steps the open window stands for; the next window's, chosen when one closes.
+        self._weight = self._next_weight = 1
+        #: Draws the gaps between windows (seeded: a run's timing is reproducible).
+        self._random = random.Random(0)
         #: The last event recorded opens no timed interval (nothing to close).
         self._gap = True
         #: When the last window closed (host clock); None before the first.
@@ -120,7 +125,7 @@ class DeviceTimer:
                 if self._countdown > 0:
                     return
                 self._recording = True  # a window opens: the next step is timed
-                self._weight = weight = self._every
+                self._weight = weight = self._next_weight
             elif phase in _STEP_PHASES:
                 if self._gap:
                     return
@@ -130,13 +135,19 @@ class DeviceTimer:
         elif step_end and self._every > 1:
             now = self._clock()
             closed, self._closed_at = self._closed_at, now
-            # The steps since the last close (the window's weight) were fast: sample.
+            # The steps since the last close (the window's weight) were fast: sample. The gap
+            # to the next timed step is drawn, 1 to 2 x every - 1 (every on average), so that
+            # no loop pattern (a stutter every fourth batch) keeps falling between windows.
+            gap = 1
             if closed is None or now - closed < self._weight * LONG_STEP_SECONDS:
+                gap = self._random.randint(1, 2 * self._every - 1)
+            if gap > 1:
                 self._recording = False  # the timed step ends: the window closes
-                self._countdown = self._every - 1
+                self._countdown = gap - 1
+                self._next_weight = gap  # the next timed step stands for the gap's steps
                 timed = None
             else:
-                self._weight = weight = 1  # long steps: every one is timed
+                self._weight = weight = 1  # the next step is timed too (long steps: all are)
         elif phase not in _STEP_PHASES:
             weight = 1
         event = self._free.pop() if self._free else self._new_event()
