@@ -24,6 +24,11 @@ Anyone who can reach the port can connect, and some clients never send a byte. S
   paces itself like Prometheus cannot be told from it without basic auth: set
   ``basic_auth_file`` where that matters.
 
+A process forked from one that serves (a DataLoader worker, with the default ``fork``)
+would hold the listening socket and the door's connections as long as it lives: a port
+that stays taken after the server closed, connections that never end. Right after a fork
+the child closes its copies (``os.register_at_fork``); the parent's are untouched.
+
 Imported when an exporter starts serving, never at ``import stabmon.monitor``
 (tests/test_layers.py checks it).
 """
@@ -31,11 +36,13 @@ Imported when an exporter starts serving, never at ``import stabmon.monitor``
 from __future__ import annotations
 
 import hmac
+import os
 import selectors
 import socket
 import ssl
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from socketserver import ThreadingMixIn
@@ -63,6 +70,20 @@ KNOWN_GAP_SECONDS = 0.5
 #: Known addresses remembered at most (the oldest is forgotten first).
 _MAX_KNOWN = 64
 _REFUSAL = b"HTTP/1.0 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+
+
+#: Every server of this process, so that a forked child can close its copies of their sockets.
+_SERVERS: weakref.WeakSet[ThreadingServer] = weakref.WeakSet()
+
+
+def _close_in_forked_child() -> None:
+    """In a child just forked: close its copies of every server's sockets (close, never
+    shutdown, which would end the parent's too). The serving thread was not forked."""
+    for server in list(_SERVERS):
+        for connection in [*server._door, *server._open]:
+            if isinstance(connection, socket.socket):
+                ThreadingServer._close(connection)
+        ThreadingServer._close(server.socket)
 
 
 def bind(address: str, port: int, app: Any) -> ThreadingServer:
@@ -114,6 +135,7 @@ class ThreadingServer(ThreadingMixIn, WSGIServer):
         self._halted.set()
         super().server_activate()
         self.socket.setblocking(False)
+        _SERVERS.add(self)
 
     def limit(
         self,
@@ -337,6 +359,9 @@ class ThreadingServer(ThreadingMixIn, WSGIServer):
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         pass  # a failed handshake or a vanished client: no traceback on the user's stderr
+
+
+os.register_at_fork(after_in_child=_close_in_forked_child)
 
 
 class _ThreadingServerV6(ThreadingServer):

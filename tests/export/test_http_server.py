@@ -49,3 +49,32 @@ def test_bind_serves_the_app_and_drops_a_client_that_sends_nothing_past_its_dead
         server.shutdown()
         server.server_close()
         thread.join(timeout=5)
+
+
+def test_a_dataloader_worker_forked_while_serving_does_not_keep_the_port(tmp_path: Any) -> None:
+    # A DataLoader worker is forked from the training process while the exporter listens:
+    # it must not hold the listening socket, or the port stays taken after the exporter
+    # closed (a restarted rank could not bind it again) for as long as the worker lives.
+    import torch
+    from torch.utils.data import DataLoader
+
+    import stabmon
+
+    model = torch.nn.Linear(2, 2)
+    monitor = stabmon.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), port=0,
+                             address="127.0.0.1", run_dir=str(tmp_path))  # fmt: skip
+    url = monitor.metrics_url
+    assert url is not None
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    loader = DataLoader(list(range(8)), batch_size=2, num_workers=1, persistent_workers=True,
+                        multiprocessing_context="fork")  # fmt: skip
+    batches = iter(loader)
+    next(batches)  # the worker is forked and running
+    monitor.detach()  # the exporter closes its socket; the worker lives on
+    try:
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(("127.0.0.1", port))  # EADDRINUSE while a worker holds the listener
+            probe.listen()
+    finally:
+        del batches
