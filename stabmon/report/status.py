@@ -184,10 +184,10 @@ def scrape_status(
         own = [status for status in found if (status.run, status.rank) == (run, rank)]
         if not own:
             served = ", ".join(f"{s.run}/{s.rank}" for s in found if s.error is None)
-            problem = next((s.error for s in found if s.error is not None), None)
-            if served or problem is None:
-                problem = f"does not serve rank {rank} of run {run} (it serves {served[:200]})"
-            own = [RankStatus(url=url, run=run, rank=rank, error=problem)]
+            failure = next((s.error for s in found if s.error is not None), None)
+            if served or failure is None:
+                failure = f"does not serve rank {rank} of run {run} (it serves {served[:200]})"
+            own = [RankStatus(url=url, run=run, rank=rank, error=failure)]
         statuses.extend(own)
     return statuses
 
