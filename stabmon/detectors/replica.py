@@ -19,8 +19,8 @@ KIND = "replica_mismatch"
 #: What to do, in every message: never write the corrupted state, take the GPU out.
 WHAT_TO_DO = (
     "stop before the next checkpoint save so the corrupted state is never written, resume "
-    "from the last checkpoint saved before step {step}, and drain that node (run the GPU's "
-    "diagnostics, e.g. `dcgmi diag -r 3`) before it trains again"
+    "from the last checkpoint saved at or before step {clean} ({why}), and drain that node "
+    "(run the GPU's diagnostics, e.g. `dcgmi diag -r 3`) before it trains again"
 )
 
 
@@ -35,6 +35,7 @@ class ReplicaVerdict:
     where: dict[int, str] = field(default_factory=dict)  # rank -> "host GPU-uuid"
     replicas: int = 0
     how: str = ""
+    every: int = 1  # optimizer steps between checks: the replicas agreed `every` steps before
 
 
 def mismatch_message(verdict: ReplicaVerdict, rank: int) -> str:
@@ -58,7 +59,13 @@ def mismatch_message(verdict: ReplicaVerdict, rank: int) -> str:
         )
     else:
         who = ""
-    return f"{head}{who}; {WHAT_TO_DO.format(step=step)}"
+    clean = step - max(verdict.every, 1)
+    why = (
+        "the check before this one: the replicas may have parted at any step since"
+        if verdict.every > 1
+        else "the step before this check"
+    )
+    return f"{head}{who}; {WHAT_TO_DO.format(clean=clean, why=why)}"
 
 
 class Probe(Protocol):
@@ -91,6 +98,7 @@ def verdict_of(probe: Probe, step: int, values: Sequence[float]) -> ReplicaVerdi
         where=dict(zip(probe.ranks, probe.where, strict=False)),
         replicas=size,
         how=probe.how,
+        every=int(getattr(probe, "every", 1)),
     )
 
 

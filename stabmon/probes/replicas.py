@@ -167,6 +167,8 @@ class ReplicaProbe:
         self.ranks: tuple[int, ...] = replicas.ranks
         self.how = replicas.how
         self._every = every
+        #: Optimizer steps between checks (the verdict's "agreed at the check before").
+        self.every = every
         self.group_names, self._buckets = parameter_buckets(
             replicas.named_tensors, depth, max_modules
         )

@@ -85,7 +85,8 @@ def incidents_section(run: Run) -> str:
             '<table><tr><th class="num">step</th><th>replicas differ in</th>'
             f"<th>outvoted rank (host GPU, first group)</th></tr>{rows}</table>"
             "<p>Replicas that differ hold a silently corrupted state: resume from a checkpoint "
-            "saved before that step and drain the outvoted rank's node "
+            "saved at or before the check before that step (the replicas may have parted at any "
+            "step in between) and drain the outvoted rank's node "
             "(docs/runbooks.md#stabmonreplicamismatch).</p>"
         )
     parts.append("</section>")

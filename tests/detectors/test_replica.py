@@ -20,3 +20,12 @@ def test_without_a_majority_the_message_says_no_culprit_can_be_named() -> None:
     verdict = ReplicaVerdict(step=9, groups=["head"], majority=False, replicas=2, how="DDP")
     message = mismatch_message(verdict, rank=1)
     assert "no majority" in message and "either one may be wrong" in message
+
+
+def test_the_message_names_the_last_step_the_replicas_agreed_not_the_step_of_the_check() -> None:
+    # Checked every 10 steps: the replicas parted somewhere in steps 50..59, so a checkpoint
+    # of step 55 ("before step 59") may hold the corrupted replica; resume from 49 or older.
+    verdict = ReplicaVerdict(step=59, groups=["head"], majority=False, replicas=2, how="DDP",
+                             every=10)  # fmt: skip
+    message = mismatch_message(verdict, rank=0)
+    assert "saved at or before step 49" in message and "before step 59" not in message
