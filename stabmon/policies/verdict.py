@@ -110,10 +110,11 @@ class Checkpoints:
     def _latest_good(self) -> dict[str, Any] | None:
         """The latest good save; one without a path (a checkpoint phase an adapter opened
         around no save, or a loop that named none) never hides one whose path is known."""
-        for entry in reversed(self._good):
+        good: list[dict[str, Any]] = list(self._good)  # at most MAX_GOOD_SAVES
+        for entry in reversed(good):
             if entry["path"] is not None:
                 return entry
-        return self._good[-1] if self._good else None
+        return good[-1] if good else None
 
     def saved(self, step: int | None, path: str | None, completed: bool) -> dict[str, Any]:
         entry: dict[str, Any] = {
