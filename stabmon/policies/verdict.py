@@ -110,11 +110,9 @@ class Checkpoints:
     def _latest_good(self) -> dict[str, Any] | None:
         """The latest good save; one without a path (a checkpoint phase an adapter opened
         around no save, or a loop that named none) never hides one whose path is known."""
-        good: list[dict[str, Any]] = list(self._good)  # at most MAX_GOOD_SAVES
-        for entry in reversed(good):
-            if entry["path"] is not None:
-                return entry
-        return good[-1] if good else None
+        named = [entry for entry in self._good if entry["path"] is not None]
+        latest: list[dict[str, Any]] = named or list(self._good)  # at most MAX_GOOD_SAVES
+        return latest[-1] if latest else None
 
     def saved(self, step: int | None, path: str | None, completed: bool) -> dict[str, Any]:
         entry: dict[str, Any] = {
