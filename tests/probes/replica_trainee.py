@@ -22,15 +22,18 @@ Checks run every
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import stabmon
+from stabmon.detectors.replica import ReplicaCheck
 
 FLIP_AFTER = 50
 CHECK_EVERY = 10
@@ -137,7 +140,9 @@ def main() -> None:
             weight = net.stem.weight if mode == "frozen" else net.blocks[1][0].weight
             flip_one_bit(weight.to_local() if hasattr(weight, "to_local") else weight)
     if monitor:
-        monitor.detach()
+        monitor.detach()  # the last checks' votes are read back and judged here
+        checks = [p.checks for p in monitor._plugged.plugins if isinstance(p, ReplicaCheck)]
+        Path(run_dir, f"rank-{rank}.checks.json").write_text(json.dumps(checks))
     dist.destroy_process_group()
 
 

@@ -149,6 +149,12 @@ def test_clean_ddp_with_bf16_accumulation_and_a_straggler_raises_no_mismatch(
     for records in (clean, straggler):
         for logged in records.values():
             assert not mismatches(logged)
+    # ... and not because no check was made (one that failed would be contained, silently):
+    # every rank judged every check, one every CHECK_EVERY (10) steps.
+    for folder, steps in (("clean", 400), ("straggler", 200)):
+        for rank in range(4):
+            done = json.loads((tmp_path / folder / f"rank-{rank}.checks.json").read_text())
+            assert done == [steps // 10], (folder, rank, done)
 
 
 @pytest.mark.slow
