@@ -112,6 +112,8 @@ def _ddp_synchronised(model: Any) -> list[tuple[str, torch.Tensor]]:
     ]
 
 
+#: Bytes of a member's "host GPU-uuid" in the first check's gather (longer is cut).
+_WHERE_BYTES = 256
 #: Attaches in this process so far: every rank that attaches alike counts in the same key.
 _attaches = itertools.count()
 
@@ -256,13 +258,23 @@ class ReplicaProbe:
         return False
 
     def _gather_where(self) -> list[str]:
-        """Each member's host and GPU, once (a small object gather at the first check)."""
+        """Each member's host and GPU, once, at the first check: UTF-8 bytes in a tensor on
+        the parameters' device, gathered like the fingerprints (not all_gather_object,
+        whose tensors go to torch.cuda.current_device(): the same GPU on every rank of a
+        node whose loop never called set_device, an NCCL error). Read on the host once."""
         device = self._buckets[0][0].device
         try:  # a failure here must not leave the others waiting in the gather
             uuids = torch_device_uuids([device])
             mine = f"{socket.gethostname()} {uuids[0] if uuids else device}"
         except Exception:
             mine = "host unknown"
-        where: list[Any] = [None] * len(self.ranks)
-        dist.all_gather_object(where, mine, group=self.replicas.group)
-        return [str(item) for item in where]
+        encoded = mine.encode("utf-8", "replace")[:_WHERE_BYTES]
+        local = torch.zeros(_WHERE_BYTES, dtype=torch.uint8)
+        if encoded:
+            local[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
+        local = local.to(device)
+        where = [torch.empty_like(local) for _ in self.ranks]
+        dist.all_gather(where, local, group=self.replicas.group)
+        return [
+            bytes(item.cpu().tolist()).rstrip(b"\0").decode("utf-8", "replace") for item in where
+        ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,7 @@ def test_one_flipped_bit_on_rank_2_is_named_at_the_next_check_on_every_rank(
         assert first["first_group"] == "blocks.1"
         assert "rank 2" in first["detail"] and "blocks.1" in first["detail"]
         assert "checkpoint" in first["detail"]  # and what to do
+        assert first["culprits"][0]["where"] == f"{socket.gethostname()} cpu"  # its host
 
 
 @pytest.mark.slow
@@ -209,5 +211,31 @@ def test_a_check_on_cuda_issues_its_collective_and_vote_without_a_host_sync(
         flat = values.cpu().tolist()
         assert flat[:buckets] == [0.0] * buckets and flat[-1] == 0.0  # no mismatch, no culprit
         assert probe.where and "GPU-" in probe.where[0]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_first_check_gathers_hosts_on_the_parameters_device_not_as_objects(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # all_gather_object puts its tensors on torch.cuda.current_device(): GPU 0 on every
+    # rank of a node whose loop placed its model with device_ids and never called
+    # set_device, an NCCL error that can tear the process group down. The host and GPU
+    # go in a tensor on the parameters' device instead, through the same all_gather.
+    import torch.distributed as dist
+
+    from stabmon.probes.replicas import ReplicaGroup, ReplicaProbe
+
+    def refused(*args: object, **kwargs: object) -> None:
+        raise AssertionError("all_gather_object uses the current CUDA device")
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        monkeypatch.setattr(dist, "all_gather_object", refused)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        named = tuple(model.named_parameters())
+        probe = ReplicaProbe(ReplicaGroup(dist.group.WORLD, (0,), named, "test"), 1, 0, 32)
+        values = probe.measure(0)
+        assert values is not None and probe.where == [f"{socket.gethostname()} cpu"]
     finally:
         dist.destroy_process_group()
