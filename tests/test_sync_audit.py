@@ -411,3 +411,23 @@ def test_the_skip_policy_never_waits_for_its_flags_while_the_device_lags(
         monitor.detach()
 
     audited.assert_clean()
+
+
+def test_the_replica_checks_fingerprint_and_vote_never_wait_for_the_device(
+    audited: FakeCuda,
+) -> None:
+    # The device half of issue 36's check (the gather between them is a collective the
+    # device waits for): fingerprints of every dtype and shape, then the vote with one
+    # replica outvoted and one abstaining.
+    from stabmon.probes.fingerprint import abstention, fingerprint, vote
+
+    cuda = torch.empty(0, device="cuda").device  # cuda:0, as the parameters' device reads
+    buckets = [
+        [torch.randn(3 * 1024 + 5, device=cuda), torch.randn(7, 5, device=cuda).t()],
+        [torch.randn(64, device=cuda).bfloat16(), torch.empty(0, device=cuda)],
+        [torch.empty(0, device=cuda)],
+    ]
+    local = fingerprint(buckets, cuda)
+    gathered = torch.stack([local, local, local + 1, abstention(3, cuda)])
+    vote(gathered)
+    audited.assert_clean()
