@@ -292,12 +292,13 @@ class AnomalyPolicies:
             since = step
             if step is not None and kind == "replica_mismatch":  # parted since the last check
                 since = step - max(self._context.config.replica_check_steps, 1) + 1
-            before = self._checkpoints.last_good
-            self._checkpoints.damaged(
-                f"{kind} {where} reached the parameters before this save", since
-            )
-            if self._checkpoints.last_good is not before:  # a save taken back: say so now
-                with self._verdict_lock:
+            # The saves are recorded by the training thread: one at a time with this one.
+            with self._verdict_lock:
+                before = self._checkpoints.last_good
+                self._checkpoints.damaged(
+                    f"{kind} {where} reached the parameters before this save", since
+                )
+                if self._checkpoints.last_good is not before:  # a save taken back: say so
                     self._verdict.checkpoint(self._checkpoints.last_good)
                     self._write()
         action = self._plan.actions.get(kind)
@@ -324,11 +325,11 @@ class AnomalyPolicies:
     # --- checkpoints and the end -------------------------------------------------------------
 
     def checkpoint_saved(self, step: int | None, path: str | None, completed: bool) -> None:
-        entry = self._checkpoints.saved(step, path, completed)
-        self._context.event("checkpoint", **entry)
-        with self._verdict_lock:
+        with self._verdict_lock:  # damage is recorded from the judging thread
+            entry = dict(self._checkpoints.saved(step, path, completed))
             self._verdict.checkpoint(self._checkpoints.last_good)
             self._write()
+        self._context.event("checkpoint", **entry)
 
     def finish(self) -> None:
         """The last judgement: the flags still on their way, then the verdict at exit."""
