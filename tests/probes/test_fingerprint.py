@@ -4,6 +4,8 @@ outvoted replica. The CUDA half checks the device's result bit for bit against t
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -159,3 +161,32 @@ def test_a_replica_that_abstains_is_left_out_of_the_vote() -> None:
     alone = torch.stack([abstention(3, CPU)] * 2)
     mismatch, _, culprit = _read(vote(alone), 2)
     assert not any(mismatch) and not any(culprit)
+
+
+def test_the_vote_agrees_with_a_plain_majority_count_on_random_replicas() -> None:
+    # Against the rule counted by hand (collections.Counter): 1 to 7 replicas, some
+    # abstaining, few distinct values per bucket so that ties and majorities both occur.
+    from collections import Counter
+
+    rng = random.Random(0)
+    for _ in range(500):
+        count, buckets = rng.randint(1, 7), rng.randint(1, 4)
+        values = [[(rng.randint(0, 2), rng.randint(0, 1)) for _ in range(buckets)]
+                  for _ in range(count)]  # fmt: skip
+        abstains = [rng.random() < 0.2 for _ in range(count)]
+        rows = [abstention(buckets, CPU) if out else torch.tensor(row) for row, out
+                in zip(values, abstains, strict=True)]  # fmt: skip
+        mismatch_at, culprit_at, end = vote_layout(count, buckets)
+        flat = vote(torch.stack(rows)).tolist()
+        voters = [r for r in range(count) if not abstains[r]]
+        culprits = [0] * count
+        for bucket in range(buckets):
+            seen = Counter(values[r][bucket] for r in voters)
+            top, agree = seen.most_common(1)[0] if seen else (None, 0)
+            assert flat[bucket] == float(len(seen) > 1)
+            assert flat[mismatch_at + bucket] == float(agree * 2 > len(voters))
+            if agree * 2 > len(voters):
+                for r in voters:
+                    if values[r][bucket] != top and not culprits[r]:
+                        culprits[r] = bucket + 1
+        assert flat[culprit_at:end] == [float(c) for c in culprits], (values, abstains)
