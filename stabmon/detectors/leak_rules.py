@@ -151,6 +151,8 @@ class MemoryLeaks:
             trends = self._trends.get(label)
             if trends is None:
                 trends = self._trends[label] = [_new_trend(cfg, scale) for scale in SCALES]
+                # The series exists from the first sample (a scrape's series count is stable).
+                readings.memory_exhaustion_seconds.setdefault(label, math.inf)
             verdicts = [trend.update(value, now) for trend in trends]
             short, judged = trends[0], [v for v in verdicts if v is not None]
             if not judged:

@@ -9,7 +9,10 @@ so an evaluation or a checkpoint (a named phase) is neither wait nor time. On CU
 wait is the device's idle time waiting for input, from the CUDA events stabmon records
 (``stabmon_device_phase_seconds_total{phase="data_wait"}``): a sync-free loop's host may
 wait for a batch while the device still works through queued steps, which is no
-starvation. Elsewhere it is the host's ``data_wait``.
+starvation. Elsewhere it is the host's ``data_wait``, and only where that is measured around
+the fetches (``track()``, ``data_wait()``): in a loop that does neither (a trainer whose
+loader stabmon does not see) it is all the time between a step's end and the next forward,
+the trainer's own work included, which is no evidence of waiting on input.
 
 The share is judged over the blocks of the last ``window_seconds`` of training time (the
 loop clock's, so a test can compress hours): an episode starts when the window is full
@@ -162,6 +165,10 @@ class InputStarvation:
         if device_seconds > 0:  # CUDA events: the device's idle time for input is the truth
             self._device_used = True
             wait = (device[_DATA_WAIT] - device_before[_DATA_WAIT]) / device_seconds * seconds
+        elif not self._readings.input_wait_measured:
+            self._mark = None  # no fetch is timed: nothing to judge (and no stale block)
+            self.next_step = steps + MAX_BLOCK_STEPS
+            return
         if seconds < self._block:  # short of a block (the estimate was off): wait for more
             self._mark = mark
             self.next_step = steps + max(1, self._steps_per_block(seconds - self._block))

@@ -106,6 +106,9 @@ class Readings:
     last_step_unix: float | None = None
     step_duration: Histogram = field(default_factory=Histogram)
     data_wait: Histogram = field(default_factory=Histogram)
+    #: Whether input wait is measured around the loop's fetches (track(), data_wait()); else
+    #: it is all the time between a step's end and the next forward.
+    input_wait_measured: bool = False
     phase_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
 
     #: Label values of stabmon_device_info, one mapping per CUDA device (set at attach).

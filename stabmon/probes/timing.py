@@ -102,6 +102,7 @@ class LoopTimer:
     def track_loader(self) -> None:
         """From now on input wait is timed around the loader's ``next()`` (``track()``)."""
         self._loader_tracked = True
+        self._readings.input_wait_measured = True
 
     # The four boundaries below run every step: they add to ``phase_seconds`` in place rather
     # than through ``Readings.add_phase_time``, and enter the next phase inline rather than

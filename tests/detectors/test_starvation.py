@@ -133,3 +133,23 @@ def test_a_steady_small_input_wait_raises_no_input_starvation(attach: MonitorFac
     records, _, active = _train(attach, _Images(clock, read_seconds=0.02), clock, 0.1)
     assert [r for r in records if r.get("kind") == "input_starvation"] == []
     assert active == 0
+
+
+def test_a_loop_whose_fetches_are_not_timed_raises_no_input_starvation_on_cpu(
+    attach: MonitorFactory,
+) -> None:
+    """A trainer whose loader stabmon does not see (Lightning on CPU): the time between steps
+    is its own work as much as input wait, so it is not judged as starvation."""
+    clock = LoopClock()
+    model = _Timed(clock, 0.1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = attach(model, optimizer, clock=clock, judge_seconds=0)
+    data = _Images(clock, read_seconds=0.02)
+    for x, y in torch.utils.data.DataLoader(data, batch_size=data.batch):  # not track()ed
+        clock.advance(0.1)  # the trainer's hooks, logging and progress bar between steps
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    monitor.detach()
+    assert [r for r in events(monitor.event_log_path) if r.get("kind") == "input_starvation"] == []
