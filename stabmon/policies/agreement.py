@@ -23,13 +23,15 @@ the device (the previous step's work, never the current one's). Where it only re
 
 from __future__ import annotations
 
+import itertools
+import time
 from collections import deque
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["MAX_IN_FLIGHT", "HostCopy", "agree", "world_size"]
+__all__ = ["MAX_IN_FLIGHT", "HostCopy", "agree", "all_attached", "answer_roll_call", "world_size"]
 
 
 def world_size() -> int:
@@ -50,6 +52,49 @@ def agree(flags: torch.Tensor) -> torch.Tensor:
         if work is not None:
             work.wait()  # NCCL: the current stream waits, not the host; gloo: done here
     return flags
+
+
+#: Seconds the first step waits, at most, for every rank to have attached (see
+#: :func:`all_attached`); a job whose ranks step in lockstep never waits.
+ROLL_CALL_WAIT = 30.0
+#: Attaches with a policy in this process: ranks that attach alike count in the same key.
+_generations = itertools.count()
+
+
+def _store() -> Any:
+    return dist.distributed_c10d._get_default_store()
+
+
+def answer_roll_call() -> str | None:
+    """Count this rank among those with a policy (at attach), in the process group's
+    store; the key, or None with one process or no store."""
+    if world_size() <= 1:
+        return None
+    key = f"stabmon/on_anomaly/{next(_generations)}"
+    try:
+        _store().add(key, 1)
+    except Exception:
+        return None
+    return key
+
+
+def all_attached(key: str) -> bool:
+    """At the first step, before the first agreement: whether every rank of the default
+    group has a policy (a loop may attach stabmon on rank 0 alone; its all-reduce would
+    wait for ranks that never issue one, or pair with DDP's). Read from the store, not a
+    collective, waiting at most :data:`ROLL_CALL_WAIT` for ranks that attach later: under
+    DDP or FSDP every rank attached before any reached its first step, so none waits."""
+    world, deadline = world_size(), time.monotonic() + ROLL_CALL_WAIT
+    while True:
+        try:
+            attached = int(_store().add(key, 0))
+        except Exception:  # no store to read: as before, every rank is taken to be there
+            return True
+        if attached >= world:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
 
 
 #: Copies left in flight when nothing needs them at a set step; beyond this many the oldest

@@ -33,7 +33,7 @@ from stabmon.detectors.spike import SpikeDetector
 from stabmon.errors import AnomalyStop
 from stabmon.extension import Context, GradSummary
 from stabmon.policies.actions import BEFORE_STEP, Plan, outcome
-from stabmon.policies.agreement import HostCopy, agree
+from stabmon.policies.agreement import HostCopy, agree, all_attached, answer_roll_call
 from stabmon.policies.gate import StepChanges, step_norm, takes_device_flag
 from stabmon.policies.verdict import Checkpoints, Verdict
 
@@ -93,6 +93,10 @@ class AnomalyPolicies:
         self._reads_now: bool | None = None  # decided at the first step (the optimizer's kind)
         #: Whether the step gated last had its gradients held back (read by adapters).
         self.held_back = False
+        #: This rank counted among those with a policy (checked at the first step), and
+        #: whether the policies turned themselves off (not every rank has them).
+        self._roll_call = answer_roll_call()
+        self._off = False
         held_back = plan.actions.get("nonfinite_grad") in ("skip", "stop")
         # A non-finite loss backpropagates non-finite gradients: held back too when those are.
         self._damaging = () if held_back else _DAMAGING
@@ -100,6 +104,8 @@ class AnomalyPolicies:
     # --- the training thread: the optimizer step ---------------------------------------------
 
     def gate_step(self, step: int, optimizer: torch.optim.Optimizer) -> None:
+        if self._off or (self._roll_call is not None and not self._everyone_here()):
+            return
         if self._changes.pending:  # the last step raised inside optimizer.step()
             self._changes.undo()
         self.held_back = False
@@ -123,6 +129,23 @@ class AnomalyPolicies:
         if self._lr_left > 0:
             self._lr_left -= 1
             self._changes.scale_lr(optimizer, self._plan.lr_factor)
+
+    def _everyone_here(self) -> bool:
+        """Once, at the first step: whether every rank has a policy, else off (said once)."""
+        key, self._roll_call = self._roll_call, None
+        if key is None or all_attached(key):
+            return True
+        self._off = True
+        reason = (
+            "stabmon with on_anomaly is attached on only some ranks of the job: an agreement "
+            "would wait for ranks that never take part; attach it on every rank"
+        )
+        self._context.event("on_anomaly", state="off", reason=reason)
+        self._context.log(
+            "policies:off", logging.WARNING, "stabmon: rank %d: on_anomaly off: %s",
+            self._rank, reason,
+        )  # fmt: skip
+        return False
 
     def step_applied(self) -> None:
         if self._changes.pending:

@@ -16,6 +16,7 @@ import argparse
 import copy
 import hashlib
 import json
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 import stabmon
+from stabmon.policies import agreement
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -43,17 +45,23 @@ def main() -> None:
     parser.add_argument("--spike-rank", type=int, default=1)
     parser.add_argument("--spike-step", type=int, default=30)
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--only-rank", type=int, default=-1)  # attach on that rank alone
     args = parser.parse_args()
 
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()
     torch.manual_seed(0)
     inner = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     model = torch.nn.parallel.DistributedDataParallel(inner)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=args.fused)
     policy = {"grad_spike": args.action}
-    monitor = stabmon.attach(model, optimizer, serve_metrics=False, judge_seconds=0,
-                             spike_warmup_steps=10, on_anomaly=policy)  # fmt: skip
+    attaching = args.only_rank in (-1, rank)
+    if args.only_rank >= 0:  # the others never attach: no need to wait long for them
+        agreement.ROLL_CALL_WAIT = 2.0
+    monitor = None
+    if attaching:
+        monitor = stabmon.attach(model, optimizer, serve_metrics=False, judge_seconds=0,
+                                 spike_warmup_steps=10, on_anomaly=policy)  # fmt: skip
     unchanged, stopped = [], None
     for step in range(args.steps):
         generator = torch.Generator().manual_seed(1000 * step + rank)
@@ -72,8 +80,10 @@ def main() -> None:
         if _same(before, (inner.state_dict(), optimizer.state_dict()["state"])):
             unchanged.append(step)
         optimizer.zero_grad(set_to_none=True)
-        monitor.observe(loss=loss)
-    monitor.detach()
+        if monitor is not None:
+            monitor.observe(loss=loss)
+    if monitor is not None:
+        monitor.detach()
     digest = hashlib.sha256()
     for param in inner.parameters():
         digest.update(param.detach().numpy().tobytes())

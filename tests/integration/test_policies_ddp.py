@@ -64,3 +64,26 @@ def test_stop_raises_on_all_four_ranks_at_the_same_step(tmp_path: Path) -> None:
     ]
     assert len({result["params"] for result in results}) == 1
     assert [v["decision"] for v in verdicts] == ["stop"] * RANKS
+
+
+def test_a_policy_attached_on_rank_0_alone_turns_itself_off_instead_of_hanging(
+    tmp_path: Path,
+) -> None:
+    # A loop that monitors rank 0 only: its per-step agreement would wait for ranks that
+    # never issue one (or pair with DDP's all-reduce). It counts the ranks with a policy in
+    # the store at the first step, finds 1 of 4, says so and stays out of the collectives.
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "STABMON_DIR": str(tmp_path / "runs"), "OMP_NUM_THREADS": "1",
+           "STABMON_RUN_ID": "policies"}  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone",
+         f"--nproc_per_node={RANKS}", str(TRAINEE), "--out", str(out), "--action", "stop",
+         "--only-rank", "0", "--steps", "20", "--spike-step", "1000"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    log = tmp_path / "runs" / "policies" / "rank-0.events.jsonl"
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    (off,) = [r for r in records if r.get("event") == "on_anomaly"]
+    assert off["state"] == "off" and "only some ranks" in off["reason"]
