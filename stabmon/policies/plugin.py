@@ -325,8 +325,8 @@ class AnomalyPolicies:
                     self._verdict.checkpoint(self._checkpoints.last_good)
                     self._write()
         action = self._plan.actions.get(kind)
-        if action is None or kind in BEFORE_STEP:
-            return  # not acted on, or judged on the device before its step
+        if action is None or kind in BEFORE_STEP or self._off:
+            return  # not acted on, judged on the device before its step, or policies off
         at = self._context.global_step if step is None else step
         with self._lock:
             self._pending[kind] = max(at, self._pending.get(kind, at))
