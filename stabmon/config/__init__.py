@@ -470,6 +470,16 @@ class Config(_Section):
             ge=0,
         ),
     )
+    replica_group: str = field(
+        default="auto",
+        metadata=_meta(
+            "Which ranks the replica check compares: 'auto' finds them (DDP's process group, "
+            "an HSDP mesh's replicate dimension); 'world' says every rank holds the same "
+            "parameters, for a model stabmon sees without its DDP wrapper (the Lightning and "
+            "Hugging Face adapters attach to the unwrapped module).",
+            choices=("auto", "world"),
+        ),
+    )
     provenance_steps: int = field(
         default=3,
         metadata=_meta(

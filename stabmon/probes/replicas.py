@@ -58,12 +58,24 @@ def _unwrap_compiled(model: torch.nn.Module) -> torch.nn.Module:
     return inner if isinstance(inner, torch.nn.Module) else model
 
 
-def find_replica_group(model: torch.nn.Module) -> ReplicaGroup | str:
-    """The replica group of ``model``, or why there is none (a sentence for the log)."""
+def find_replica_group(model: torch.nn.Module, how: str = "auto") -> ReplicaGroup | str:
+    """The replica group of ``model``, or why there is none (a sentence for the log).
+
+    ``how`` is the ``replica_group`` setting: ``"world"`` takes every rank of the default
+    process group as a replica of the others (a DDP model seen without its wrapper).
+    """
     if not (dist.is_available() and dist.is_initialized()):
         return "torch.distributed is not initialised: one process, no replicas"
     model = _unwrap_compiled(model)
     ddp = torch.nn.parallel.DistributedDataParallel
+    if how == "world" and not isinstance(model, ddp):
+        world = dist.group.WORLD
+        named = tuple(model.named_parameters())
+        if any(hasattr(param, "device_mesh") for _, param in named):
+            return "replica_group: world, but the parameters are DTensors (sharded): use auto"
+        return ReplicaGroup(
+            world, tuple(range(dist.get_world_size())), named, "every rank (replica_group: world)"
+        )
     if isinstance(model, ddp):
         group = model.process_group
         named = tuple(_ddp_synchronised(model))
@@ -185,7 +197,7 @@ class ReplicaProbe:
         config = context.config
         if config.replica_check_steps <= 0:
             return None
-        found = find_replica_group(context.model)
+        found = find_replica_group(context.model, config.replica_group)
         if isinstance(found, str):
             if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
                 context.event("replica_check", state="off", reason=found)

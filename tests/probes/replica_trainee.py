@@ -39,7 +39,7 @@ FLIP_AFTER = 50
 CHECK_EVERY = 10
 CORRUPTED_RANK = 2
 SKEW = 7
-FLIPPED = ("flip", "flip2", "hsdp", "skew", "fail", "frozen")
+FLIPPED = ("flip", "flip2", "hsdp", "skew", "fail", "frozen", "world")
 
 
 class Net(nn.Module):
@@ -95,9 +95,11 @@ def main() -> None:
     rank = dist.get_rank()
     model, net = build(mode)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    # world: as the Lightning and Hugging Face adapters do, attach to the module inside DDP.
+    extra = {"replica_group": "world"} if mode == "world" else {}
     monitor = stabmon.attach(
-        model, optimizer, port=0, run_dir=run_dir, run_id=f"replicas-{mode}",
-        replica_check_steps=CHECK_EVERY,
+        net if mode == "world" else model, optimizer, port=0, run_dir=run_dir,
+        run_id=f"replicas-{mode}", replica_check_steps=CHECK_EVERY, **extra,
     ) if mode != "rank0" or rank == 0 else None  # fmt: skip
     if (
         mode == "skew" and rank == 0 and monitor

@@ -239,3 +239,17 @@ def test_the_first_check_gathers_hosts_on_the_parameters_device_not_as_objects(
         assert values is not None and probe.where == [f"{socket.gethostname()} cpu"]
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_replica_group_world_compares_a_model_attached_inside_its_ddp_wrapper(
+    tmp_path: Path,
+) -> None:
+    # The adapters attach to the module DDP wraps: stabmon cannot see the wrapper, and the
+    # user says every rank is a replica (replica_group: world).
+    records = run_ranks(tmp_path, "world", 70)
+
+    for logged in records.values():
+        (first, *_) = mismatches(logged)
+        assert first["culprit_ranks"] == [2] and first["first_group"] == "blocks.1"
+        assert "replica_group: world" in first["detail"]
