@@ -62,6 +62,7 @@ from stabmon.shared.guard import Guard
 
 __all__ = ["PLUGINS", "DeviceJudge", "Plugged"]
 
+
 def replica_check(context: Context) -> ReplicaCheck | None:
     """The replica check: its probe measures on the device, the detector judges the vote."""
     probe = ReplicaProbe.create(context)
