@@ -70,12 +70,13 @@ def find_replica_group(model: torch.nn.Module, how: str = "auto") -> ReplicaGrou
     ddp = torch.nn.parallel.DistributedDataParallel
     if how == "world" and not isinstance(model, ddp):
         world = dist.group.WORLD
-        named = tuple(model.named_parameters())
-        if any(hasattr(param, "device_mesh") for _, param in named):
+        everything: tuple[tuple[str, torch.Tensor], ...] = tuple(model.named_parameters())
+        if any(hasattr(param, "device_mesh") for _, param in everything):
             return "replica_group: world, but the parameters are DTensors (sharded): use auto"
         return ReplicaGroup(
-            world, tuple(range(dist.get_world_size())), named, "every rank (replica_group: world)"
-        )
+            world, tuple(range(dist.get_world_size())), everything,
+            "every rank (replica_group: world)",
+        )  # fmt: skip
     if isinstance(model, ddp):
         group = model.process_group
         named = tuple(_ddp_synchronised(model))
