@@ -208,11 +208,24 @@ class _Blocking(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
 
 def _stall_while_blocked(monitor: stabmon.Monitor, release: threading.Event) -> threading.Thread:
-    """Sets ``release`` once the stall is exported: the loop stays blocked until then."""
+    """Sets ``release`` once the stall is exported and its evidence (every thread's stack,
+    taken while the loop is blocked) is in the event log: the loop stays blocked until then.
+    On a busy machine the evidence lands well after the gauge."""
+
+    def has_evidence() -> bool:
+        try:
+            return any(r.get("event") == "hang_evidence" for r in events(monitor.event_log_path))
+        except ValueError:  # a line being written: look again
+            return False
 
     def watch() -> None:
-        wait_until(lambda: value(scrape(monitor.metrics_url), "stabmon_stalled") == 1, "stalled")
-        release.set()
+        try:
+            wait_until(
+                lambda: value(scrape(monitor.metrics_url), "stabmon_stalled") == 1, "stalled"
+            )
+            wait_until(has_evidence, "the hang evidence is written", timeout=60)
+        finally:
+            release.set()
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()

@@ -206,8 +206,9 @@ def test_compare_of_two_multi_rank_runs_has_per_rank_and_whole_run_rows(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # Two processes, each a rank of both runs (starting torch costs seconds, so once per rank);
-    # rank 1 of B sleeps in its batch fetch.
-    ranks = [_start_rank(tmp_path, rank, "two-a", f"two-b:{0.01 if rank else 0}")
+    # rank 1 of B sleeps in its batch fetch (30 ms: well above what a busy machine adds to
+    # run A's input wait, so the whole run's row moves too).
+    ranks = [_start_rank(tmp_path, rank, "two-a", f"two-b:{0.03 if rank else 0}")
              for rank in (0, 1)]  # fmt: skip
     for process in ranks:
         assert process.wait(timeout=120) == 0
