@@ -49,6 +49,7 @@ __all__ = [
     "GradProbe",
     "GradSample",
     "GradSummary",
+    "assign_groups",
     "build_grad_probe",
     "group_name",
 ]
@@ -124,7 +125,7 @@ class GradProbe:
         self._trainable = tuple(param.requires_grad for param in self._candidates)
         self._params: tuple[torch.Tensor, ...] = tuple(param for _, param in named_params)
         self._ids = frozenset(id(param) for param in self._params)
-        self.groups, self._group_of = _assign_groups(
+        self.groups, self._group_of = assign_groups(
             self.names, self._params, module_depth, max_modules
         )
         # Buckets whose fused launch failed on sparse gradients: normed per tensor from then on.
@@ -332,7 +333,7 @@ def _bucket(params: Sequence[torch.Tensor]) -> tuple[_Bucket, ...]:
     )
 
 
-def _assign_groups(
+def assign_groups(
     names: Iterable[str],
     params: Sequence[torch.Tensor],
     depth: int,

@@ -36,9 +36,8 @@ import torch.distributed as dist
 
 from stabmon.extension import Context
 from stabmon.probes.fingerprint import abstention, fingerprint, vote
-from stabmon.probes.grads import group_name
+from stabmon.probes.grads import assign_groups
 from stabmon.probes.identity import torch_device_uuids
-from stabmon.probes.module_groups import automatic_groups
 
 __all__ = ["ReplicaGroup", "ReplicaProbe", "find_replica_group", "parameter_buckets"]
 
@@ -149,16 +148,15 @@ def _answer_roll_call(ranks: Sequence[int]) -> str | None:
 def parameter_buckets(
     named: Sequence[tuple[str, torch.Tensor]], depth: int, max_modules: int
 ) -> tuple[list[str], list[list[torch.Tensor]]]:
-    """Parameters by module group (as the gradient norms name them)."""
-    names = [name for name, _ in named]
-    shapes = [tuple(tensor.shape) for _, tensor in named]
-    per_param = automatic_groups(names, max_modules, shapes) if depth == 0 else None
-    if per_param is None:
-        per_param = [group_name(name, depth or 1) for name in names]
-    groups: dict[str, list[torch.Tensor]] = {}
-    for group, (_, tensor) in zip(per_param, named, strict=True):
-        groups.setdefault(group, []).append(tensor)
-    return list(groups), list(groups.values())
+    """Parameters by module group, exactly as the gradient norms name them (same grouping,
+    same ``max_modules`` cap with ``other``)."""
+    groups, group_of = assign_groups(
+        (name for name, _ in named), [tensor for _, tensor in named], depth, max_modules
+    )
+    buckets: list[list[torch.Tensor]] = [[] for _ in groups]
+    for index, (_, tensor) in zip(group_of, named, strict=True):
+        buckets[index].append(tensor)
+    return list(groups), buckets
 
 
 class ReplicaProbe:
@@ -288,6 +286,8 @@ class ReplicaProbe:
         local = local.to(device)
         where = [torch.empty_like(local) for _ in self.ranks]
         dist.all_gather(where, local, group=self.replicas.group)
+        # A slow path, once per run (the first check): the gathered names are read back here,
+        # a host-device sync that the steps after it never make.
         return [
             bytes(item.cpu().tolist()).rstrip(b"\0").decode("utf-8", "replace") for item in where
         ]
