@@ -89,7 +89,9 @@ def find_replica_group(model: torch.nn.Module, how: str = "auto") -> ReplicaGrou
     if not meshes:
         return (
             "the model is not wrapped in DistributedDataParallel and its parameters are not "
-            "DTensors: which ranks hold the same parameters is unknown"
+            "DTensors: which ranks hold the same parameters is unknown (attached to the "
+            "module inside DDP, as the Lightning and Hugging Face adapters do? set "
+            "replica_group: world)"
         )
     if len(meshes) > 1:
         return "the parameters live on more than one device mesh"

@@ -48,6 +48,19 @@ def test_a_model_without_distributed_replicas_has_no_replica_group() -> None:
     assert isinstance(find_replica_group(torch.nn.Linear(2, 2)), str)
 
 
+def test_a_model_seen_without_its_ddp_wrapper_is_told_what_to_set() -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        reason = find_replica_group(torch.nn.Linear(2, 2))
+        found = find_replica_group(torch.nn.Linear(2, 2), "world")
+    finally:
+        dist.destroy_process_group()
+    assert isinstance(reason, str) and "set replica_group: world" in reason
+    assert not isinstance(found, str) and found.ranks == (0,)
+
+
 @pytest.mark.slow
 def test_one_flipped_bit_on_rank_2_is_named_at_the_next_check_on_every_rank(
     tmp_path: Path,
