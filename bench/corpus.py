@@ -760,6 +760,21 @@ def run(loop: str, fault: str, steps: int, fault_step: int, run_dir: str) -> Out
     return outcome
 
 
+def run_alone(
+    loop: str, fault: str, steps: int, fault_step: int, timeout: float = 1800.0
+) -> Outcome:
+    """:func:`run` in a process of its own, as a training script runs: a leak is judged on
+    the process's RSS, which memory freed by an earlier run (or a test before it, in a
+    pytest worker) would hide until it is used up; detector state cannot carry over."""
+    done = subprocess.run(
+        [sys.executable, __file__, "--one", loop, fault, str(steps), str(fault_step)],
+        capture_output=True, text=True, check=False, timeout=timeout,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"corpus run {loop}/{fault} exited {done.returncode}:\n{done.stderr}")
+    return Outcome(**json.loads(done.stdout.strip().splitlines()[-1]))
+
+
 def table(outcomes: list[Outcome]) -> str:
     loops = sorted({o.loop for o in outcomes}, key=lambda name: (LOOPS + (name,)).index(name))
     lines = ["| fault \\ loop | " + " | ".join(loops) + " |",
@@ -795,18 +810,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loops", default=",".join(LOOPS))
     parser.add_argument("--faults", default=",".join(FAULTS))
     parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--one", nargs=2, metavar=("LOOP", "FAULT"), help=argparse.SUPPRESS)
+    parser.add_argument("--one", nargs=4, metavar=("LOOP", "FAULT", "STEPS", "FAULT_STEP"),
+                        help=argparse.SUPPRESS)  # fmt: skip
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    if args.one:  # one run in this process, its outcome as JSON on the last line
-        loop, fault = args.one
-        steps = args.steps if fault == "clean" else args.fault_steps
-        fault_step = args.fault_step
-        if loop in SHORT_RUNS:  # runs as short as the real ones
-            steps = {"vae": args.vae_steps, "lbfgs": args.lbfgs_steps}[loop]
-            fault_step = SHORT_FAULT_STEP[loop]
+    if args.one:  # one run in this process (run_alone), its outcome as JSON on the last line
+        loop, fault, steps, fault_step = args.one
         with tempfile.TemporaryDirectory() as run_dir:
-            outcome = run(loop, fault, steps, fault_step, run_dir)
+            outcome = run(loop, fault, int(steps), int(fault_step), run_dir)
         print(json.dumps(outcome.__dict__))
         return 0
     outcomes: list[Outcome] = []
@@ -814,15 +825,12 @@ def main(argv: list[str] | None = None) -> int:
         for fault in args.faults.split(","):
             if fault not in LOOP_FAULTS.get(loop, ()) + (GPT_FAULTS if loop == "gpt" else ()):
                 continue
-            # Each run in its own process: memory freed by an earlier run would hide a leak
-            # in RSS until it is used up, and detector state must not carry over.
-            done = subprocess.run(
-                [sys.executable, __file__, "--one", loop, fault, "--steps", str(args.steps),
-                 "--fault-steps", str(args.fault_steps), "--fault-step", str(args.fault_step),
-                 "--vae-steps", str(args.vae_steps), "--lbfgs-steps", str(args.lbfgs_steps)],
-                capture_output=True, text=True, check=True,
-            )  # fmt: skip
-            outcome = Outcome(**json.loads(done.stdout.strip().splitlines()[-1]))
+            steps = args.steps if fault == "clean" else args.fault_steps
+            fault_step = args.fault_step
+            if loop in SHORT_RUNS:  # runs as short as the real ones
+                steps = {"vae": args.vae_steps, "lbfgs": args.lbfgs_steps}[loop]
+                fault_step = SHORT_FAULT_STEP[loop]
+            outcome = run_alone(loop, fault, steps, fault_step)
             outcomes.append(outcome)
             print(f"{loop:5s} {fault:9s} {outcome.steps:6d} steps in {outcome.seconds:6.1f} s: "
                   f"detected at {outcome.detected_at} ({outcome.detected_seconds} s), "

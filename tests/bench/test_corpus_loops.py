@@ -62,16 +62,19 @@ def test_corpus_loop_exports_the_pre_clip_norm_of_its_last_step(loop: str, tmp_p
 
 
 @pytest.mark.slow
-def test_corpus_lstm_leak_is_flagged_within_two_thousand_steps(tmp_path: Path) -> None:
-    outcome = corpus.run("lstm", "leak", 2600, 300, str(tmp_path))
+def test_corpus_lstm_leak_is_flagged_within_two_thousand_steps() -> None:
+    # Its own process, as a training script runs: the leak is judged on RSS, whose baseline
+    # in a pytest worker is whatever the tests before it left (it hid the leak in CI).
+    outcome = corpus.run_alone("lstm", "leak", 2600, 300)
     assert outcome.false_positives == []
     assert outcome.detected_at is not None and outcome.detected_at - 300 <= 2000
 
 
 @pytest.mark.slow
-def test_corpus_vae_short_run_flags_its_train_loss_leak_before_it_ends(tmp_path: Path) -> None:
-    """pytorch/examples' VAE, 300 steps, ``train_loss += loss`` (the tensor) from step 30."""
-    outcome = corpus.run("vae", "leak", 300, 30, str(tmp_path))
+def test_corpus_vae_short_run_flags_its_train_loss_leak_before_it_ends() -> None:
+    """pytorch/examples' VAE, 300 steps, ``train_loss += loss`` (the tensor) from step 30, in
+    a process of its own (see the LSTM leak above)."""
+    outcome = corpus.run_alone("vae", "leak", 300, 30)
     assert outcome.false_positives == []
     assert outcome.detected_at is not None and 30 < outcome.detected_at < 300
 
@@ -87,8 +90,10 @@ def test_corpus_lbfgs_loop_runs_clean_and_finds_its_lr_blowup(tmp_path: Path) ->
 
 
 @pytest.mark.slow
-def test_corpus_starving_loader_is_an_input_starvation_within_a_minute(tmp_path: Path) -> None:
+def test_corpus_starving_loader_is_an_input_starvation_before_the_run_ends(tmp_path: Path) -> None:
+    """Detection within a minute of the starvation's start is the bench's figure
+    (``python bench/corpus.py --loops vae --faults starve``: these loops run on the real
+    clock, so a test asserts only that it is found, and nothing else is)."""
     outcome = corpus.run("vae", "starve", 300, 30, str(tmp_path))
     assert outcome.false_positives == []
-    assert outcome.detected_at is not None
-    assert outcome.detected_seconds is not None and outcome.detected_seconds <= 60
+    assert outcome.detected_at is not None and 30 < outcome.detected_at < 300
