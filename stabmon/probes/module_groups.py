@@ -19,13 +19,20 @@ the whole body. Models repeat their blocks under a container whose children are 
 - within ``max_modules``: blocks are merged into runs of consecutive blocks
   (``model.layers.0-3``) when there are more than the budget left by the other groups.
 
-A model without a block container keeps depth 1 (its top-level children). Names only: the
-grouping is decided once per probe layout, on the host, from parameter names and sizes.
+A model without a block container is grouped by its top-level children, below the wrappers
+every parameter shares: a LightningModule's ``self.model`` around a ``self.net`` MLP is
+``model.net.0``, ``model.net.2``, ``model.net.4`` (one group per layer, as the bare
+``nn.Sequential`` gets), not the single group ``model``. In either case a multi-layer
+``nn.LSTM``/``GRU``/``RNN`` that is a group of its own is split by layer (``rnn.l0``,
+``rnn.l1``: torch names its weights ``weight_ih_l1``, ``weight_hh_l1_reverse``), since its
+layers are the blocks an LSTM language model repeats. Names only: the grouping is decided
+once per probe layout, on the host, from parameter names and sizes.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 
 __all__ = ["MIN_BLOCKS", "ROOT_GROUP", "automatic_groups"]
@@ -35,20 +42,57 @@ __all__ = ["MIN_BLOCKS", "ROOT_GROUP", "automatic_groups"]
 MIN_BLOCKS = 4
 #: The group of parameters that sit directly on the root module (``bias`` rather than ``fc.bias``).
 ROOT_GROUP = "root"
+#: torch's recurrent modules' per-layer parameters: ``weight_ih_l1``, ``bias_hh_l0_reverse``.
+_RNN_LAYER = re.compile(r"(?:weight|bias)_(?:ih|hh|hr)_l(\d+)(?:_reverse)?")
 
 
 def automatic_groups(
     names: Sequence[str], max_modules: int, shapes: Sequence[tuple[int, ...]] | None = None
 ) -> list[str] | None:
     """The group of each parameter of ``names`` (in order), or None when the model has no
-    block container (the caller then groups by top-level module). ``shapes`` (each
-    parameter's) lets two or three identical blocks count as a stack too."""
+    block container, no shared wrapper and no multi-layer RNN of its own (the caller then
+    groups by top-level module). ``shapes`` (each parameter's) lets two or three identical
+    blocks count as a stack too."""
     paths = [name.split(".")[:-1] for name in names]
     containers = _block_containers(names, shapes)
-    if not containers:
-        return None
-    groups = [_group(path, containers) for path in paths]
-    return _within_budget(groups, paths, containers, max_modules)
+    if containers:
+        groups = _within_budget(
+            [_group(path, containers) for path in paths], paths, containers, max_modules
+        )
+    else:
+        groups = _below_wrappers(paths)
+    groups = _rnn_layers(names, groups)
+    if not containers and groups == [".".join(path[:1]) or ROOT_GROUP for path in paths]:
+        return None  # the top-level children are the groups
+    return groups
+
+
+def _below_wrappers(paths: Sequence[list[str]]) -> list[str]:
+    """Each parameter's top-level child below the module path every parameter shares (a
+    framework's or the user's wrapper: ``model.net``); the top-level child without one."""
+    shared = max(min((len(path) - 1 for path in paths), default=0), 0)
+    for depth in range(shared):
+        if len({path[depth] for path in paths}) > 1:
+            shared = depth
+            break
+    return [".".join(path[: shared + 1]) or ROOT_GROUP for path in paths]
+
+
+def _rnn_layers(names: Sequence[str], groups: list[str]) -> list[str]:
+    """Split a multi-layer recurrent module that is a group of its own into its layers."""
+    layers: dict[str, set[str]] = {}
+    found: list[tuple[int, str]] = []
+    for index, (name, group) in enumerate(zip(names, groups, strict=True)):
+        module, _, leaf = name.rpartition(".")
+        match = _RNN_LAYER.fullmatch(leaf)
+        if match is not None and (module or ROOT_GROUP) == group:
+            layers.setdefault(group, set()).add(match.group(1))
+            found.append((index, match.group(1)))
+    split = list(groups)
+    for index, layer in found:
+        if len(layers[groups[index]]) > 1:
+            split[index] = f"{groups[index]}.l{layer}"
+    return split
 
 
 def _block_containers(

@@ -132,3 +132,58 @@ def test_two_identical_blocks_are_a_stack_but_a_small_sequential_is_not() -> Non
     mlp = ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]
     mlp_shapes = [(16, 8), (16,), (16, 16), (16,), (1, 16), (1,)]
     assert automatic_groups(mlp, 32, mlp_shapes) is None  # layers of different shapes
+
+
+def test_a_wrapped_mlp_is_grouped_by_layer_below_the_wrappers_it_shares() -> None:
+    # A LightningModule's self.model around a regressor's self.net (the Hugging Face Trainer's
+    # model the same): depth 1 would be one group, "model", for the whole network.
+    names = [f"model.net.{i}.{kind}" for i in (0, 2, 4) for kind in ("weight", "bias")]
+    shapes = [(256, 32), (256,), (256, 256), (256,), (1, 256), (1,)]
+    assert automatic_groups(names, 32, shapes) == [
+        "model.net.0", "model.net.0", "model.net.2", "model.net.2", "model.net.4", "model.net.4"
+    ]  # fmt: skip
+    # The bare Sequential, and a model whose top level has several children, are unchanged.
+    assert automatic_groups([name.removeprefix("model.net.") for name in names], 32, shapes) is None
+    assert automatic_groups(["model.weight", "model.bias"], 32) is None  # one leaf module
+
+
+def test_a_multi_layer_lstm_of_its_own_is_split_by_layer() -> None:
+    lm = nn.ModuleDict(
+        {"encoder": nn.Embedding(16, 8), "rnn": nn.LSTM(8, 8, 2), "decoder": nn.Linear(8, 16)}
+    )
+    names = [name for name, _ in lm.named_parameters()]
+    groups = automatic_groups(names, 32, [tuple(p.shape) for p in lm.parameters()])
+    assert groups is not None
+    by_name = dict(zip(names, groups, strict=True))
+    assert by_name["rnn.weight_hh_l1"] == "rnn.l1" and by_name["rnn.bias_ih_l0"] == "rnn.l0"
+    assert by_name["encoder.weight"] == "encoder" and by_name["decoder.bias"] == "decoder"
+
+    both = [name for name, _ in nn.LSTM(4, 4, 2, bidirectional=True).named_parameters()]
+    assert set(automatic_groups([f"rnn.{n}" for n in both], 32) or []) == {"rnn.l0", "rnn.l1"}
+    one_layer = [f"rnn.{name}" for name, _ in nn.LSTM(4, 4, 1).named_parameters()]
+    assert automatic_groups([*one_layer, "head.weight"], 32) is None  # a layer is the module
+    cells = ["lstm1.weight_ih", "lstm1.weight_hh", "lstm2.weight_ih", "linear.weight"]
+    assert automatic_groups(cells, 32) is None  # LSTMCells are modules of their own already
+
+
+def test_an_lstm_inside_a_repeated_block_stays_in_its_block() -> None:
+    names = [f"layers.{i}.rnn.weight_ih_l{k}" for i in range(4) for k in (0, 1)]
+    assert automatic_groups(names, 32) == [f"layers.{i}" for i in range(4) for _ in (0, 1)]
+
+
+def test_the_lstm_language_model_is_measured_by_layer_with_the_default_depth() -> None:
+    lm = nn.ModuleDict(
+        {"encoder": nn.Embedding(16, 8), "rnn": nn.LSTM(8, 8, 2), "decoder": nn.Linear(8, 16)}
+    )
+    optimizer = torch.optim.SGD(lm.parameters(), lr=0.1)
+    for param in lm.parameters():
+        param.grad = torch.ones_like(param)
+    lm["rnn"].weight_hh_l1.grad[0, 0] = float("nan")  # type: ignore[index]
+    probe = build_grad_probe(lm.named_parameters(), optimizer, module_depth=0,
+                             max_modules=32, limiter=LogLimiter())  # fmt: skip
+    sample = probe.measure()
+    assert sample is not None
+    summary = probe.layout.summarize(torch.as_tensor(sample.packed).tolist())
+    assert probe.groups == ("encoder", "rnn.l0", "rnn.l1", "decoder")
+    assert sorted(g for g, norm in summary.group_norms.items() if norm != norm) == ["rnn.l1"]
+    assert probe.layout.nonfinite_offenders(summary) == ["rnn.weight_hh_l1"]
