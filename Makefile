@@ -42,9 +42,11 @@ tools:
 dashboards: $(STAMP)
 	$(BIN)/python dashboards/generate.py
 
-# The Kubernetes PrometheusRule and dashboard ConfigMaps, from the rules file and dashboards/json.
+# The Kubernetes PrometheusRule and dashboard ConfigMaps, from the rules file and dashboards/json,
+# and the monitoring mixin (deploy/mixin: alerts, rules, dashboards, config) from the same.
 deploy: $(STAMP)
 	$(BIN)/python deploy/kubernetes/generate.py
+	$(BIN)/python deploy/mixin/generate.py
 
 # The overhead benchmark with the peers users would use instead (Lightning's grad_norm, wandb.watch).
 bench: $(STAMP)
@@ -73,6 +75,7 @@ typecheck: $(STAMP)
 test: tools lint typecheck
 	$(BIN)/python dashboards/generate.py --check
 	$(BIN)/python deploy/kubernetes/generate.py --check
+	$(BIN)/python deploy/mixin/generate.py --check
 	$(BIN)/python -m pytest -n 3
 
 clean:
