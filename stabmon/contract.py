@@ -59,6 +59,7 @@ EXTENSION_ANOMALY_KINDS: tuple[str, ...] = (
     "slowdown",
     "input_starvation",
     "replica_mismatch",
+    "replica_grad_outlier",
 )
 #: Values of ``stabmon_anomalies_total{kind}``; each is exported as 0 from attach.
 ANOMALY_KINDS: tuple[str, ...] = PUBLISHED_ANOMALY_KINDS + EXTENSION_ANOMALY_KINDS

@@ -480,6 +480,17 @@ class Config(_Section):
             choices=("auto", "world"),
         ),
     )
+    replica_local_norms: bool = field(
+        default=False,
+        metadata=_meta(
+            "With the replica check on a DDP model: take each rank's gradient norm before the "
+            "all-reduce (a DDP communication hook), and name a rank whose norm stands far "
+            "out from the others' at a check: anomaly replica_grad_outlier, a weaker signal "
+            "for corruption before the reduction. Opt-in: DDP allows one communication "
+            "hook, so a register_comm_hook the loop calls later would raise; never installed "
+            "over a hook of the loop's own."
+        ),
+    )
     provenance_steps: int = field(
         default=3,
         metadata=_meta(

@@ -38,6 +38,8 @@ from stabmon.extension import Context
 from stabmon.probes.fingerprint import abstention, fingerprint, vote
 from stabmon.probes.grads import assign_groups
 from stabmon.probes.identity import torch_device_uuids
+from stabmon.probes.local_norms import LocalGradNorms
+from stabmon.probes.local_norms import install as install_local_norms
 
 __all__ = ["ReplicaGroup", "ReplicaProbe", "find_replica_group", "parameter_buckets"]
 
@@ -173,8 +175,11 @@ class ReplicaProbe:
         *,
         roll_call: str | None = None,
         off: Callable[[str], None] | None = None,
+        local_norms: LocalGradNorms | None = None,
     ) -> None:
         self.replicas = replicas
+        #: Each rank's gradient norm before the all-reduce (replica_local_norms), or None.
+        self.local_norms = local_norms
         #: The store key each member's attach counted itself in (None: no store, no count).
         self._roll_call = roll_call
         #: Says, once, why the check turned itself off (an event and a log line).
@@ -217,15 +222,28 @@ class ReplicaProbe:
                 "stabmon: replica check off on rank %d: %s", context.rank, reason,
             )  # fmt: skip
 
+        local_norms = None
+        if config.replica_local_norms:
+            device = found.named_tensors[0][1].device
+            installed = install_local_norms(_unwrap_compiled(context.model), device)
+            if isinstance(installed, str):
+                context.log(
+                    "replica_local_norms", logging.WARNING,
+                    "stabmon: local gradient norms off on rank %d: %s", context.rank, installed,
+                )  # fmt: skip
+            else:
+                local_norms = installed
         return cls(
             found, config.replica_check_steps, config.module_depth, config.max_modules,
-            roll_call=_answer_roll_call(found.ranks), off=off,
+            roll_call=_answer_roll_call(found.ranks), off=off, local_norms=local_norms,
         )  # fmt: skip
 
     def measure(self, step: int) -> torch.Tensor | None:
         """After optimizer step ``step``, when due: fingerprint, gather and vote, all on the
         device; the vote (:func:`stabmon.probes.fingerprint.vote`) is read back later."""
         self._seen += 1
+        if self.local_norms is not None:
+            self.local_norms.fold()
         if self._seen % self._every:
             return None
         replicas = self.replicas
@@ -239,13 +257,20 @@ class ReplicaProbe:
             local = fingerprint(self._buckets, device)
         except Exception as error:  # this rank alone (out of memory...): the others gather
             failed, local = error, abstention(len(self._buckets), device)
+        if self.local_norms is not None:  # one more row: [the interval's local norm, 0]
+            norm = self.local_norms.take().to(device).view(torch.int64)
+            local = torch.cat([local, torch.stack([norm, torch.zeros_like(norm)]).unsqueeze(0)])
         gathered = [torch.empty_like(local) for _ in replicas.ranks]
         work = dist.all_gather(gathered, local, group=replicas.group, async_op=True)
         if work is not None:
             work.wait()  # NCCL: the current stream waits for the collective; the host does not
         if failed is not None:
             raise failed  # contained and counted; the others judged without this rank
-        return vote(torch.stack(gathered))
+        stacked = torch.stack(gathered)
+        if self.local_norms is None:
+            return vote(stacked)
+        norms = stacked[:, -1, 0].view(torch.float64).float()  # per member, in group order
+        return torch.cat([vote(stacked[:, :-1]), norms])
 
     def _all_attached(self) -> bool:
         """At the first check: whether every member of the group attached stabmon (a loop may

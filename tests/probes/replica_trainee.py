@@ -14,7 +14,10 @@ ranks: rank 0 restored a Monitor state of step ``SKEW``, the others none), ``fai
 out-of-memory on that rank alone would be), ``frozen`` (``flip`` of the frozen ``stem``,
 beside a parameter DDP is told to ignore whose value differs on every rank by design),
 ``rank0`` (``clean``, with stabmon attached on rank 0 alone, as a loop that monitors one
-rank does).
+rank does), ``local`` (rank 2's gradient is multiplied by 10^6 in the backward of
+``blocks.1`` at step ``FLIP_AFTER``, before the all-reduce: a bad backward kernel; every
+replica then applies the same corrupted average). ``clean`` and ``local`` also take each
+rank's local gradient norm (``replica_local_norms``).
 Checks run every
 ``CHECK_EVERY`` steps; a collective that waits more than a minute fails the job.
 """
@@ -96,7 +99,18 @@ def main() -> None:
     model, net = build(mode)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     # world: as the Lightning and Hugging Face adapters do, attach to the module inside DDP.
-    extra = {"replica_group": "world"} if mode == "world" else {}
+    extra: dict[str, object] = {"replica_group": "world"} if mode == "world" else {}
+    if mode in ("clean", "local"):
+        extra["replica_local_norms"] = True
+    if mode == "local" and rank == CORRUPTED_RANK:
+
+        def scale(grad: torch.Tensor) -> torch.Tensor:
+            return grad * 1e6 if scale.now else grad  # type: ignore[attr-defined]
+
+        scale.now = False  # type: ignore[attr-defined]
+        net.blocks[1].register_forward_hook(
+            lambda module, args, out: out.register_hook(scale) and None
+        )
     monitor = stabmon.attach(
         net if mode == "world" else model, optimizer, port=0, run_dir=run_dir,
         run_id=f"replicas-{mode}", replica_check_steps=CHECK_EVERY, **extra,
@@ -136,6 +150,8 @@ def main() -> None:
         if mode == "straggler" and rank == 1:
             time.sleep(0.002)
         corrupted = 0 if mode == "flip2" else CORRUPTED_RANK  # flip2: a job of two ranks
+        if mode == "local" and rank == corrupted:
+            scale.now = step + 1 == FLIP_AFTER  # type: ignore[attr-defined]
         if mode == "fail" and rank == 1 and step == FLIP_AFTER:
             replicas.fingerprint.now = True  # type: ignore[attr-defined]
         if mode in FLIPPED and rank == corrupted and step == FLIP_AFTER:

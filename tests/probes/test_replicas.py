@@ -164,6 +164,7 @@ def test_clean_ddp_with_bf16_accumulation_and_a_straggler_raises_no_mismatch(
     for records in (clean, straggler):
         for logged in records.values():
             assert not mismatches(logged)
+            assert not outliers(logged)  # clean also takes the local norms: none stands out
     # ... and not because no check was made (one that failed would be contained, silently):
     # every rank judged every check, one every CHECK_EVERY (10) steps.
     for folder, steps in (("clean", 400), ("straggler", 200)):
@@ -206,6 +207,7 @@ def test_a_check_on_cuda_issues_its_collective_and_vote_without_a_host_sync(
     import torch.distributed as dist
     from cuda_state import sync_debug_errors
 
+    from stabmon.probes.local_norms import LocalGradNorms
     from stabmon.probes.replicas import ReplicaGroup, ReplicaProbe
 
     store = dist.HashStore()
@@ -214,15 +216,19 @@ def test_a_check_on_cuda_issues_its_collective_and_vote_without_a_host_sync(
         model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)).cuda()
         group = dist.group.WORLD
         named = tuple(model.named_parameters())
-        probe = ReplicaProbe(ReplicaGroup(group, (0,), named, "test"), 1, 0, 32)
+        local = LocalGradNorms(group, torch.device("cuda"))  # the local norms' path too
+        probe = ReplicaProbe(ReplicaGroup(group, (0,), named, "test"), 1, 0, 32,
+                             local_norms=local)  # fmt: skip
         probe.measure(0)  # the first check: the object gather
         torch.cuda.synchronize()
         with sync_debug_errors():
+            local.add(torch.full((16,), 2.0, device="cuda"))  # a bucket, as the hook sees it
             values = probe.measure(1)
         assert values is not None
         buckets = len(probe.group_names)
         flat = values.cpu().tolist()
-        assert flat[:buckets] == [0.0] * buckets and flat[-1] == 0.0  # no mismatch, no culprit
+        assert flat[:buckets] == [0.0] * buckets and flat[-2] == 0.0  # no mismatch, no culprit
+        assert flat[-1] == 8.0  # the local norm of the interval: |(2,) * 16|
         assert probe.where and "GPU-" in probe.where[0]
     finally:
         dist.destroy_process_group()
@@ -266,3 +272,27 @@ def test_replica_group_world_compares_a_model_attached_inside_its_ddp_wrapper(
         (first, *_) = mismatches(logged)
         assert first["culprit_ranks"] == [2] and first["first_group"] == "blocks.1"
         assert "replica_group: world" in first["detail"]
+
+
+def outliers(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        r
+        for r in records
+        if r.get("event") == "anomaly" and r.get("kind") == "replica_grad_outlier"
+    ]
+
+
+@pytest.mark.slow
+def test_a_gradient_corrupted_before_the_all_reduce_names_its_rank_by_local_norm(
+    tmp_path: Path,
+) -> None:
+    # Rank 2's backward multiplies a gradient by 10^6 at step 50: every replica applies the
+    # same corrupted average, so the parameters stay identical (no mismatch), but rank 2's
+    # own gradient before the reduction stood out: named at the next check, on every rank.
+    records = run_ranks(tmp_path, "local", 70)
+
+    for rank, logged in records.items():
+        assert not mismatches(logged)
+        (first,) = outliers(logged)
+        assert first["step"] == 59 and first["culprit_ranks"] == [2], (rank, first)
+        assert "rank 2" in first["detail"] and "before the all-reduce" in first["detail"]

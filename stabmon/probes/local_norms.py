@@ -1,0 +1,90 @@
+"""Each data-parallel rank's *local* gradient norm, taken before DDP's all-reduce: the
+replica check's weaker signal, for corruption that happens before the reduction.
+
+A GPU that computes a wrong gradient corrupts the all-reduced average, which every
+replica then applies alike: their parameters stay identical, so the fingerprint vote
+(:mod:`stabmon.probes.replicas`) sees nothing. What differs is the rank's own gradient
+before the reduction. DDP exposes it in one place only, a communication hook, which sees
+each gradient bucket's flat buffer before it is reduced. This hook adds the bucket's
+squared norm (on the device, no sync) to the step's total and then reduces exactly as DDP
+does without a hook (:func:`allreduce_hook`: divide by the group size, all-reduce). At each
+optimizer step the step's local norm is folded into the maximum over the replica check's
+interval; at the check that maximum travels with the fingerprints (one more value in the
+same gather) and the judge compares the ranks' maxima (:mod:`stabmon.detectors.replica`).
+
+It is opt-in (``replica_local_norms``) because DDP allows one communication hook per
+model: taking it means a ``register_comm_hook`` the loop calls later raises. It is not
+installed over a hook the loop registered first, nor on a model that is not DDP.
+The hook is given to DDP's reducer directly, not through ``register_comm_hook``, so the
+wrapper's own attributes, and a pickle of it, are what they would be without stabmon.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+__all__ = ["LocalGradNorms", "install"]
+
+
+class LocalGradNorms:
+    """The hook's state: the step's summed squared bucket norms and the interval's maximum."""
+
+    def __init__(self, process_group: Any, device: torch.device) -> None:
+        self.process_group = process_group
+        self._step = torch.zeros((), dtype=torch.float64, device=device)
+        self._most = torch.zeros((), dtype=torch.float64, device=device)
+        #: Whether a bucket was seen since the last fold (a step with no synchronised
+        #: backward, all under ``no_sync``, has no local norm to fold).
+        self._seen = False
+
+    def add(self, buffer: torch.Tensor) -> None:
+        """A bucket's flat gradient buffer before its reduction (the backward's thread)."""
+        # float32 reads the bucket at speed; squared in float64, a huge norm does not overflow.
+        self._step.add_(torch.linalg.vector_norm(buffer, dtype=torch.float32).double().square())
+        self._seen = True
+
+    def fold(self) -> None:
+        """At an optimizer step: the step's local norm into the interval's maximum. A
+        non-finite norm stays (``maximum`` propagates NaN): a NaN on one rank alone is the
+        strongest local signal there is."""
+        if not self._seen:
+            return
+        torch.maximum(self._most, self._step, out=self._most)
+        self._step.zero_()
+        self._seen = False
+
+    def take(self) -> torch.Tensor:
+        """The interval's maximum local norm (a float64 scalar on the device; not squared),
+        and a fresh interval."""
+        most = self._most.sqrt()
+        self._most = torch.zeros_like(self._most)
+        return most
+
+
+def _hook(state: LocalGradNorms, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+    """DDP's communication hook (``bucket``: a ``torch.distributed.GradBucket``)."""
+    buffer = bucket.buffer()
+    try:
+        state.add(buffer)
+    except Exception:  # never in the way of the reduction: the interval just lacks it
+        pass
+    return allreduce_hook(state.process_group, bucket)
+
+
+def install(model: Any, device: torch.device) -> LocalGradNorms | str:
+    """Register the local-norm hook on a DistributedDataParallel ``model``; the state, or
+    why it was not (a sentence for the log)."""
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return "the model is not wrapped in DistributedDataParallel (no gradient buckets)"
+    if getattr(model, "_comm_hooks", None):
+        return "the model has a DDP communication hook of its own (DDP allows one)"
+    state = LocalGradNorms(model.process_group, device)
+    try:
+        dist._register_comm_hook(model.reducer, state, _hook)  # type: ignore[attr-defined]
+    except Exception as error:  # a built-in hook registered first, a torch without the API
+        return f"DDP refused the hook ({error})"
+    return state
