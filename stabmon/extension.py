@@ -246,6 +246,11 @@ class Context(Protocol):
         it costs a Python call per module. ``hook`` must not sync: record device tensors
         and return them from ``measure``. Held weakly; left out of copies and pickles."""
 
+    def watch_gradient(self, tensor: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> None:
+        """Call ``hook(gradient)`` when autograd computes ``tensor``'s gradient (its total
+        over every use); for a tensor of this step's graph, seen by a ``watch_modules``
+        hook, so it goes with the graph. ``hook`` returns None, must not raise or sync."""
+
     def judging(self) -> AbstractContextManager[object]:
         """The judging lock: hold it to call ``anomaly``/``event`` from a thread of your own
         (hooks called by the Monitor under the lock need not take it)."""

@@ -1,28 +1,44 @@
 """NaN provenance: which module produced the first non-finite value, and which only passed
-it on.
+it on, in the forward or the backward pass.
 
 After one step, every parameter upstream of a fault is non-finite too, so the gradient
 norms alone cannot tell the producer from the propagators. Disarmed, this costs nothing:
 the step hooks do not call it (``measuring`` is False).
 When a non-finite gradient or loss is judged at step K, it arms (at the next optimizer
 step, or the end of an iteration GradScaler skipped: the training thread) a forward hook
-on every module for ``provenance_steps`` training steps. Each hook records on the device,
-without a sync, whether the module's inputs and its output are all finite; the flags of a
-step go back with the Monitor's other results (the device-side port of
-:mod:`stabmon.extension`) and are judged a step later:
+on every module for ``provenance_steps`` training steps. Each hook sums, on the device and
+without a sync, every floating tensor the module takes or returns that this step has not
+summed yet (a NaN or an infinity reaches the sum: one fused reduction per tensor, no
+boolean copy), and on each one that requires a gradient it registers a gradient hook
+that sums the gradient when autograd computes it, noting the order the gradients come
+in. The sums of a step go back stacked with the Monitor's other results (the device-side
+port of :mod:`stabmon.extension`) and are judged a step later:
 
 - **forward producer**: the first module, in completion order, whose inputs are finite
   and whose output is not (a ``log`` of zero, an overflow); its **propagators** are the
   modules after it whose inputs were already non-finite. A non-finite model input is
-  named as the batch itself (``<input>``).
-- **backward**: every forward was finite, yet the step's gradients are not: the NaN arose
-  in the backward pass, at or just after the module whose parameters are the last, in
-  model order, with non-finite gradients (gradients flow from the output back).
+  named as the batch itself (``<input>``); a module whose input comes out of the forward
+  code of a module around it (functional code between its submodules), non-finite while
+  every output before it was finite, gives that enclosing module.
+- **backward producer**: the forward was finite, and the first non-finite gradient, in
+  the order autograd computed them, lies inside the innermost module whose output's
+  gradient (grad-output) was still finite: it is that module's grad-input, or the
+  grad-output of one of its submodules (the NaN arose in the module's own backward code,
+  between its submodules: a custom autograd ``Function``, a ``sqrt`` or ``log`` near
+  zero). Its **propagators** are the modules whose grad-output was non-finite, in the
+  order autograd reached them (the earlier layers). A gradient already non-finite where
+  it enters the model gives ``<loss>``: the loss or the code after the model's forward.
+  A gradient is the total over a tensor's uses, so when several modules share one input
+  (query, key and value projections) the producer is the module around them.
+- **backward, by the parameters**: every watched gradient was finite yet a parameter's
+  was not: the NaN arose in a weight gradient; named by the module whose parameters are
+  the last, in model order, with non-finite gradients.
 - **not reproduced**: every watched step was finite: a transient (that batch, the
   hardware); the event says which step to look at.
 
 The verdict is one ``provenance`` event and one log line. ``provenance_always`` watches
-from the first step, for a debugging session.
+from the first step, for a debugging session. A compiled forward is not watched (its
+module hooks are no-ops in traced code), nor an evaluation under ``no_grad``.
 """
 
 from __future__ import annotations
@@ -39,15 +55,63 @@ import torch
 if TYPE_CHECKING:
     from stabmon.extension import Context, GradSummary
 
-__all__ = ["MAX_WATCHED_CALLS", "NanProvenance", "forward_producer"]
+__all__ = ["MAX_WATCHED_CALLS", "NanProvenance", "backward_producer", "forward_producer"]
 
 #: Module calls watched per step at most (a model of thousands of modules, or a loop that
 #: never steps): the flags of the first ones are kept.
 MAX_WATCHED_CALLS = 4096
+#: Tensors (forward) and gradients (backward) summed per step at most.
+MAX_WATCHED_TENSORS = 2 * MAX_WATCHED_CALLS
 #: Propagators a verdict names at most.
 MAX_PROPAGATORS = 5
 #: The producer's name when the model's own input was already non-finite.
 INPUT = "<input>"
+#: The producer's name when the gradient was already non-finite where it entered the model.
+LOSS = "<loss>"
+#: How the root module (name "") is shown.
+ROOT = "(root)"
+
+#: One module call: (name, its inputs' slots, its outputs' slots). A slot is a tensor's
+#: index in the step's sums.
+Call = tuple[str, tuple[int, ...], tuple[int, ...]]
+
+
+class _Step:
+    """One watched step's record: the tensors summed, the calls, the gradients in order.
+
+    Gradient hooks hold this (not the plug-in); a hook that fires after the step was
+    measured (a graph kept with ``retain_graph``) writes into a record no one reads.
+    """
+
+    __slots__ = ("calls", "error", "grad_slots", "grads", "seen", "sums")
+
+    def __init__(self) -> None:
+        self.calls: list[Call] = []
+        self.sums: list[torch.Tensor] = []  # by slot: each tensor's fp32 sum, on its device
+        # This step's tensors already summed (a module's input is the output before it):
+        # id -> (the tensor, weakly, its slot).
+        self.seen: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        self.grads: list[torch.Tensor] = []  # gradient sums, in the order autograd made them
+        self.grad_slots: list[int] = []  # the slot of each
+        self.error: Exception | None = None  # a failure inside a hook, raised at measure()
+
+
+class _GradientSum:
+    """A gradient hook: sums the gradient of one slot's tensor into its step's record."""
+
+    __slots__ = ("_slot", "_step")
+
+    def __init__(self, step: _Step, slot: int) -> None:
+        self._step, self._slot = step, slot
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        step = self._step
+        try:
+            if len(step.grads) < MAX_WATCHED_TENSORS:
+                step.grads.append(_sum(grad))
+                step.grad_slots.append(self._slot)
+        except Exception as error:  # never break the backward; raised at measure()
+            step.error = step.error or error
 
 
 class NanProvenance:
@@ -59,23 +123,23 @@ class NanProvenance:
     def __init__(self, context: Context) -> None:
         config = context.config
         self._context = context
+        self._watch_gradient = context.watch_gradient
         self._steps: int = config.provenance_steps
         self._always: bool = config.provenance_always
         self._trigger: int | None = None  # the step whose non-finite value armed the watch
         self._unwatch: Any = None
         self._left = 0  # watched steps still to measure
-        self._calls: list[str] = []
-        self._flags: list[torch.Tensor] = []
-        # This step's tensors already judged (a module's input is the output before it):
-        # id -> (the tensor, weakly, its flag); cleared at each measure.
-        self._seen: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
-        self._waiting: dict[int, list[str]] = {}  # measured steps' module names, by step
-        self._verdicts: list[tuple[int, str | None, list[str]]] = []
+        self._step = _Step()
+        # Measured steps' calls, their forward sums' count and gradients' slots, by step.
+        self._waiting: dict[int, tuple[list[Call], int, list[int]]] = {}
+        self._verdicts: list[_Verdict] = []
         self._measured = 0  # watched steps measured for the trigger under way
-        self._backward: str | None = None  # where the gradients went non-finite, if they did
+        self._backward: str | None = None  # where the parameters' gradients went non-finite
         self._arm_pending = self._always  # set under the judging lock, read by measure()
-        # Explained: no new watch until a finite value is judged (one verdict per episode).
+        # Explained: no new watch until the loss and the gradients are finite again (one
+        # verdict per episode).
         self._explained = False
+        self._loss_finite = self._grads_finite = True
 
     @property
     def measuring(self) -> bool:
@@ -86,18 +150,26 @@ class NanProvenance:
     # --- judged values (under the judging lock) -----------------------------------------
 
     def grads_judged(self, step: int, summary: GradSummary) -> None:
-        if not summary.nonfinite:
-            self._explained = False
+        self._grads_finite = not summary.nonfinite
+        if self._grads_finite:
+            self._settle()
             return
-        if step in self._waiting:  # a watched step: its forward flags come next
+        if step in self._waiting:  # a watched step: its flags come next
             self._backward = self._backward or _last_nonfinite_module(summary)
         self._arm(step)
 
     def loss_judged(self, step: int, value: float) -> None:
-        if math.isfinite(value):
-            self._explained = False
+        self._loss_finite = math.isfinite(value)
+        if self._loss_finite:
+            self._settle()
         else:
             self._arm(step)
+
+    def _settle(self) -> None:
+        """The episode is over once the loss and the gradients are both finite again (a NaN
+        arising in the backward leaves the loss finite all along)."""
+        if self._loss_finite and self._grads_finite:
+            self._explained = False
 
     def _arm(self, step: int) -> None:
         if self._trigger is not None or self._explained or not (self._steps or self._always):
@@ -116,34 +188,65 @@ class NanProvenance:
             self._left = self._steps if not self._always else sys.maxsize
 
     def _forward(self, name: str, inputs: Any, output: Any) -> None:
-        if not torch.is_grad_enabled() or len(self._calls) >= MAX_WATCHED_CALLS:
+        step = self._step
+        if len(step.calls) >= MAX_WATCHED_CALLS or not torch.is_grad_enabled():
             return  # evaluation is no training step; past the bound, the first calls decide
-        finite_out = _all_finite(output, self._seen)
-        if finite_out is None:
-            return
-        finite_in = _all_finite(inputs, self._seen)  # mostly outputs judged already
-        self._calls.append(name)
-        self._flags += (finite_out if finite_in is None else finite_in, finite_out)
+        try:
+            outputs = self._slots(output, step)
+            if outputs:
+                step.calls.append((name, self._slots(inputs, step), outputs))
+        except Exception as error:  # never break the forward; raised at measure()
+            step.error = step.error or error
+
+    def _slots(self, value: Any, step: _Step, depth: int = 0) -> tuple[int, ...]:
+        """The slots of the floating tensors in ``value``, each summed once a step; one that
+        requires a gradient gets a gradient hook the first time."""
+        if isinstance(value, torch.Tensor):
+            known = step.seen.get(id(value))
+            if known is not None and known[0]() is value:
+                return (known[1],)
+            if not value.is_floating_point() or not value.numel():
+                return ()
+            slot = len(step.sums)
+            if slot >= MAX_WATCHED_TENSORS:
+                return ()
+            step.sums.append(_sum(value))
+            step.seen[id(value)] = (weakref.ref(value), slot)
+            if value.requires_grad:
+                self._watch_gradient(value, _GradientSum(step, slot))
+            return (slot,)
+        if depth >= 2:
+            return ()
+        if isinstance(value, Mapping):
+            value = tuple(value.values())
+        elif not isinstance(value, (tuple, list)):
+            return ()
+        slots: tuple[int, ...] = ()
+        for item in value:
+            slots += self._slots(item, step, depth + 1)
+        return slots
 
     def measure(self, step: int) -> torch.Tensor | None:
+        watched, self._step = self._step, _Step()
         if self._arm_pending:
             self._start_watching()  # from the next iteration's forward on
-            self._calls, self._flags = [], []
-            self._seen.clear()
             return None
-        if not self._calls:
+        if watched.error is not None:
+            self.detach()  # a hook failed: stop watching (the guard counts and logs it)
+            raise watched.error
+        if not watched.calls:
             return None
-        device = self._flags[0].device
-        packed = torch.stack([flag.to(device, non_blocking=True) for flag in self._flags])
-        self._waiting[step] = self._calls
-        self._calls, self._flags = [], []
-        self._seen.clear()
+        sums = watched.sums + watched.grads
+        device = sums[0].device
+        packed = torch.stack(
+            [s if s.device == device else s.to(device, non_blocking=True) for s in sums]
+        )
+        self._waiting[step] = (watched.calls, len(watched.sums), watched.grad_slots)
         self._measured += 1
         self._left -= 1
-        if self._left <= 0 and self._unwatch is not None:
-            self._unwatch()
-            self._unwatch = None
-        return packed.to(torch.float32)
+        if self._left <= 0:
+            self.detach()
+        return packed
 
     def detach(self) -> None:
         if self._unwatch is not None:
@@ -153,42 +256,53 @@ class NanProvenance:
     # --- the verdict (under the judging lock) -------------------------------------------
 
     def judge(self, step: int, values: list[float]) -> None:
-        names = self._waiting.pop(step, None)
-        if names is None:
+        waiting = self._waiting.pop(step, None)
+        if waiting is None:
             return
-        producer, propagators = forward_producer(names, values)
+        calls, count, grad_slots = waiting
+        finite = [math.isfinite(v) for v in values]
+        forward = forward_producer(calls, finite[:count])
+        backward = backward_producer(calls, grad_slots, finite[count:])
+        verdict = _Verdict(step, forward, backward)
         if self._always:  # every step watched: a verdict for each episode's first producer
-            if producer is not None and not self._explained:
-                self._verdicts = [(step, producer, propagators)]
+            if verdict.found and not self._explained:
+                self._verdicts = [verdict]
                 self._report()
             return
         if self._trigger is None:
             return
-        self._verdicts.append((step, producer, propagators))
-        if producer is not None or len(self._verdicts) >= max(self._measured, self._steps):
+        self._verdicts.append(verdict)
+        if verdict.found or len(self._verdicts) >= max(self._measured, self._steps):
             self._report()
 
     def _report(self) -> None:
         verdicts, self._verdicts = self._verdicts, []
-        found = next(((st, p, props) for st, p, props in verdicts if p is not None), None)
-        trigger = self._trigger if self._trigger is not None else verdicts[0][0]
-        watched = [step for step, _, _ in verdicts]
+        found = next((v for v in verdicts if v.found), None)
+        trigger = self._trigger if self._trigger is not None else verdicts[0].step
+        watched = [v.step for v in verdicts]
         context = self._context
-        producer: str | None
-        if found is not None and found[1] is not None:
-            step, producer, propagators = found[0], found[1], found[2]
-            direction: str | None = "forward"
-            message = _forward_message(trigger, step, found[1], propagators)
+        producer: str | None = None
+        propagators: list[str] = []
+        direction: str | None = None
+        first: str | None = None
+        if found is not None and found.forward[0] is not None:
+            step, (producer, propagators) = found.step, found.forward
+            direction = "forward"
+            message = _forward_message(trigger, step, producer, propagators)
+        elif found is not None:
+            step, (producer, propagators, first) = found.step, found.backward
+            direction = "backward"
+            message = _backward_message(trigger, step, producer, propagators, first)
         elif self._backward is not None:
-            step, producer, propagators = verdicts[-1][0], self._backward, []
-            direction, message = "backward", _backward_message(trigger, self._backward)
+            step, producer, direction = verdicts[-1].step, self._backward, "backward"
+            message = _parameters_message(trigger, self._backward)
         else:
-            step, producer, propagators = trigger, None, []
-            direction, message = None, _not_reproduced(trigger, watched)
+            step = trigger
+            message = _not_reproduced(trigger, watched)
         context.event(
             "provenance", step=trigger, observed_step=step, producer=producer,
             direction=direction, propagators=propagators, watched_steps=watched,
-            rank=context.rank, reproduced=producer is not None,
+            rank=context.rank, reproduced=producer is not None, first_nonfinite=first,
         )  # fmt: skip
         context.log("provenance", logging.WARNING, "stabmon: rank %d: %s", context.rank, message)
         self._trigger, self._backward, self._explained = None, None, True
@@ -196,68 +310,135 @@ class NanProvenance:
             self._waiting.clear()  # steps still in flight for this trigger: explained already
 
 
-def forward_producer(names: Sequence[str], values: Sequence[float]) -> tuple[str | None, list[str]]:
+class _Verdict:
+    """One watched step's findings."""
+
+    __slots__ = ("backward", "forward", "step")
+
+    def __init__(
+        self,
+        step: int,
+        forward: tuple[str | None, list[str]],
+        backward: tuple[str | None, list[str], str | None],
+    ) -> None:
+        self.step, self.forward, self.backward = step, forward, backward
+
+    @property
+    def found(self) -> bool:
+        return self.forward[0] is not None or self.backward[0] is not None
+
+
+def forward_producer(calls: Sequence[Call], finite: Sequence[bool]) -> tuple[str | None, list[str]]:
     """The first module (completion order) whose inputs are finite and output is not, and the
     modules after it whose inputs were already non-finite; ``(None, [])`` when every output
-    was finite. ``values`` are (inputs finite, output finite) pairs, 1.0 or 0.0."""
+    was finite. ``finite`` says, by slot, whether each tensor was finite. A module without a
+    floating input (an embedding of token ids) counts its inputs as finite."""
+    roots = {slot for name, inputs, _ in calls if name == "" for slot in inputs}
+    root_seen = any(name == "" for name, _, _ in calls)
     producer: str | None = None
     propagators: list[str] = []
-    for index, name in enumerate(names):
-        finite_in, finite_out = values[2 * index] > 0.5, values[2 * index + 1] > 0.5
-        if finite_out:
-            continue
+    for index, (name, inputs, outputs) in enumerate(calls):
+        finite_in = all(finite[slot] for slot in inputs)
         if producer is None:
-            producer = name if finite_in else INPUT
+            if all(finite[slot] for slot in outputs):
+                continue
+            if finite_in:
+                producer = _shown(name)
+            elif root_seen and not any(not finite[slot] and slot in roots for slot in inputs):
+                # Not the batch: made by functional code between modules, in one around it.
+                producer = _enclosing(name, calls[index + 1 :])
+            else:
+                producer = INPUT
             continue
-        if not finite_in and not _contains(name, producer) and name not in propagators:
-            propagators.append(name)
+        if not finite_in and not _contains(name, producer) and _shown(name) not in propagators:
+            propagators.append(_shown(name))
     return producer, propagators[:MAX_PROPAGATORS]
+
+
+def backward_producer(
+    calls: Sequence[Call], slots: Sequence[int], finite: Sequence[bool]
+) -> tuple[str | None, list[str], str | None]:
+    """The backward producer, its propagators and where the first non-finite gradient was
+    (``"m's output"`` / ``"m's input"``); ``(None, [], None)`` when every gradient was finite.
+
+    ``slots`` are the tensors whose gradients autograd computed, in its order, and
+    ``finite`` whether each gradient was finite.
+    """
+    grads: dict[int, bool] = {}
+    order: dict[int, int] = {}
+    for index, (slot, ok) in enumerate(zip(slots, finite, strict=False)):
+        grads[slot] = grads.get(slot, True) and ok
+        order.setdefault(slot, index)
+    bad = [slot for slot, ok in grads.items() if not ok]
+    if not bad:
+        return None, [], None
+    first = min(bad, key=order.__getitem__)
+    makers = [name for name, _, outputs in calls if first in outputs]
+    users = [name for name, inputs, _ in calls if first in inputs]
+    candidates: list[tuple[int, str]] = []  # (depth, name)
+    for name, inputs, outputs in calls:
+        fired = [grads[slot] for slot in outputs if slot in grads]
+        if not fired or not all(fired):
+            continue  # its grad-output was not (all) finite, or never came
+        if first in inputs or any(_contains(name, inner) and inner != name for inner in makers):
+            candidates.append((name.count(".") + 1 if name else 0, name))
+    producer = _deepest(candidates)
+    where = (
+        f"{_shown(makers[-1])}'s output" if makers
+        else f"{_shown(users[0])}'s input" if users else None
+    )  # fmt: skip
+    if producer is None:
+        producer = LOSS
+    ranked: list[tuple[int, str]] = []
+    for name, _, outputs in calls:
+        reached = [order[slot] for slot in outputs if slot in grads and not grads[slot]]
+        if reached and (producer == LOSS or not _contains(name, producer)):
+            ranked.append((min(reached), _shown(name)))
+    propagators: list[str] = []
+    for _, name in sorted(ranked):
+        if name != producer and name not in propagators:
+            propagators.append(name)
+    return producer, propagators[:MAX_PROPAGATORS], where
+
+
+def _deepest(candidates: list[tuple[int, str]]) -> str | None:
+    """The innermost candidate module; among several as deep, the innermost candidate
+    around them all (one input shared by several modules)."""
+    if not candidates:
+        return None
+    depth = max(d for d, _ in candidates)
+    tied = sorted({name for d, name in candidates if d == depth})
+    if len(tied) > 1:
+        around = [name for _, name in candidates if all(_contains(name, t) for t in tied)]
+        return _shown(max(around, key=len)) if around else _shown(tied[0])
+    return _shown(tied[0])
+
+
+def _enclosing(name: str, later: Sequence[Call]) -> str:
+    """The innermost module around ``name`` among the calls completed after it."""
+    around = [other for other, _, _ in later if other != name and _contains(other, name)]
+    return _shown(max(around, key=len)) if around else INPUT
+
+
+def _shown(name: str) -> str:
+    return name or ROOT
 
 
 def _contains(name: str, inner: str) -> bool:
     """Whether module ``name`` contains module ``inner`` (the root, "", contains all)."""
-    return name == "" or inner.startswith(name + ".")
+    return name in ("", ROOT, inner) or inner.startswith(name + ".")
 
 
-def _all_finite(
-    value: Any, seen: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]], depth: int = 0
-) -> torch.Tensor | None:
-    """A device bool: whether every floating tensor in ``value`` is finite; None without one.
-
-    A tensor is judged once a step (``seen``), by its minimum and maximum: one fused
-    reduction that NaN and either infinity reach, and no boolean copy of the tensor.
-    """
-    if isinstance(value, torch.Tensor):
-        if not value.is_floating_point() or value.numel() == 0:
-            return None
-        known = seen.get(id(value))
-        if known is not None and known[0]() is value:
-            return known[1]
-        low, high = torch.aminmax(value.detach())
-        if value.element_size() < 4:  # half precision: add in fp32, so no finite sum overflows
-            low, high = low.float(), high.float()
-        flag = (low + high).isfinite()  # a NaN or an infinity at either end stays one
-        seen[id(value)] = (weakref.ref(value), flag)
-        return flag
-    if depth >= 3:
-        return None
-    items: Any = value.values() if isinstance(value, Mapping) else value
-    if not isinstance(items, (tuple, list)) and not isinstance(value, Mapping):
-        return None
-    found: list[torch.Tensor] = []
-    for item in items:
-        item_flag = _all_finite(item, seen, depth + 1)
-        if item_flag is not None:
-            found.append(item_flag)
-    if not found:
-        return None
-    return found[0] if len(found) == 1 else torch.stack(found).all()
+def _sum(tensor: torch.Tensor) -> torch.Tensor:
+    """A 0-d fp32 device sum of ``tensor``: a NaN or an infinity anywhere makes it non-finite,
+    and a finite fp32 sum overflows only past ~1e38 (half precision is summed in fp32)."""
+    return tensor.detach().sum(dtype=torch.float32)
 
 
 def _last_nonfinite_module(summary: GradSummary) -> str | None:
     """The module of the parameter with a non-finite gradient that comes last in model order."""
     offenders = summary.layout.nonfinite_offenders(summary, limit=sys.maxsize)
-    return offenders[-1].rpartition(".")[0] or "(root)" if offenders else None
+    return offenders[-1].rpartition(".")[0] or ROOT if offenders else None
 
 
 def _forward_message(trigger: int, step: int, producer: str, propagators: list[str]) -> str:
@@ -268,27 +449,48 @@ def _forward_message(trigger: int, step: int, producer: str, propagators: list[s
             f"model's input at step {step} was already non-finite{passed}; look at that "
             "batch's samples and the data pipeline"
         )
-    where = f"module {producer}"
     return (
         f"the non-finite value first seen at step {trigger} is produced in the forward pass by "
-        f"{where} (watched at step {step}: its inputs were finite, its output was not){passed}; "
-        "look at that module's inputs, weights and numerics (a log or division of zero, an "
-        "overflow in half precision)"
+        f"module {producer} (watched at step {step}: its inputs were finite, its output was "
+        f"not){passed}; look at that module's inputs, weights and numerics (a log or division "
+        "of zero, an overflow in half precision)"
     )
 
 
-def _backward_message(trigger: int, module: str) -> str:
+def _backward_message(
+    trigger: int, step: int, producer: str, propagators: list[str], first: str | None
+) -> str:
+    passed = f"; passed on by {', '.join(propagators)}" if propagators else ""
+    at = f", the first non-finite one was the gradient of {first}" if first else ""
+    if producer == LOSS:
+        return (
+            f"the non-finite gradient first seen at step {trigger} comes from the loss: at "
+            f"step {step} every forward output was finite and the gradient was already "
+            f"non-finite where it entered the model{at}{passed}; look at the loss function "
+            "and the code after the model's forward (a log, sqrt or division near zero)"
+        )
+    return (
+        f"the non-finite gradient first seen at step {trigger} is produced in the backward pass "
+        f"by module {producer} (watched at step {step}: every forward output was finite; the "
+        f"gradient at {producer}'s output was finite{at}){passed}; look in {producer}'s own "
+        "forward code for a custom autograd Function or an unstable gradient (sqrt or log "
+        "near zero, an overflow in half precision)"
+    )
+
+
+def _parameters_message(trigger: int, module: str) -> str:
     return (
         f"the non-finite gradient first seen at step {trigger} arises in the backward pass: "
-        f"every forward output was finite; it starts at or just after module {module} (the "
-        "last, in model order, whose gradients are non-finite): look for a custom autograd "
-        "Function or an unstable gradient (sqrt or log near zero) there"
+        f"every forward output and every watched activation gradient was finite; it is a "
+        f"weight gradient, at or just after module {module} (the last, in model order, whose "
+        "gradients are non-finite): look for a custom autograd Function or an overflow in "
+        "that module's weight gradient"
     )
 
 
 def _not_reproduced(trigger: int, watched: list[int]) -> str:
     return (
         f"the non-finite value at step {trigger} was not reproduced: every module's forward "
-        f"was finite in steps {', '.join(map(str, watched))}: a transient, so look at step "
-        f"{trigger}'s batch (its samples) and at the hardware"
+        f"and backward was finite in steps {', '.join(map(str, watched))}: a transient, so "
+        f"look at step {trigger}'s batch (its samples) and at the hardware"
     )

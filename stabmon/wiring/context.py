@@ -20,7 +20,7 @@ from stabmon.pipeline.readings import Readings
 from stabmon.pipeline.recorder import Recorder
 from stabmon.probes.memory import MemorySampler
 from stabmon.shared.heartbeat import Heartbeat
-from stabmon.wiring.hooks import HookSet
+from stabmon.wiring.hooks import HookSet, watch_gradient
 
 __all__ = ["PluginContext"]
 
@@ -76,6 +76,9 @@ class PluginContext:
         if self._hooks is None:  # built without hooks (a unit test's rig): nothing to watch
             return _nothing
         return self._hooks.watch_modules(hook)
+
+    #: No instance state to read: one Python call less a tensor, on an armed step.
+    watch_gradient = staticmethod(watch_gradient)
 
     def judging(self) -> threading.RLock:
         # Read at each use: a forked child's engine gets a fresh lock.

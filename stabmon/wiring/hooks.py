@@ -42,7 +42,7 @@ from torch.utils.hooks import RemovableHandle
 
 from stabmon.errors import AlreadyAttachedError
 
-__all__ = ["HookSet", "unwrap_model"]
+__all__ = ["HookSet", "unwrap_model", "watch_gradient"]
 
 _ATTACHED: weakref.WeakKeyDictionary[object, object] = weakref.WeakKeyDictionary()
 
@@ -417,6 +417,14 @@ class HookSet:
             owner = _ATTACHED.get(target)
             if owner is not None and owner() is self._token:  # type: ignore[operator]
                 del _ATTACHED[target]
+
+
+def watch_gradient(tensor: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> None:
+    """``hook(gradient)`` when autograd computes ``tensor``'s gradient (the total over its
+    uses), for NaN provenance's armed steps: registered from a module watch, on a tensor of
+    this step's graph, so it goes with the graph and there is nothing to remove. ``hook``
+    returns None (the gradient passes unchanged) and must neither raise nor sync."""
+    tensor.register_hook(hook)
 
 
 def _own_hook_dicts(

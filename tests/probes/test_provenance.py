@@ -1,6 +1,7 @@
 """stabmon.probes.provenance on real loops: after a non-finite value, the module that
 produced it (forward or backward) is named, the ones that only passed it on are told apart,
-and a transient is "not reproduced" with the step to look at. Read through the event log."""
+and a transient is "not reproduced" with the step to look at. Read through the event log.
+The models are small and on CPU; the GPT-shaped one has nanoGPT's names and residuals."""
 
 from __future__ import annotations
 
@@ -11,7 +12,19 @@ from conftest import MonitorFactory
 from helpers import events
 from torch import nn
 
-from stabmon.probes.provenance import INPUT, forward_producer
+from stabmon.probes.provenance import INPUT, LOSS, backward_producer, forward_producer
+
+
+class _NanGrad(torch.autograd.Function):
+    """Identity forward; a NaN gradient backward (a broken custom kernel)."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        return grad * float("nan")
 
 
 class _Layer(nn.Module):
@@ -19,11 +32,14 @@ class _Layer(nn.Module):
         super().__init__()
         self.linear = nn.Linear(8, 8)
         self.poisoned = False
+        self.backward_poisoned = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.tanh(self.linear(x))
         if self.poisoned:
             y = torch.log(y * 0.0)  # log of zero: -inf, then NaN downstream
+        if self.backward_poisoned:
+            y = _NanGrad.apply(y)  # a broken custom kernel: finite forward, NaN gradient
         return y
 
 
@@ -42,20 +58,26 @@ class _Deep(nn.Module):
 
 
 def _train(model: nn.Module, monitor: object, optimizer: torch.optim.Optimizer,
-           scaler: torch.amp.GradScaler, steps: int, *, poison_from: int | None = None,
-           batch_nan_at: int | None = None) -> None:  # fmt: skip
+           scaler: torch.amp.GradScaler | None, steps: int, *, poison_from: int | None = None,
+           batch_nan_at: int | None = None, backward_from: int | None = None) -> None:  # fmt: skip
     """An AMP-style loop: GradScaler skips a step whose gradients are not finite, so the
-    weights stay finite and the fault can be watched again."""
+    weights stay finite and the fault can be watched again (without a scaler: a plain one)."""
     for step in range(steps):
         if poison_from is not None and step == poison_from:
             model.layers[7].poisoned = True  # type: ignore[union-attr, index]
+        if backward_from is not None and step == backward_from:
+            model.layers[7].backward_poisoned = True  # type: ignore[union-attr, index]
         inputs = torch.randn(4, 8)
         if step == batch_nan_at:
             inputs[0, 0] = float("nan")  # one bad sample in one batch, healthy weights
         loss = model(inputs).pow(2).mean()
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
+        if scaler is None:
+            loss.backward()
+            optimizer.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
         optimizer.zero_grad()
         monitor.observe(loss=loss)  # type: ignore[attr-defined]
 
@@ -106,18 +128,6 @@ class _Frozen(torch.optim.SGD):
         return None
 
 
-class _NanGrad(torch.autograd.Function):
-    """Identity forward; a NaN gradient backward (a broken custom kernel)."""
-
-    @staticmethod
-    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
-        return grad * float("nan")
-
-
 class _BrokenBackward(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -132,7 +142,26 @@ class _BrokenBackward(nn.Module):
         return out
 
 
-def test_a_nan_gradient_from_a_custom_function_is_placed_in_the_backward_pass(
+def test_a_nan_gradient_from_a_custom_function_in_layer_7_is_produced_there_in_the_backward(
+    attach: MonitorFactory,
+) -> None:
+    # GradScaler would skip these steps without a word (an overflow, to it), and a plain
+    # step would apply the NaN to every weight upstream: the weights are kept as they are.
+    model = _Deep()
+    optimizer = _Frozen(model.parameters())
+    monitor = attach(model, optimizer, judge_seconds=0)
+    _train(model, monitor, optimizer, None, 46, backward_from=40)
+    (record,) = _provenance(monitor)
+    assert record["producer"] == "layers.7"
+    assert record["direction"] == "backward"
+    assert record["step"] == 40 and record["observed_step"] == 42  # armed at 41's step
+    assert record["first_nonfinite"] == "layers.7.linear's output"
+    propagators = record["propagators"]
+    assert propagators == ["layers.7.linear", "layers.6", "layers.6.linear", "layers.5",
+                           "layers.5.linear"]  # fmt: skip  # back towards the input
+
+
+def test_a_nan_gradient_in_the_models_own_code_names_the_root_and_the_module_before_it(
     attach: MonitorFactory,
 ) -> None:
     model = _BrokenBackward()
@@ -144,7 +173,79 @@ def test_a_nan_gradient_from_a_custom_function_is_placed_in_the_backward_pass(
         optimizer.zero_grad()
     (record,) = _provenance(monitor)
     assert record["direction"] == "backward"
-    assert record["producer"] == "middle"  # the last module, in model order, gone non-finite
+    assert record["producer"] == "(root)"  # between middle and head, in the root's forward
+    assert record["first_nonfinite"] == "middle's output"
+    assert record["propagators"] == ["middle", "stem"]
+
+
+class _WeightOnlyNan(torch.autograd.Function):
+    """x @ w with a finite input gradient and a NaN weight gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return x @ weight
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, weight = ctx.saved_tensors
+        return grad @ weight.T, torch.full_like(weight, float("nan"))
+
+
+class _WeightGradient(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.eye(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = _WeightOnlyNan.apply(x, self.weight)
+        return out
+
+
+def test_a_nan_only_in_a_weight_gradient_is_named_by_its_parameters(
+    attach: MonitorFactory,
+) -> None:
+    model = nn.Sequential(nn.Linear(8, 8), _WeightGradient(), nn.Linear(8, 1))
+    optimizer = _Frozen(model.parameters())
+    monitor = attach(model, optimizer, judge_seconds=0)
+    for _ in range(5):
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    (record,) = _provenance(monitor)
+    assert (record["direction"], record["producer"]) == ("backward", "1")
+    assert record["first_nonfinite"] is None  # every activation gradient was finite
+
+
+def test_a_nan_from_the_loss_function_is_named_as_the_loss(attach: MonitorFactory) -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    optimizer = _Frozen(model.parameters())
+    monitor = attach(model, optimizer, judge_seconds=0)
+    for _ in range(5):
+        (model(torch.randn(4, 8)) * 0.0).sqrt().mean().backward()  # sqrt'(0): inf, then NaN
+        optimizer.step()
+        optimizer.zero_grad()
+    (record,) = _provenance(monitor)
+    assert (record["direction"], record["producer"]) == ("backward", LOSS)
+    assert record["propagators"][:2] == ["(root)", "2"]
+
+
+def test_no_gradient_hook_is_registered_while_disarmed_nor_after_the_watch(
+    attach: MonitorFactory,
+) -> None:
+    model, monitor, optimizer, scaler = _attached(attach, provenance_steps=2)
+    outputs: list[torch.Tensor] = []
+    model.layers[3].register_forward_hook(lambda m, i, o: outputs.append(o))
+
+    def hooked() -> bool:
+        return bool(outputs[-1]._backward_hooks)
+
+    _train(model, monitor, optimizer, scaler, 3)
+    assert not hooked()  # disarmed: nothing on the graph
+    _train(model, monitor, optimizer, scaler, 6, batch_nan_at=0)  # arms after the NaN
+    seen = [bool(o._backward_hooks) for o in outputs[3:]]
+    assert seen == [False, False, True, True, False, False]  # two watched steps, then none
+    monitor.detach()  # type: ignore[attr-defined]
 
 
 def test_a_nan_in_one_batch_with_healthy_weights_is_not_reproduced_with_its_step(
@@ -168,10 +269,43 @@ def test_always_mode_names_a_bad_batch_as_the_input_at_its_own_step(
 
 
 def test_forward_producer_tells_the_producer_from_its_containers_and_propagators() -> None:
-    names = ["layers.6", "layers.7.linear", "layers.7", "layers.8", "head", ""]
-    flags = [1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 1, 0]  # (inputs finite, output finite) per call
-    assert forward_producer(names, [float(f) for f in flags]) == ("layers.7", ["layers.8", "head"])
-    assert forward_producer(names[:1], [1.0, 1.0]) == (None, [])
+    # Slots: 0 the batch, 1..4 the outputs of layers.6, layers.7.linear, layers.7, layers.8,
+    # 5 the head's output (the model's too).
+    calls = [("layers.6", (0,), (1,)), ("layers.7.linear", (1,), (2,)), ("layers.7", (1,), (3,)),
+             ("layers.8", (3,), (4,)), ("head", (4,), (5,)), ("", (0,), (5,))]  # fmt: skip
+    finite = [True, True, True, False, False, False]
+    assert forward_producer(calls, finite) == ("layers.7", ["layers.8", "head"])
+    assert forward_producer(calls[:1], finite) == (None, [])
+    # The batch itself non-finite: the input.
+    assert forward_producer(calls, [False] * 6)[0] == INPUT
+    # layers.8's input is made by layers.7's own code after its linear (slot 6, not a
+    # module's output): non-finite while layers.7.linear's output is finite.
+    calls[3] = ("layers.8", (6,), (4,))
+    calls[2] = ("layers.7", (1,), (6,))
+    assert forward_producer(calls, [True, True, True, True, False, False, True])[0] == "layers.8"
+    calls[3] = ("layers.8", (7,), (4,))  # made by the root's own code between the layers
+    finite = [True, True, True, True, False, False, True, False]
+    assert forward_producer(calls, finite)[0] == "(root)"
+
+
+def test_backward_producer_names_the_module_around_a_shared_input() -> None:
+    # ln_1 makes slot 0 from the block's input (5); attn takes slot 0, and so do q, k and v
+    # (one tensor): their gradients meet in slot 0. The block's output is slot 6.
+    calls = [("h.0.ln_1", (5,), (0,)), ("h.0.attn.q", (0,), (1,)), ("h.0.attn.k", (0,), (2,)),
+             ("h.0.attn.v", (0,), (3,)), ("h.0.attn", (0,), (4,)), ("h.0", (5,), (6,)),
+             ("", (5,), (6,))]  # fmt: skip
+    order = [6, 4, 1, 2, 3, 0, 5]  # the order autograd computed the gradients in
+    finite = [True, True, True, True, True, False, False]  # from slot 0 on: non-finite
+    assert backward_producer(calls, order, finite) == ("h.0.attn", ["h.0.ln_1"],
+                                                       "h.0.ln_1's output")  # fmt: skip
+    # The NaN arises in attn's own code (after its projections): q's output gradient first.
+    finite = [True, True, False, False, False, False, False]
+    producer, propagators, first = backward_producer(calls, order, finite)
+    assert (producer, first) == ("h.0.attn", "h.0.attn.q's output")
+    assert propagators == ["h.0.attn.q", "h.0.attn.k", "h.0.attn.v", "h.0.ln_1"]
+    # Already non-finite where it entered the model: the loss.
+    assert backward_producer(calls, order, [False] * 7)[0] == LOSS
+    assert backward_producer(calls, order, [True] * 7) == (None, [], None)
 
 
 def test_a_watched_model_compiled_with_fullgraph_still_trains(attach: MonitorFactory) -> None:
