@@ -2,36 +2,67 @@
 skip.
 
 A bounded ring holds the identity of the last :data:`RING_STEPS` steps' batches: the
-dataset indices a single-process ``DataLoader`` drew for it (seen as ``track()`` hands the
-batch out: its sampler iterator is read through, never changed), or the ids the loop
+dataset indices a ``DataLoader`` passed to ``track()`` drew for it, or the ids the loop
 passes to ``observe(batch_ids=...)``. When a spike or a non-finite episode is recorded,
 the identities of the last :data:`WINDOW_STEPS` steps up to it go to a
 ``batch_identities`` event and to ``rank-<rank>.skip_batches.json`` in the run directory:
 a JSON list of ``{"step": int, "rank": int, "kind": str, "indices": [int, ...]}``
 (``"ids"`` for the loop's own; ``"top_samples"``, the highest per-sample losses, when the
 loop passes ``observe(sample_losses=...)``), ready for a loop to skip those samples when it
-resumes
-(docs/loops.md, "Skipping the batches of an incident"). A loader with worker processes
-prefetches indices before a pass can see them: its batches have no indices, and
-``observe(batch_ids=...)`` is the way to name them.
+resumes (docs/loops.md, "Skipping the batches of an incident").
+
+Design: how a batch's indices are known. The loader's index sampler (its ``batch_sampler``,
+or its ``sampler`` without automatic batching) is read through by :class:`_IndexReader`:
+the same iteration, ``len()`` and attributes, each index batch also kept, numbered from
+the pass's start. Its draws are never changed, and the dataset is never touched.
+
+- A loader with worker processes draws its index batches in the main process, ahead of the
+  batches it hands out: ``prefetch_factor * num_workers`` of them in its iterator's
+  constructor, inside ``iter(loader)``, before anything could read its iterator. So
+  ``track()`` opens each pass through :meth:`BatchIdentities.opening`: the loader's
+  sampler attribute is our reader for the span of that ``iter()`` call only (the iterator
+  keeps the reader as its ``_index_sampler``, the loader gets its own sampler back). With
+  ``persistent_workers=True`` ``iter(loader)`` reuses the iterator, whose ``_reset`` draws
+  the next pass's first batches from the reader it keeps (one it had before ``track()``
+  saw it is read through from then on). Draw *n* of a pass is task *n* sent to a worker
+  (every draw is sent: a map-style dataset's workers never run dry), and with
+  ``in_order=True``, the default, the loader hands out task ``_rcvd_idx - 1`` last: the
+  batch handed out is the draw of that number, whatever the prefetch depth.
+- A single-process loader draws each batch inside the ``next()`` that returns it: the
+  batch is the pass's latest draw.
+- Named nothing, rather than a wrong index: ``in_order=False`` (workers hand batches out as
+  they finish), an ``IterableDataset`` (no sampler indices), a sampler whose batches are not
+  integers (keys, floats), a draw older than :data:`MAX_PENDING` batches, the batches a
+  pass drew before its iterator reached ``track()`` (an iterator passed to ``track()``, a
+  subclass whose ``_index_sampler`` is not its ``batch_sampler``/``sampler``: read from
+  its next draw on), and the Lightning, Hugging Face and Ultralytics adapters, whose
+  trainers iterate their loaders without ``track()``. For these,
+  ``observe(batch_ids=...)`` names the batches.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import operator
+import weakref
+from array import array
 from collections import deque
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
+from torch.utils.data import DataLoader, IterableDataset
 
+from stabmon.shared.guard import Guard
 from stabmon.shared.rundir import prepare_run_directory, write_atomic
 
 if TYPE_CHECKING:
     from stabmon.extension import Context
 
 __all__ = ["RING_STEPS", "WINDOW_STEPS", "BatchIdentities"]
+
+T = TypeVar("T")
 
 #: Steps whose batch identities are kept (per rank): a bounded ring.
 RING_STEPS = 64
@@ -41,6 +72,9 @@ WINDOW_STEPS = 4
 MAX_FILE_ENTRIES = 1000
 #: Indices kept per batch at most.
 MAX_INDICES = 4096
+#: Index batches drawn and not yet handed out that are kept (a loader's prefetch depth,
+#: ``prefetch_factor * num_workers``, is far below): at most 16 MiB of indices.
+MAX_PENDING = 512
 #: Samples with the highest loss named per batch, when the loop passes per-sample losses.
 TOP_SAMPLES = 5
 #: Anomalies whose batches are named.
@@ -55,7 +89,10 @@ class BatchIdentities:
     def __init__(self, context: Context) -> None:
         self._context = context
         self._ring: deque[tuple[int, str, list[int]]] = deque(maxlen=RING_STEPS)
-        self._drawn: deque[list[int]] = deque(maxlen=RING_STEPS)  # sampler batches not yet out
+        # The pass being followed: its loader iterator (weakly) and the draws it is read by.
+        self._iterator: weakref.ref[Any] | None = None
+        self._draws: _Draws | None = None
+        self._workers = False
         self._entries: list[dict[str, Any]] = []
         # The highest per-sample losses of recent steps: step -> [(position in batch, loss)].
         self._top: dict[int, list[tuple[int, float]]] = {}
@@ -64,18 +101,52 @@ class BatchIdentities:
 
     # --- the training thread ------------------------------------------------------------
 
+    @staticmethod
+    def opening(loader: Iterable[T], guard: Guard) -> Iterable[T]:
+        """``loader`` as ``track()``'s pass iterates it: its ``iter()`` reads a DataLoader's
+        index sampler through from the first draw (the module docstring says why)."""
+        return _Opening(loader, guard)
+
     def follow(self, iterator: Iterator[Any]) -> None:
-        """A pass of ``track()`` began: read a single-process DataLoader's sampler through."""
-        sampler_iter = getattr(iterator, "_sampler_iter", None)
-        if sampler_iter is None or getattr(iterator, "_num_workers", 1) != 0:
-            return
-        self._drawn.clear()
-        iterator._sampler_iter = _Drawn(sampler_iter, self._drawn)  # type: ignore[attr-defined]
+        """A pass of ``track()`` began with ``iterator``: follow its draws, where they name
+        the batches it hands out exactly."""
+        self._iterator, self._draws = None, None
+        workers = getattr(iterator, "_num_workers", None)
+        if not isinstance(workers, int) or isinstance(
+            getattr(iterator, "_dataset", None), IterableDataset
+        ):
+            return  # not a DataLoader's iterator, or no sampler indices
+        if workers > 0 and getattr(iterator, "_in_order", True) is not True:
+            return  # batches are handed out as workers finish them, not in draw order
+        reader = getattr(iterator, "_index_sampler", None)
+        drawing = getattr(iterator, "_sampler_iter", None)
+        if isinstance(reader, _IndexReader) and reader._stabmon_draws is drawing:
+            draws = reader._stabmon_draws
+        elif isinstance(drawing, _Draws):  # an iterator track() has seen before
+            draws = drawing
+        else:  # an iterator opened without us: read from its next draw on
+            sent = getattr(iterator, "_send_idx", 0) if workers > 0 else 0
+            if drawing is None or not isinstance(sent, int):
+                return
+            draws = _Draws(drawing, first=sent)
+            iterator._sampler_iter = draws  # type: ignore[attr-defined]
+        self._iterator, self._draws, self._workers = weakref.ref(iterator), draws, workers > 0
 
     def fetched(self, step: int) -> None:
-        """A tracked batch was handed out for ``step``: its sampler indices, if drawn."""
-        if self._drawn:
-            self._ring.append((step, "indices", self._drawn.popleft()))
+        """A tracked batch was handed out for ``step``: its sampler indices, if known."""
+        draws = self._draws
+        if draws is None:
+            return
+        if self._workers:  # the task the loader handed out last
+            iterator = self._iterator() if self._iterator is not None else None
+            number = getattr(iterator, "_rcvd_idx", None)
+            if not isinstance(number, int):
+                return
+            indices = draws.take(number - 1)
+        else:  # drawn inside the next() that returned the batch
+            indices = draws.take(draws.drawn - 1)
+        if indices is not None:
+            self._ring.append((step, "indices", indices.tolist()))
 
     def observed(self, step: int, ids: Sequence[Any]) -> None:
         """``observe(batch_ids=...)`` for ``step``: the loop's own ids (ints), bounded."""
@@ -135,22 +206,112 @@ class BatchIdentities:
         return entry
 
 
-class _Drawn:
-    """A sampler iterator read through: each index batch is also queued for ``fetched``."""
+class _Opening(Generic[T]):
+    """A loader whose ``iter()`` goes through :func:`_open`."""
 
-    __slots__ = ("_drawn", "_iterator")
+    __slots__ = ("_guard", "_loader")
 
-    def __init__(self, iterator: Iterator[Any], drawn: deque[list[int]]) -> None:
-        self._iterator, self._drawn = iterator, drawn
+    def __init__(self, loader: Iterable[T], guard: Guard) -> None:
+        self._loader, self._guard = loader, guard
 
-    def __iter__(self) -> _Drawn:
+    def __iter__(self) -> Iterator[T]:
+        loader, restore = self._loader, None
+        with self._guard.contain("hooks"):
+            restore = _open(loader)
+        try:
+            return iter(loader)  # the loader's own errors are the loop's
+        finally:
+            if restore is not None:
+                with self._guard.contain("hooks"):
+                    restore()
+
+
+def _open(loader: object) -> Callable[[], None] | None:
+    """Make the next ``iter(loader)`` draw through an :class:`_IndexReader`; return what
+    puts the loader's own sampler back after it, if anything must be."""
+    if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
+        return None
+    if loader.num_workers > 0 and getattr(loader, "in_order", True) is not True:
+        return None
+    iterator = getattr(loader, "_iterator", None)  # persistent workers: reused, reset inside iter()
+    if loader.persistent_workers and loader.num_workers > 0 and iterator is not None:
+        sampler = getattr(iterator, "_index_sampler", None)
+        if sampler is not None and not isinstance(sampler, _IndexReader):
+            iterator._index_sampler = _IndexReader(sampler)
+        return None
+    name = "batch_sampler" if loader.batch_sampler is not None else "sampler"
+    sampler = getattr(loader, name)
+    if loader._index_sampler is not sampler:  # a subclass's own: left alone
+        return None
+    # DataLoader refuses a new sampler once built; the swap lasts the iter() call only.
+    object.__setattr__(loader, name, _IndexReader(sampler))
+    return lambda: object.__setattr__(loader, name, sampler)
+
+
+class _IndexReader:
+    """A loader's index sampler, read through: each ``iter()`` (a pass) is followed by the
+    :class:`_Draws` it returns; ``len()`` and every attribute are the sampler's (ours are
+    named so as not to hide one of its own: a ``BatchSampler`` has a ``sampler``)."""
+
+    __slots__ = ("_stabmon_draws", "_stabmon_sampler")
+
+    def __init__(self, sampler: Any) -> None:
+        self._stabmon_sampler = sampler
+        self._stabmon_draws: _Draws | None = None  # the latest pass's
+
+    def __iter__(self) -> Iterator[Any]:
+        self._stabmon_draws = _Draws(iter(self._stabmon_sampler))
+        return self._stabmon_draws
+
+    def __len__(self) -> int:
+        return len(self._stabmon_sampler)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_stabmon_"):  # not set yet (a copy being built)
+            raise AttributeError(name)
+        return getattr(self._stabmon_sampler, name)
+
+
+class _Draws:
+    """A pass's sampler iterator, read through: each index batch is kept, numbered from
+    ``first``, until :meth:`take` asks for it or a later one (bounded by MAX_PENDING)."""
+
+    __slots__ = ("_iterator", "_pending", "drawn")
+
+    def __init__(self, iterator: Iterator[Any], *, first: int = 0) -> None:
+        self._iterator = iterator
+        self._pending: deque[tuple[int, array[int] | None]] = deque(maxlen=MAX_PENDING)
+        self.drawn = first  # the number of the next draw
+
+    def __iter__(self) -> _Draws:
         return self
 
     def __next__(self) -> Any:
         batch = next(self._iterator)
-        try:
-            indices = list(batch) if isinstance(batch, (list, tuple)) else [batch]
-            self._drawn.append([int(i) for i in indices[:MAX_INDICES]])
-        except (TypeError, ValueError):
-            self._drawn.append([])  # a sampler of keys that are not integers
+        self._pending.append((self.drawn, _indices(batch)))
+        self.drawn += 1
         return batch
+
+    def take(self, number: int) -> array[int] | None:
+        """Draw ``number``'s indices (None where unknown); earlier draws are dropped."""
+        pending = self._pending
+        while pending and pending[0][0] < number:
+            pending.popleft()
+        if pending and pending[0][0] == number:
+            return pending.popleft()[1]
+        return None
+
+
+def _indices(batch: Any) -> array[int] | None:
+    """An index batch (or one index) as integers; None for keys that are not integers."""
+    try:
+        if isinstance(batch, torch.Tensor):
+            if batch.device.type != "cpu" or batch.is_floating_point():
+                return None  # a device tensor would be read back with a sync
+            batch = batch.reshape(-1)[:MAX_INDICES].tolist()
+        values = list(batch[:MAX_INDICES]) if isinstance(batch, (list, tuple, range)) else [batch]
+        if any(isinstance(value, (bool, float)) for value in values):
+            return None
+        return array("q", (operator.index(value) for value in values))
+    except (TypeError, ValueError, OverflowError, IndexError):
+        return None

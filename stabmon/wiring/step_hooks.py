@@ -295,7 +295,7 @@ class StepHooks:
 
         return self._throughput.counted(
             timed_iteration(
-                loader,
+                batches.opening(loader, guard),  # iter() reads a DataLoader's draws through
                 fetched,
                 exhausted,
                 clock=self._timer.clock,

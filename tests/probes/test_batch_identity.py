@@ -5,13 +5,17 @@ rank's skip file, ready for a loop to skip them on resume."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 from conftest import MonitorFactory
 from helpers import events
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, IterableDataset, Sampler, TensorDataset
 
+import stabmon
 from stabmon.probes.batch_identity import WINDOW_STEPS
 
 POISONED = (37, 38)  # two samples with huge targets
@@ -84,3 +88,167 @@ def test_the_loops_own_batch_ids_name_the_batches_of_a_nonfinite_loss(
     assert {(e["step"], tuple(e["ids"]), e["kind"]) for e in entries} >= {
         (10, (1010,), "nonfinite_loss")
     }
+
+
+# --- loaders with worker processes ------------------------------------------------------
+
+
+class _Indexed(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor, int]]):
+    """Samples that carry their own index: the truth the skip file is checked against."""
+
+    def __init__(self, size: int) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.inputs = torch.randn(size, 8, generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.inputs)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        row = self.inputs[index]
+        return row, row.sum().reshape(1), index
+
+
+def _shuffled(dataset: _Indexed, **options: Any) -> DataLoader[Any]:
+    return DataLoader(
+        dataset, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(7),
+        num_workers=2, multiprocessing_context="fork", **options,
+    )  # fmt: skip
+
+
+def _spike_run(
+    attach: MonitorFactory, loader: DataLoader[Any], epochs: int, poisoned_step: int
+) -> tuple[stabmon.Monitor, dict[int, list[int]]]:
+    """A loop over ``loader`` whose batch at ``poisoned_step`` gets two huge targets; the
+    truth: the indices each step's batch carried."""
+    model = torch.nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # a steady loss level
+    monitor = attach(model, optimizer, judge_seconds=0, spike_warmup_steps=16)
+    truth: dict[int, list[int]] = {}
+    step = 0
+    for _ in range(epochs):
+        for inputs, targets, indices in monitor.track(loader):
+            truth[step] = indices.tolist()
+            if step == poisoned_step:
+                targets[1:3] = 1e4
+            loss = torch.nn.functional.mse_loss(model(inputs), targets)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            monitor.observe(loss=loss)
+            step += 1
+    monitor.detach()
+    return monitor, truth
+
+
+@pytest.mark.parametrize(
+    ("persistent", "iterated_before"),
+    [(False, False), (True, False), (True, True)],
+    ids=["workers", "persistent-workers", "persistent-workers-iterated-before-track"],
+)
+def test_a_loader_with_worker_processes_names_the_poisoned_batch_exactly(
+    attach: MonitorFactory, tmp_path: Path, persistent: bool, iterated_before: bool
+) -> None:
+    # 96 samples in batches of 8: 12 steps a pass. Step 24 is the third pass's first batch,
+    # drawn inside iter(loader) (the iterator's constructor, or a persistent one's reset),
+    # and the window before it the second pass's last batches, drawn as batches went out.
+    dataset = _Indexed(96)
+    loader, twin = (_shuffled(dataset, persistent_workers=persistent) for _ in range(2))
+    if iterated_before:  # a persistent iterator track() has not seen
+        for plain in (loader, twin):
+            next(iter(plain))
+    batch_sampler = loader.batch_sampler
+    monitor, truth = _spike_run(attach, loader, epochs=4, poisoned_step=24)
+
+    # What the loader yields is what it yields without stabmon, and its sampler is its own.
+    plain = [indices.tolist() for _ in range(4) for _, _, indices in twin]
+    assert [truth[step] for step in sorted(truth)] == plain
+    assert loader.batch_sampler is batch_sampler
+    records = events(monitor.event_log_path)
+    (anomaly,) = [r for r in records if r["event"] == "anomaly" and r["kind"] == "loss_spike"]
+    assert anomaly["step"] == 24
+    entries = json.loads((tmp_path / "test-run" / "rank-0.skip_batches.json").read_text())
+    named = {entry["step"]: entry["indices"] for entry in entries}
+    assert sorted(named) == [21, 22, 23, 24]
+    assert named == {step: truth[step] for step in named}  # every batch exactly
+
+
+def test_a_spike_in_the_middle_of_a_pass_of_a_worker_loader_names_its_window_exactly(
+    attach: MonitorFactory, tmp_path: Path
+) -> None:
+    # The fifth pass's seventh batch: its window was drawn as earlier batches went out.
+    dataset = _Indexed(96)
+    loader, twin = _shuffled(dataset), _shuffled(dataset)
+    monitor, truth = _spike_run(attach, loader, epochs=5, poisoned_step=12 * 4 + 6)
+    entries = json.loads((tmp_path / "test-run" / "rank-0.skip_batches.json").read_text())
+    named = {entry["step"]: entry["indices"] for entry in entries}
+    assert sorted(named) == [51, 52, 53, 54]
+    assert named == {step: truth[step] for step in named}
+    assert [truth[s] for s in sorted(truth)] == [i.tolist() for _ in range(5) for *_, i in twin]
+
+
+# --- loaders whose batches cannot be named exactly: named nothing -------------------------
+
+
+class _Stream(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        generator = torch.Generator().manual_seed(0)
+        for _ in range(48):
+            row = torch.randn(8, generator=generator)
+            yield row, row.sum().reshape(1)
+
+
+class _Keyed(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """A dataset read by string keys, through a batch sampler of keys."""
+
+    def __init__(self) -> None:
+        self.rows = {f"key-{i}": torch.randn(8) for i in range(48)}
+
+    def __getitem__(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rows[key], self.rows[key].sum().reshape(1)
+
+
+class _KeyBatches(Sampler[list[str]]):
+    def __iter__(self) -> Iterator[list[str]]:
+        return iter([[f"key-{i + j}" for j in range(4)] for i in range(0, 48, 4)])
+
+    def __len__(self) -> int:
+        return 12
+
+
+def _loaders() -> dict[str, DataLoader[Any]]:
+    dataset = _Indexed(48)
+    return {
+        "in_order=False": DataLoader(
+            dataset, batch_size=4, num_workers=2, multiprocessing_context="fork", in_order=False
+        ),
+        "IterableDataset": DataLoader(
+            _Stream(), batch_size=4, num_workers=2, multiprocessing_context="fork"
+        ),
+        "batch sampler of keys": DataLoader(_Keyed(), batch_sampler=_KeyBatches()),
+    }
+
+
+@pytest.mark.parametrize("case", list(_loaders()))
+def test_batches_that_cannot_be_named_exactly_are_named_nothing(
+    attach: MonitorFactory, tmp_path: Path, case: str
+) -> None:
+    loader = _loaders()[case]
+    model = torch.nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    monitor = attach(model, optimizer, judge_seconds=0)
+    seen = []
+    for step, (inputs, targets, *_) in enumerate(monitor.track(loader)):
+        seen.append(inputs)
+        if step == 10:
+            inputs[0, 0] = float("nan")
+        loss = torch.nn.functional.mse_loss(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        monitor.observe(loss=loss)
+    monitor.detach()
+    assert len(seen) == len(list(_loaders()[case]))  # every batch, as the loader yields it
+    records = events(monitor.event_log_path)
+    assert any(r["event"] == "anomaly" and r["kind"] == "nonfinite_loss" for r in records)
+    assert not [r for r in records if r["event"] == "batch_identities"]
+    assert not (tmp_path / "test-run" / "rank-0.skip_batches.json").exists()
