@@ -302,6 +302,11 @@ def _status(args: argparse.Namespace) -> int:
 
     for line in format_verdicts(statuses):
         print(line)
+    if not args.urls:  # the run directory's event logs say where a NaN came from
+        from stabmon.report.status_provenance import provenance_lines
+
+        for line in provenance_lines(statuses, targets, root):
+            print(line)
     return 0 if all(status.healthy for status in statuses) else 1
 
 

@@ -1,0 +1,213 @@
+"""``stabmon status``'s NaN lines: per run, the latest provenance verdict and the rank that
+went non-finite first, read from the run directory's event logs.
+
+The scrape says *that* a rank saw a non-finite value (the table's ``nonfinite`` column);
+where it came from is in the ``provenance`` records the ranks wrote (see
+:mod:`stabmon.probes.provenance`), as ``stabmon report`` shows them. Only the runs of the
+listed records that need it are read: one whose scraped ranks counted a non-finite value,
+or one with a rank that did not answer (it may have died of it). A healthy run costs no read.
+
+Every record is untrusted (any user may write under the run-directory root): the directory
+must be the record owner's, not a symlink, and so must each log; logs are read by
+:func:`stabmon.report.events.read_log` without following a symlink, bounded, a malformed
+line skipped; each record is folded as it is read, so memory holds a few numbers per rank
+whatever the log holds; text from a record is shown only as printable characters, cut
+short (no escape sequence reaches the terminal), and a field of the wrong type reads as
+absent. The first non-finite rank is :func:`stabmon.report.incidents.first_nonfinite_rank`,
+the report's own rule.
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+import re
+import stat
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stabmon.report.events import RankLog, Run, count, read_log
+from stabmon.report.incidents import first_nonfinite_rank
+from stabmon.report.status import RankStatus
+from stabmon.report.status_targets import RegisteredTarget
+from stabmon.shared.rundir import run_directory_name
+
+__all__ = ["MAX_RUNS", "provenance_lines"]
+
+#: Runs whose logs one status reads at most (the others get a line saying so).
+MAX_RUNS = 16
+#: Logs read per run at most (the lowest ranks).
+MAX_LOGS = 1024
+#: Modules named after the producer at most ("and N more").
+MAX_PROPAGATORS = 5
+#: Characters shown of one name from a record.
+MAX_NAME = 120
+#: Forward verdicts' steps kept per rank, the earliest (what the first-rank rule reads).
+_FORWARD_STEPS = 16
+_LOG_NAME = re.compile(r"^rank-(\d{1,9})\.events\.jsonl$")
+_NONFINITE = frozenset({"nonfinite_grad", "nonfinite_loss"})
+_DIRECTIONS = frozenset({"forward", "backward"})
+
+
+def provenance_lines(
+    statuses: Sequence[RankStatus], targets: Sequence[str | RegisteredTarget], root: Path
+) -> list[str]:
+    """One line per run that has a NaN to explain: its latest provenance verdict (producer,
+    pass, step, rank, the first modules that passed it on) and its first non-finite rank.
+
+    ``targets`` are the records ``statuses`` were scraped for (URLs given on the command
+    line have no run directory and are left out); ``root`` is the ``--run-dir`` they were
+    listed from (a run-directory root, or one run's directory).
+    """
+    owners: dict[str, int] = {}
+    for target in targets:
+        if isinstance(target, RegisteredTarget):
+            owners.setdefault(target.run, target.owner_uid)
+    wanted = sorted(
+        {s.run for s in statuses if s.run in owners and (s.nonfinite or s.error is not None)}
+    )
+    base = root.parent if any(root.glob("rank-*.json")) else root
+    lines = []
+    for run in wanted[:MAX_RUNS]:
+        line = _run_line(run, base / run_directory_name(run), owners[run])
+        if line is not None:
+            lines.append(line)
+    if len(wanted) > MAX_RUNS:
+        lines.append(
+            f"{len(wanted) - MAX_RUNS} more run(s) with a non-finite value or a silent rank; "
+            "stabmon status --run <id> or stabmon report <run directory> explains each"
+        )
+    return lines
+
+
+@dataclass
+class _Fold:
+    """What one rank's log says, folded as it is read."""
+
+    rank: int
+    first: int | None = None  # the first non-finite step
+    first_kinds: set[str] = field(default_factory=set)
+    forward_steps: list[int] = field(default_factory=list)  # a max-heap (negated), bounded
+    verdict: dict[str, Any] | None = None  # the latest (highest step, then the last written)
+
+    def fold(self, rank: int, record: dict[str, Any]) -> None:
+        step = count(record.get("step"))
+        if step is None:
+            return
+        event = record.get("event")
+        if event == "anomaly" and record.get("kind") in _NONFINITE:
+            if self.first is None or step < self.first:
+                self.first, self.first_kinds = step, set()
+            if step == self.first:
+                self.first_kinds.add(str(record["kind"]))
+        elif event == "provenance":
+            if record.get("direction") == "forward" and -step not in self.forward_steps:
+                heapq.heappush(self.forward_steps, -step)
+                if len(self.forward_steps) > _FORWARD_STEPS:
+                    heapq.heappop(self.forward_steps)  # the latest goes: the earliest matter
+            if self.verdict is None or step >= self.verdict["step"]:
+                self.verdict = _verdict(step, record)
+
+    def log(self, path: Path) -> RankLog:
+        """The few records the first-rank rule reads, as a log of their own."""
+        records: list[dict[str, Any]] = [
+            {"event": "anomaly", "kind": kind, "step": self.first} for kind in self.first_kinds
+        ]
+        records += [
+            {"event": "provenance", "direction": "forward", "step": -negated}
+            for negated in self.forward_steps
+        ]
+        return RankLog(rank=self.rank, path=path, records=records)
+
+
+def _verdict(step: int, record: dict[str, Any]) -> dict[str, Any]:
+    """A provenance record's fields as status shows them, checked and bounded."""
+    producer = record.get("producer")
+    direction = record.get("direction")
+    listed = record.get("propagators")
+    names = listed if isinstance(listed, list) else []
+    shown = [_printable(name) for name in names[:MAX_PROPAGATORS] if isinstance(name, str)]
+    watched = record.get("watched_steps")
+    return {
+        "step": step,
+        "producer": _printable(producer) if isinstance(producer, str) else None,
+        "direction": direction if direction in _DIRECTIONS else None,
+        "propagators": shown,
+        "more": max(len(names) - MAX_PROPAGATORS, 0),
+        "watched": [
+            s for s in (watched if isinstance(watched, list) else [])[:8] if count(s) is not None
+        ],  # fmt: skip
+    }
+
+
+def _run_line(run: str, directory: Path, owner: int) -> str | None:
+    folds: list[_Fold] = []
+    for rank, path in _logs(directory, owner):
+        fold = _Fold(rank)
+
+        def select(rank: int, record: dict[str, Any], fold: _Fold = fold) -> None:
+            fold.fold(rank, record)
+            return None  # nothing kept: the fold holds what is needed
+
+        read_log(path, select=select, follow_symlinks=False)
+        folds.append(fold)
+    first = first_nonfinite_rank(Run(directory, [fold.log(directory) for fold in folds]))
+    verdicts = [(fold.rank, fold.verdict) for fold in folds if fold.verdict is not None]
+    shown_run = _printable(run)
+    first_text = "" if first is None else f"first non-finite: rank {first[0]} at step {first[1]}"
+    if not verdicts:
+        return None if first is None else f"run {shown_run}: {first_text} (no verdict yet)"
+    latest = max(verdict["step"] for _, verdict in verdicts)
+    at_latest = [(rank, verdict) for rank, verdict in verdicts if verdict["step"] == latest]
+    rank, verdict = next(
+        ((r, v) for r, v in at_latest if first is not None and r == first[0]), at_latest[0]
+    )
+    line = f"run {shown_run}: NaN provenance, step {latest}, rank {rank}: {_explained(verdict)}"
+    return f"{line}; {first_text}" if first_text else line
+
+
+def _explained(verdict: dict[str, Any]) -> str:
+    producer, direction = verdict["producer"], verdict["direction"]
+    if producer is None:
+        watched = ", ".join(map(str, verdict["watched"]))
+        clean = f" (steps {watched} were clean)" if watched else ""
+        return (
+            f"not reproduced{clean}: a transient; look at that step's batch "
+            "(rank-<rank>.skip_batches.json) and at the hardware"
+        )
+    module = producer or "(root)"
+    where = f"in the {direction} pass" if direction is not None else "in an unnamed pass"
+    passed = ", ".join(verdict["propagators"])
+    if verdict["more"]:
+        passed += f" and {verdict['more']} more"
+    return f"produced by {module} {where}" + (f", passed on by {passed}" if passed else "")
+
+
+def _logs(directory: Path, owner: int) -> list[tuple[int, Path]]:
+    """The event logs of a run directory of ``owner``'s (not a symlink), lowest ranks first;
+    none when the directory is not the record owner's, or a log is not."""
+    try:
+        info = os.lstat(directory)
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != owner:
+            return []
+        with os.scandir(directory) as entries:
+            found = []
+            for entry in entries:
+                match = _LOG_NAME.match(entry.name)
+                if match is None or not entry.is_file(follow_symlinks=False):
+                    continue
+                if entry.stat(follow_symlinks=False).st_uid == owner:
+                    found.append((int(match.group(1)), Path(entry.path)))
+    except OSError:
+        return []
+    return sorted(found)[:MAX_LOGS]
+
+
+def _printable(text: str) -> str:
+    """``text`` with every character a terminal could act on (controls, escapes, bidi
+    overrides: all that ``str.isprintable`` refuses) shown as ``?``, cut to MAX_NAME."""
+    cut = text[:MAX_NAME]
+    shown = "".join(character if character.isprintable() else "?" for character in cut)
+    return shown + ("..." if len(text) > MAX_NAME else "")

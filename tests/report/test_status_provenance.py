@@ -1,0 +1,164 @@
+"""`stabmon status`'s NaN lines: the latest provenance verdict and the first non-finite rank
+of a run, read from its event logs: a real attached run end to end, and logs that lie."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from helpers import events
+from report_helpers import stabmon_cli
+from torch import nn
+
+import stabmon
+from stabmon.report.status import RankStatus
+from stabmon.report.status_provenance import MAX_NAME, provenance_lines
+from stabmon.report.status_targets import RegisteredTarget
+
+
+class _Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.poisoned = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(self.linear(x))
+        return torch.log(y * 0.0) if self.poisoned else y  # log of zero: -inf, NaN after
+
+
+class _Deep(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(_Layer() for _ in range(6))
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x) * 0.5 + x * 0.5
+        out: torch.Tensor = self.head(x)
+        return out
+
+
+def test_status_names_the_module_that_produced_a_nan_in_a_running_job(tmp_path: Path) -> None:
+    model = _Deep()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)  # skips the NaN steps' updates
+    with stabmon.attach(
+        model, optimizer, scaler=scaler, port=0, address="127.0.0.1", run_dir=str(tmp_path),
+        run_id="nan-job", judge_seconds=0,
+    ) as monitor:  # fmt: skip
+        log = monitor.event_log_path
+        assert log is not None
+        for step in range(400):  # clean steps after the fault, until the verdict is judged
+            model.layers[3].poisoned = 20 <= step < 23  # type: ignore[index]
+            loss = model(torch.randn(4, 8)).pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            monitor.observe(loss=loss)
+            if step > 25 and any(r["event"] == "provenance" for r in events(log)):
+                break
+        result = stabmon_cli("status", "--run-dir", str(tmp_path))
+
+    assert result.returncode == 1, result.stdout + result.stderr  # non-finite: unhealthy
+    (line,) = [line for line in result.stdout.splitlines() if "NaN provenance" in line]
+    assert line.startswith("run nan-job: NaN provenance, step 20, rank 0: produced by layers.3 ")
+    assert "in the forward pass, passed on by layers.4.linear, layers.4, layers.5.linear, " in line
+    assert line.endswith("first non-finite: rank 0 at step 20")
+
+
+def _status(run: str, *, nonfinite: float = 1.0, error: str | None = None) -> RankStatus:
+    return RankStatus(url="http://127.0.0.1:1/metrics", run=run, rank="0", nonfinite=nonfinite,
+                      error=error)  # fmt: skip
+
+
+def _target(run: str, rank: int = 0) -> RegisteredTarget:
+    return RegisteredTarget("http://127.0.0.1:1/metrics", os.geteuid(), run, str(rank))
+
+
+def _write(directory: Path, rank: int, *lines: dict[str, Any] | str) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"rank-{rank}.events.jsonl"
+    text = [line if isinstance(line, str) else json.dumps(line) for line in lines]
+    path.write_text("\n".join(text) + "\n")
+    return path
+
+
+def _nan(rank: int, step: int, kind: str = "nonfinite_grad") -> dict[str, Any]:
+    return {"event": "anomaly", "kind": kind, "step": step, "rank": rank, "time": 1.0}
+
+
+def _verdict(rank: int, step: int, producer: object, **fields: Any) -> dict[str, Any]:
+    return {"event": "provenance", "step": step, "rank": rank, "producer": producer,
+            "direction": "forward", "propagators": [], "time": 2.0, **fields}  # fmt: skip
+
+
+def test_the_rank_whose_own_loss_went_non_finite_first_is_named_with_its_verdict(
+    tmp_path: Path,
+) -> None:
+    # Data parallel: both ranks non-finite at step 5 (the all-reduce spread it); rank 1's
+    # own loss was non-finite there, so it is first, and its verdict is the one shown.
+    run = tmp_path / "ddp"
+    _write(run, 0, _nan(0, 5), _verdict(0, 5, "", direction="backward"))
+    _write(run, 1, _nan(1, 5, "nonfinite_loss"), _verdict(1, 5, "blocks.2.attn",
+           propagators=["blocks.3", "blocks.4"]))  # fmt: skip
+    statuses = [_status("ddp"), _status("ddp", error="refused")]
+    lines = provenance_lines(statuses, [_target("ddp", 0), _target("ddp", 1)], tmp_path)
+    assert lines == [
+        "run ddp: NaN provenance, step 5, rank 1: produced by blocks.2.attn in the forward "
+        "pass, passed on by blocks.3, blocks.4; first non-finite: rank 1 at step 5"
+    ]
+
+
+def test_a_transient_reads_not_reproduced_and_the_latest_verdict_wins(tmp_path: Path) -> None:
+    run = tmp_path / "flaky"
+    _write(run, 0, _nan(0, 3), _verdict(0, 3, "layers.1"), _nan(0, 40),
+           _verdict(0, 40, None, direction=None, watched_steps=[41, 42, 43]))  # fmt: skip
+    (line,) = provenance_lines([_status("flaky")], [_target("flaky")], tmp_path)
+    assert line.startswith("run flaky: NaN provenance, step 40, rank 0: not reproduced (steps "
+                           "41, 42, 43 were clean): a transient")  # fmt: skip
+    assert line.endswith("first non-finite: rank 0 at step 3")
+
+
+def test_a_healthy_run_costs_no_read_and_a_url_has_no_run_directory(tmp_path: Path) -> None:
+    _write(tmp_path / "fine", 0, _nan(0, 3), _verdict(0, 3, "layers.1"))
+    assert provenance_lines([_status("fine", nonfinite=0)], [_target("fine")], tmp_path) == []
+    assert provenance_lines([_status("fine")], ["http://127.0.0.1:1/metrics"], tmp_path) == []
+
+
+def test_hostile_records_neither_crash_status_nor_reach_the_terminal(tmp_path: Path) -> None:
+    run = tmp_path / "hostile"
+    evil = "\x1b]0;owned\x07\x1b[2J\u202eevil\r\n" + "x" * 1_000
+    _write(
+        run, 0,
+        "not json", "[1, 2]", '{"event": "provenance", "step": "12"}', "{" * 100_000,
+        {"event": "provenance", "step": 2**70, "producer": "huge"},
+        {"event": "provenance", "step": 7, "producer": ["a list"], "propagators": "text"},
+        _nan(0, 7),
+        _verdict(0, 9, evil, direction="\x1b[31msideways", propagators=[evil, 3, None] * 5000),
+        {"event": "anomaly", "kind": "nonfinite_loss", "step": -1},
+    )  # fmt: skip
+    (line,) = provenance_lines([_status("hostile")], [_target("hostile")], tmp_path)
+    assert line.isprintable() and len(line) < 8 * MAX_NAME
+    assert "produced by ?]0;owned??[2J?evil??" in line and "in an unnamed pass" in line
+    assert line.endswith("and 14995 more; first non-finite: rank 0 at step 7")
+
+
+def test_logs_and_run_directories_that_are_symlinks_are_not_followed(tmp_path: Path) -> None:
+    elsewhere = _write(tmp_path / "elsewhere", 0, _nan(0, 1), _verdict(0, 1, "planted"))
+    run = tmp_path / "linked"
+    _write(run, 0, _nan(0, 4), _verdict(0, 4, "layers.0"))
+    (run / "rank-1.events.jsonl").symlink_to(elsewhere)
+    (tmp_path / "dirlink").symlink_to(tmp_path / "elsewhere")
+    targets = [_target("linked"), _target("dirlink")]
+    lines = provenance_lines([_status("linked"), _status("dirlink")], targets, tmp_path)
+    assert lines == [
+        "run linked: NaN provenance, step 4, rank 0: produced by layers.0 in the forward pass; "
+        "first non-finite: rank 0 at step 4"
+    ]
