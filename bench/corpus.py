@@ -72,14 +72,16 @@ import stabmon
 
 LOOPS = ("gpt", "lstm", "cnn", "lightning", "hf", "vae", "lbfgs")
 FAULTS = ("clean", "lr_blowup", "leak", "starve")
-#: Which faults each loop can carry (starve needs a DataLoader; LBFGS keeps no loss).
+#: Which faults each loop can carry (starve needs a DataLoader; LBFGS keeps no loss; a NaN
+#: in the VAE's forward stops it at once, in binary_cross_entropy's range check, and LBFGS
+#: spreads a NaN gradient into every weight within its step, before any hook sees it).
 LOOP_FAULTS = {
-    "gpt": ("clean", "lr_blowup", "leak"),
-    "lstm": ("clean", "lr_blowup", "leak"),
-    "cnn": FAULTS,
-    "lightning": ("clean", "lr_blowup", "leak"),
-    "hf": ("clean", "lr_blowup", "leak"),
-    "vae": ("clean", "leak", "starve"),
+    "gpt": ("clean", "lr_blowup", "leak", "nan_grad", "nan_forward"),
+    "lstm": ("clean", "lr_blowup", "leak", "nan_grad", "nan_forward"),
+    "cnn": (*FAULTS, "nan_grad", "nan_forward"),
+    "lightning": ("clean", "lr_blowup", "leak", "nan_grad", "nan_forward"),
+    "hf": ("clean", "lr_blowup", "leak", "nan_grad", "nan_forward"),
+    "vae": ("clean", "leak", "starve", "nan_grad"),
     "lbfgs": ("clean", "lr_blowup"),
 }
 #: Steps of each run of the loops whose real runs are short (``--vae-steps``, ``--lbfgs-steps``).
@@ -88,13 +90,31 @@ SHORT_RUNS = {"vae": 300, "lbfgs": 15}
 SHORT_FAULT_STEP = {"vae": 30, "lbfgs": 8}
 #: The starving loader: every fourth batch waits this long, for this much real time.
 STUTTER_SECONDS, STARVE_SECONDS = 0.4, 45.0
-#: Faults only the gpt loop injects (it names the parameter): ``--faults nan_grad --loops gpt``.
-GPT_FAULTS = ("nan_grad",)
-#: The anomaly kind each fault must raise.
+#: The NaN faults, which every loop carries: a NaN planted in one inner parameter's gradient
+#: during backward at the fault step (``nan_grad``), and a layer whose forward takes the log
+#: of its activation, some of it zero or below, from the fault step on (``nan_forward``).
+#: Their runs end :data:`NAN_TAIL` steps after the fault (every later step would be the
+#: same skipped step), judge each step at the next (``judge_seconds: 0``, so the provenance
+#: watch fits in that tail) and hold non-finite steps back (``on_anomaly: {nonfinite_grad:
+#: skip}``), as docs/policies.md advises: applied, a NaN step puts NaN in every weight that
+#: clipping touches, and the forward watched after it starts at the first layer.
+NAN_FAULTS = ("nan_grad", "nan_forward")
+NAN_TAIL = 8
+#: Where each loop plants its NaN faults: the parameter whose gradient ``nan_grad`` poisons,
+#: the module whose forward ``nan_forward`` breaks, and the module group each belongs to.
+NAN_TARGETS = {
+    "gpt": ("blocks.1.mlp.0.weight", "blocks.1.mlp.0", "blocks.1"),
+    "lstm": ("rnn.weight_hh_l1", "rnn", "rnn.l1"),
+    "cnn": ("features.3.weight", "features.3", "features"),
+    "lightning": ("model.net.2.weight", "model.net.2", "model.net.2"),
+    "hf": ("model.net.2.weight", "model.net.2", "model.net.2"),
+    "vae": ("fc3.weight", "fc22", "fc3"),
+}
+#: The anomaly kind each fault must raise (a NaN fault: a non-finite gradient or loss).
 EXPECTED = {"lr_blowup": "grad_spike", "leak": "memory_leak", "nan_grad": "nonfinite_grad",
-            "starve": "input_starvation"}  # fmt: skip
+            "nan_forward": "nonfinite_grad", "starve": "input_starvation"}  # fmt: skip
 #: How many steps after the fault the detection may come.
-DEADLINE = {"lr_blowup": 2, "leak": 2000, "nan_grad": 0, "starve": 10**9}
+DEADLINE = {"lr_blowup": 2, "leak": 2000, "nan_grad": 0, "nan_forward": 0, "starve": 10**9}
 #: How many seconds after the fault the detection may come, where that is the limit.
 DEADLINE_SECONDS = {"starve": 60.0}
 
@@ -110,6 +130,13 @@ class Outcome:
     #: The module groups and parameters the first nonfinite_grad anomaly names.
     named_modules: list[str] = field(default_factory=list)
     named_parameters: list[str] = field(default_factory=list)
+    #: What the first matching anomaly says (its event's detail, the log line's text).
+    message: str | None = None
+    #: The first ``provenance`` event's verdict: the producer module (None: not reproduced),
+    #: its direction ("forward", "backward") and the step it was watched at.
+    producer: str | None = None
+    direction: str | None = None
+    provenance_step: int | None = None
     seconds: float = 0.0
     #: Seconds from the fault's first injection to the first matching anomaly.
     detected_seconds: float | None = None
@@ -122,12 +149,35 @@ class Outcome:
             return False
         if self.fault == "clean":
             return True
+        return self.found and self.named_right
+
+    @property
+    def found(self) -> bool:
+        """Whether the fault's anomaly came in time."""
         return (
             self.detected_at is not None
             and self.fault_step is not None
             and (self.detected_at - self.fault_step <= DEADLINE[self.fault])
             and (self.detected_seconds or 0.0) <= DEADLINE_SECONDS.get(self.fault, math.inf)
         )
+
+    @property
+    def named_right(self) -> bool:
+        """Whether a NaN fault's messages say where it is: ``nan_grad``'s anomaly names the
+        planted parameter's group alone and that parameter first, and its provenance finds
+        nothing in the steps after (it was one backward's); ``nan_forward``'s provenance names
+        the broken module, in the forward pass."""
+        if self.fault not in NAN_FAULTS:
+            return True
+        param, module, group = NAN_TARGETS[self.loop]
+        if self.fault == "nan_grad":
+            return (
+                self.named_modules == [group]
+                and self.named_parameters[:1] == [param]
+                and self.provenance_step is not None
+                and self.producer is None
+            )
+        return self.producer == module and self.direction == "forward"
 
 
 class _Injector:
@@ -140,8 +190,40 @@ class _Injector:
         #: When the fault was first injected (time.time(), as the event log's records).
         self.injected_at: float | None = None
         self._batches = 0
-        #: The parameter whose gradient nan_grad poisons (set by the loop: one of a block's).
-        self.target: torch.Tensor | None = None
+        #: The optimizer step the loop is in (set by the loop, read by the planted faults).
+        self.step = 0
+
+    def plant(self, model: torch.nn.Module, loop: str) -> None:
+        """Plant the NaN faults in ``model`` at :data:`NAN_TARGETS`' names (the user's names):
+        a gradient hook on the parameter, or the module's own ``forward`` replaced, so that
+        every hook (stabmon's too) sees what a real bug would produce."""
+        if self.fault not in NAN_FAULTS:
+            return
+        param_name, module_name, _ = NAN_TARGETS[loop]
+        if self.fault == "nan_grad":
+            model.get_parameter(param_name).register_hook(self._poison_grad)
+            return
+        module = model.get_submodule(module_name)
+        forward = module.forward
+
+        def log_of_zero(*args: Any, **kwargs: Any) -> Any:
+            out = forward(*args, **kwargs)
+            if self.step < self.fault_step:
+                return out
+            self._injected()
+            first = out[0] if isinstance(out, tuple) else out
+            first = torch.log(first)  # a log of an activation, some of it <= 0: NaN, -inf
+            return (first, *out[1:]) if isinstance(out, tuple) else first
+
+        module.forward = log_of_zero  # type: ignore[method-assign]
+
+    def _poison_grad(self, grad: torch.Tensor) -> torch.Tensor | None:
+        if self.step != self.fault_step:
+            return None
+        self._injected()
+        grad = grad.clone()
+        grad.view(-1)[0] = float("nan")  # a bad kernel in one block's backward
+        return grad
 
     def _injected(self) -> None:
         if self.injected_at is None:
@@ -174,11 +256,6 @@ class _Injector:
 
     def after_loss(self, step: int, loss: torch.Tensor) -> None:
         """Called after each backward (each micro-batch's, under accumulation)."""
-        if self.fault == "nan_grad" and step == self.fault_step and self.target is not None:
-            self._injected()
-            grad = self.target.grad
-            if grad is not None:
-                grad.view(-1)[0] = float("nan")  # a bad kernel in one block's backward
         if self.fault == "leak" and step >= self.fault_step:
             self._injected()
             self.kept = self.kept + loss  # the bug: the graph of every step is kept
@@ -243,7 +320,7 @@ def run_gpt(monitor_config: dict[str, Any], steps: int, injector: _Injector,
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     mon = stabmon.attach(model, optimizer, **monitor_config)
     generator = torch.Generator().manual_seed(1)
-    injector.target = model.blocks[1].mlp[0].weight  # type: ignore[index]  # nan_grad's
+    injector.plant(model, "gpt")
 
     def get_batch() -> tuple[torch.Tensor, torch.Tensor]:
         ix = torch.randint(len(data) - 33, (8,), generator=generator)
@@ -256,6 +333,7 @@ def run_gpt(monitor_config: dict[str, Any], steps: int, injector: _Injector,
         x, y = get_batch()
     preclip = None
     for step in range(steps):
+        injector.step = step
         if step and step % eval_every == 0:
             model.eval()
             with torch.no_grad():  # evaluation without mon.phase, as nanoGPT's estimate_loss
@@ -309,6 +387,7 @@ def run_lstm(monitor_config: dict[str, Any], steps: int, injector: _Injector) ->
     lr = 20.0
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)  # the example updates by hand
     mon = stabmon.attach(model, optimizer, **monitor_config)
+    injector.plant(model, "lstm")
 
     def get_batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
         length = min(bptt, len(source) - 1 - i)
@@ -321,6 +400,7 @@ def run_lstm(monitor_config: dict[str, Any], steps: int, injector: _Injector) ->
         for i in range(0, source.size(0) - 1, bptt):
             if step >= steps:
                 break
+            injector.step = step
             with mon.data_wait():
                 x, y = get_batch(i)
             hidden = (hidden[0].detach(), hidden[1].detach())  # repackage_hidden
@@ -388,6 +468,7 @@ def run_cnn(monitor_config: dict[str, Any], steps: int, injector: _Injector) -> 
     model = SmallCNN()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     mon = stabmon.attach(model, optimizer, **monitor_config)
+    injector.plant(model, "cnn")
     step = 0
     preclip = None
     while step < steps:
@@ -396,6 +477,7 @@ def run_cnn(monitor_config: dict[str, Any], steps: int, injector: _Injector) -> 
         for images, labels in mon.track(loader):
             if step >= steps:
                 break
+            injector.step = step
             loss = F.cross_entropy(model(images), labels)
             optimizer.zero_grad()
             loss.backward()
@@ -444,6 +526,7 @@ def run_vae(monitor_config: dict[str, Any], steps: int, injector: _Injector) -> 
     model = VAE()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     mon = stabmon.attach(model, optimizer, **monitor_config)
+    injector.plant(model, "vae")
     step, train_loss = 0, 0.0
     while step < steps:
         model.train()
@@ -451,6 +534,7 @@ def run_vae(monitor_config: dict[str, Any], steps: int, injector: _Injector) -> 
         for (data,) in mon.track(loader):
             if step >= steps:
                 break
+            injector.step = step
             optimizer.zero_grad()
             recon, mu, logvar = model(data)
             bce = F.binary_cross_entropy(recon, data.view(-1, model.pixels), reduction="sum")
@@ -503,7 +587,9 @@ def run_lbfgs(monitor_config: dict[str, Any], steps: int, injector: _Injector) -
     seq = Sequence()
     optimizer = torch.optim.LBFGS(seq.parameters(), lr=0.8)
     mon = stabmon.attach(seq, optimizer, **monitor_config)
+    injector.plant(seq, "lbfgs")
     for step in range(steps):
+        injector.step = step
 
         def closure() -> torch.Tensor:
             optimizer.zero_grad()
@@ -573,8 +659,10 @@ def run_lightning(monitor_config: dict[str, Any], steps: int, injector: _Injecto
             super().__init__()
             self.model = _Regressor()
             self.restore: Callable[[], None] = _nothing
+            injector.plant(self, "lightning")
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            injector.step = self.trainer.global_step
             inputs, targets = batch
             loss = F.mse_loss(self.model(inputs), targets)
             injector.after_loss(self.trainer.global_step, loss)
@@ -620,17 +708,17 @@ def run_hf(monitor_config: dict[str, Any], steps: int, injector: _Injector) -> O
     from stabmon.integrations.huggingface import StabmonCallback
 
     capture = _Capture()
-    current = [0]  # the optimizer step the Trainer is in, for the leak in forward()
 
     class Model(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.model = _Regressor()
+            injector.plant(self, "hf")
 
         def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
             loss = F.mse_loss(self.model(x), labels)
             if self.training:
-                injector.after_loss(current[0], loss)
+                injector.after_loss(injector.step, loss)
             return {"loss": loss}
 
     class Dataset(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
@@ -651,7 +739,7 @@ def run_hf(monitor_config: dict[str, Any], steps: int, injector: _Injector) -> O
             self.restore: Callable[[], None] = _nothing
 
         def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            current[0] = state.global_step
+            injector.step = state.global_step
 
         def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             self.restore = injector.before_step(state.global_step, kw["optimizer"])
@@ -707,18 +795,27 @@ def _outcome(loop: str, steps: int, injector: _Injector, capture: _Capture) -> O
     fault_step = None if fault == "clean" else injector.fault_step
     outcome = Outcome(loop, fault, steps, fault_step, None, last_preclip_norm=preclip,
                       exported_grad_norm=exported)  # fmt: skip
-    for event in _anomalies(path):
+    for event in _events(path):
+        if event.get("event") == "provenance":
+            if outcome.provenance_step is None:
+                outcome.producer, outcome.direction = event["producer"], event["direction"]
+                outcome.provenance_step = int(event["observed_step"])
+            continue
+        if event.get("event") != "anomaly":
+            continue
         kind, step = event["kind"], int(event["step"])
-        expected = EXPECTED.get(fault)
-        if fault_step is not None and kind in {expected, "nonfinite_grad"} and step >= fault_step:
+        expected = {EXPECTED.get(fault), "nonfinite_grad"}
+        if fault in NAN_FAULTS:
+            expected.add("nonfinite_loss")  # the NaN reaches the loss too: one incident
+        if fault_step is not None and kind in expected and step >= fault_step:
             # A blow-up that reaches Inf/NaN at once is reported as non-finite: also found.
             if outcome.detected_at is None:
-                outcome.detected_at = step
+                outcome.detected_at, outcome.message = step, event.get("detail")
                 if injector.injected_at is not None and "time" in event:
                     outcome.detected_seconds = round(event["time"] - injector.injected_at, 1)
-                if kind == "nonfinite_grad":
-                    outcome.named_modules = list(event.get("modules") or [])
-                    outcome.named_parameters = list(event.get("parameters") or [])
+            if kind == "nonfinite_grad" and not outcome.named_modules:
+                outcome.named_modules = list(event.get("modules") or [])
+                outcome.named_parameters = list(event.get("parameters") or [])
             continue
         if (
             fault == "lr_blowup"
@@ -742,18 +839,23 @@ def _exported_grad_norm(mon: stabmon.Monitor) -> float | None:
     return None
 
 
-def _anomalies(path: Path | None) -> Iterator[dict[str, Any]]:
+def _events(path: Path | None) -> Iterator[dict[str, Any]]:
     if path is None:
         return
     for line in Path(path).read_text().splitlines():
-        event = json.loads(line)
-        if event.get("event") == "anomaly":
-            yield event
+        yield json.loads(line)
 
 
 def run(loop: str, fault: str, steps: int, fault_step: int, run_dir: str) -> Outcome:
+    if fault not in LOOP_FAULTS[loop]:
+        raise ValueError(
+            f"the {loop} loop carries no {fault} fault (LOOP_FAULTS: {LOOP_FAULTS[loop]})"
+        )
     config = {"serve_metrics": False, "run_dir": run_dir, "run_id": f"{loop}-{fault}",
               "judge_seconds": 0.2, "stall_seconds": 120.0}  # fmt: skip
+    if fault in NAN_FAULTS:
+        config["on_anomaly"] = {"nonfinite_grad": "skip"}  # keeps the NaN out of the weights
+        config["judge_seconds"] = 0.0  # each step judged at the next: verdicts in the short tail
     start = time.perf_counter()
     outcome = RUNNERS[loop](config, steps, _Injector(fault, fault_step))
     outcome.seconds = time.perf_counter() - start
@@ -779,7 +881,7 @@ def table(outcomes: list[Outcome]) -> str:
     loops = sorted({o.loop for o in outcomes}, key=lambda name: (LOOPS + (name,)).index(name))
     lines = ["| fault \\ loop | " + " | ".join(loops) + " |",
              "|---" * (len(loops) + 1) + "|"]  # fmt: skip
-    for fault in (*FAULTS, *(f for f in GPT_FAULTS if any(o.fault == f for o in outcomes))):
+    for fault in (*FAULTS, *NAN_FAULTS):
         cells = []
         for loop in loops:
             found = [o for o in outcomes if o.loop == loop and o.fault == fault]
@@ -791,6 +893,8 @@ def table(outcomes: list[Outcome]) -> str:
                 cells.append(f"{len(o.false_positives)} anomalies in {o.steps} steps")
             elif o.detected_at is None:
                 cells.append(f"missed (fault at {o.fault_step})")
+            elif fault in NAN_FAULTS:
+                cells.append(_nan_cell(o))
             else:
                 assert o.fault_step is not None
                 seconds = "" if o.detected_seconds is None else f", {o.detected_seconds:.1f} s"
@@ -798,6 +902,19 @@ def table(outcomes: list[Outcome]) -> str:
                              f"+{o.detected_at - o.fault_step}{seconds})")  # fmt: skip
         lines.append(f"| {fault} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _nan_cell(o: Outcome) -> str:
+    """A NaN fault's cell: its step, the group and parameter it names, the producer."""
+    assert o.detected_at is not None and o.fault_step is not None
+    where = ", ".join(o.named_modules) or "no group"
+    first = f" ({o.named_parameters[0]})" if o.fault == "nan_grad" and o.named_parameters else ""
+    verdict = "no provenance event"
+    if o.producer is not None:
+        verdict = f"producer {o.producer} ({o.direction})"
+    elif o.provenance_step is not None:
+        verdict = "not reproduced"
+    return f"step {o.detected_at} (+{o.detected_at - o.fault_step}): {where}{first}; {verdict}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -808,7 +925,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vae-steps", type=int, default=SHORT_RUNS["vae"])
     parser.add_argument("--lbfgs-steps", type=int, default=SHORT_RUNS["lbfgs"])
     parser.add_argument("--loops", default=",".join(LOOPS))
-    parser.add_argument("--faults", default=",".join(FAULTS))
+    parser.add_argument("--faults", default=",".join((*FAULTS, *NAN_FAULTS)))
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--one", nargs=4, metavar=("LOOP", "FAULT", "STEPS", "FAULT_STEP"),
                         help=argparse.SUPPRESS)  # fmt: skip
@@ -823,13 +940,15 @@ def main(argv: list[str] | None = None) -> int:
     outcomes: list[Outcome] = []
     for loop in args.loops.split(","):
         for fault in args.faults.split(","):
-            if fault not in LOOP_FAULTS.get(loop, ()) + (GPT_FAULTS if loop == "gpt" else ()):
+            if fault not in LOOP_FAULTS.get(loop, ()):
                 continue
             steps = args.steps if fault == "clean" else args.fault_steps
             fault_step = args.fault_step
             if loop in SHORT_RUNS:  # runs as short as the real ones
                 steps = {"vae": args.vae_steps, "lbfgs": args.lbfgs_steps}[loop]
                 fault_step = SHORT_FAULT_STEP[loop]
+            if fault in NAN_FAULTS:  # every step after the fault is the same skipped step
+                steps = min(steps, fault_step + NAN_TAIL)
             outcome = run_alone(loop, fault, steps, fault_step)
             outcomes.append(outcome)
             print(f"{loop:5s} {fault:9s} {outcome.steps:6d} steps in {outcome.seconds:6.1f} s: "

@@ -1,9 +1,11 @@
 """The corpus loops of bench/corpus.py (gpt, lstm, cnn, and the real Lightning and Hugging Face
 trainers with clipping on), scaled down for CI: each finds its LR blow-up within 2 steps with no
-other anomaly, and exports the pre-clip norm. The leak and the 20,000-step clean
-runs are the bench's (``python bench/corpus.py``); the trend rule's detection within 2,000
-steps and its silence on noise are proven on series in tests/detectors/test_trend.py, and one
-real leak run is the slow test below."""
+other anomaly, and exports the pre-clip norm; each NaN fault (a NaN in one parameter's
+gradient, a layer whose forward takes a log of zero) is found at its step, in the planted
+parameter's module group, and the forward one's producer is named. The leak and the
+20,000-step clean runs are the bench's (``python bench/corpus.py``); the trend rule's
+detection within 2,000 steps and its silence on noise are proven on series in
+tests/detectors/test_trend.py, and one real leak run is the slow test below."""
 
 from __future__ import annotations
 
@@ -46,12 +48,54 @@ def test_corpus_loop_finds_an_lr_blowup_within_two_steps_and_nothing_else(
     assert FAULT_STEP < outcome.detected_at <= FAULT_STEP + 2
 
 
-def test_corpus_gpt_names_the_block_whose_gradient_went_nan(tmp_path: Path) -> None:
-    # nanoGPT-style: clipping, accumulation of 4, get_batch(); a NaN in blocks.1's MLP weight.
-    outcome = corpus.run("gpt", "nan_grad", FAULT_STEP + 5, FAULT_STEP, str(tmp_path))
-    assert outcome.detected_at == FAULT_STEP
-    assert outcome.named_modules == ["blocks.1"]
-    assert outcome.named_parameters[:1] == ["blocks.1.mlp.0.weight"]
+#: The NaN faults need no warm-up: one shortly after the start, and the bench's short tail.
+NAN_FAULT_STEP = 20
+NAN_RUNS = [
+    pytest.param(loop, fault, marks=_TRAINER_WARNINGS) if loop in ("lightning", "hf")
+    else (loop, fault)
+    for loop in corpus.LOOPS
+    for fault in corpus.NAN_FAULTS
+    if fault in corpus.LOOP_FAULTS[loop]
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("loop", "fault"), NAN_RUNS)
+def test_corpus_loop_nan_fault_is_found_at_its_step_where_it_was_planted(
+    loop: str, fault: str, tmp_path: Path
+) -> None:
+    # gpt: blocks.1.mlp.0 (clipping, accumulation of 4); lstm: the LSTM's second layer
+    # (clip 0.25, SGD at lr 20); cnn: the second conv; lightning and hf: the regressor's
+    # middle layer, under the LightningModule's and the HF model's own attribute (model.net.2).
+    param, module, group = corpus.NAN_TARGETS[loop]
+    steps = NAN_FAULT_STEP + corpus.NAN_TAIL
+    outcome = corpus.run(loop, fault, steps, NAN_FAULT_STEP, str(tmp_path))
+    assert outcome.false_positives == []
+    assert outcome.detected_at == NAN_FAULT_STEP
+    assert outcome.message is not None and f"at step {NAN_FAULT_STEP}" in outcome.message
+    if fault == "nan_grad":  # the gradient check names the group, then the parameter
+        assert outcome.named_modules == [group]
+        assert outcome.named_parameters[:1] == [param]
+        assert f"module group(s) {group} (first parameters {param})" in outcome.message
+        # One backward's NaN, held back by the skip: the steps watched after it are clean.
+        assert outcome.provenance_step is not None and outcome.producer is None
+    else:  # every group upstream goes non-finite: the provenance names the producer
+        assert group in outcome.named_modules
+        assert (outcome.producer, outcome.direction) == (module, "forward")
+        assert outcome.provenance_step is not None and outcome.provenance_step > NAN_FAULT_STEP
+    assert outcome.ok
+
+
+def test_corpus_nan_rows_say_the_group_and_the_producer(tmp_path: Path) -> None:
+    outcome = corpus.run("cnn", "nan_forward", NAN_FAULT_STEP + corpus.NAN_TAIL,
+                         NAN_FAULT_STEP, str(tmp_path))  # fmt: skip
+    row = corpus.table([outcome]).splitlines()[-1]
+    assert row.startswith("| nan_forward | step 20 (+0): classifier, features")
+    assert row.endswith("producer features.3 (forward) |")
+
+
+def test_corpus_refuses_a_fault_its_loop_cannot_carry(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="lbfgs loop carries no nan_grad"):
+        corpus.run("lbfgs", "nan_grad", 10, 5, str(tmp_path))
 
 
 @pytest.mark.parametrize("loop", LOOPS)
