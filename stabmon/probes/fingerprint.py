@@ -64,7 +64,9 @@ def _bucket_sums(tensors: Sequence[torch.Tensor], device: torch.device) -> torch
 
     Per tensor two reductions (its sum, and its column sums in rows of :data:`ROW`, a
     short tail zero-padded to one row); the weighting is done once per bucket on the summed
-    columns, so a check costs about two kernels per parameter.
+    columns, so a check costs about two kernels per parameter. Each tensor is reduced on its
+    own device and the small results are moved to ``device`` (a model split over a rank's
+    GPUs, or partly offloaded to the CPU): a copy between devices, never a host wait.
     """
     if not tensors:
         return torch.zeros(2, dtype=torch.int64, device=device)
@@ -74,11 +76,11 @@ def _bucket_sums(tensors: Sequence[torch.Tensor], device: torch.device) -> torch
         ints = _as_integers(tensor)
         count = ints.numel()
         whole = count - count % ROW
-        plains.append(ints.sum(dtype=torch.int64))
+        plains.append(ints.sum(dtype=torch.int64).to(device))
         if whole:
-            columns.append(ints[:whole].view(-1, ROW).sum(dim=0, dtype=torch.int64))
+            columns.append(ints[:whole].view(-1, ROW).sum(dim=0, dtype=torch.int64).to(device))
         if whole < count:
-            tail = ints[whole:].to(torch.int64)
+            tail = ints[whole:].to(device, torch.int64)
             columns.append(torch.nn.functional.pad(tail, (0, ROW - (count - whole))))
     plain = torch.stack(plains).sum()
     if not columns:  # only zero-size tensors (a placeholder, an empty shard): nothing weighs

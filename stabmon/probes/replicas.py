@@ -41,7 +41,9 @@ from stabmon.probes.identity import torch_device_uuids
 from stabmon.probes.local_norms import LocalGradNorms
 from stabmon.probes.local_norms import install as install_local_norms
 
-__all__ = ["ReplicaGroup", "ReplicaProbe", "find_replica_group", "parameter_buckets"]
+__all__ = [
+    "ReplicaGroup", "ReplicaProbe", "find_replica_group", "home_device", "parameter_buckets",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -128,6 +130,14 @@ def _ddp_synchronised(model: Any) -> list[tuple[str, torch.Tensor]]:
     ]
 
 
+def home_device(named: Sequence[tuple[str, torch.Tensor]]) -> torch.device:
+    """Where the check's results and collectives live: the first accelerator holding a
+    parameter (a model partly offloaded to the CPU gathers on its GPU, as NCCL needs), else
+    the CPU."""
+    devices = [tensor.device for _, tensor in named]
+    return next((device for device in devices if device.type != "cpu"), devices[0])
+
+
 #: Bytes of a member's "host GPU-uuid" in the first check's gather (longer is cut).
 _WHERE_BYTES = 256
 #: Attaches in this process so far: every rank that attaches alike counts in the same key.
@@ -196,6 +206,7 @@ class ReplicaProbe:
         self.where: list[str] = []
         #: Optimizer steps seen since attach: what the checks are keyed to (every rank alike).
         self._seen = 0
+        self._device = home_device(replicas.named_tensors)
 
     @classmethod
     def create(cls, context: Context) -> ReplicaProbe | None:
@@ -224,7 +235,7 @@ class ReplicaProbe:
 
         local_norms = None
         if config.replica_local_norms:
-            device = found.named_tensors[0][1].device
+            device = home_device(found.named_tensors)
             installed = install_local_norms(_unwrap_compiled(context.model), device)
             if isinstance(installed, str):
                 context.log(
@@ -251,7 +262,7 @@ class ReplicaProbe:
             if not self._all_attached():
                 return None
             self.where = self._gather_where()
-        device = self._buckets[0][0].device
+        device = self._device
         failed: Exception | None = None
         try:
             local = fingerprint(self._buckets, device)
@@ -300,7 +311,7 @@ class ReplicaProbe:
         the parameters' device, gathered like the fingerprints (not all_gather_object,
         whose tensors go to torch.cuda.current_device(): the same GPU on every rank of a
         node whose loop never called set_device, an NCCL error). Read on the host once."""
-        device = self._buckets[0][0].device
+        device = self._device
         try:  # a failure here must not leave the others waiting in the gather
             uuids = torch_device_uuids([device])
             mine = f"{socket.gethostname()} {uuids[0] if uuids else device}"

@@ -111,6 +111,17 @@ def test_fingerprints_on_cuda_equal_the_cpus_bit_for_bit() -> None:
     assert vote(gathered).cpu().tolist()[-3:] == [0, 0, 1]
 
 
+@pytest.mark.gpu
+def test_a_bucket_over_two_devices_is_fingerprinted_on_the_one_asked() -> None:
+    # A rank whose model is split over devices (one layer offloaded to the CPU, or over two
+    # GPUs): each tensor is reduced where it lives, the sums are the one-device sums.
+    torch.manual_seed(4)
+    tensors = [torch.randn(3000), torch.randn(64, 1024)]
+    on_cpu = fingerprint([tensors], CPU)
+    split = fingerprint([[tensors[0], tensors[1].cuda()]], torch.device("cuda"))
+    assert split.device.type == "cuda" and torch.equal(split.cpu(), on_cpu)
+
+
 def test_a_bucket_of_zero_size_tensors_has_zero_sums_instead_of_failing() -> None:
     # A placeholder parameter (torch.empty(0)) or an HSDP shard left empty (a dimension
     # smaller than the shard count) is a module group with no elements: it must not turn

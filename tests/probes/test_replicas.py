@@ -296,3 +296,13 @@ def test_a_gradient_corrupted_before_the_all_reduce_names_its_rank_by_local_norm
         (first,) = outliers(logged)
         assert first["step"] == 59 and first["culprit_ranks"] == [2], (rank, first)
         assert "rank 2" in first["detail"] and "before the all-reduce" in first["detail"]
+
+
+def test_a_model_partly_offloaded_to_the_cpu_checks_on_its_accelerator() -> None:
+    # NCCL gathers accelerator tensors only; a first parameter on the CPU (an offloaded
+    # embedding) must not make the check gather there. ("meta" stands in for a GPU here.)
+    from stabmon.probes.replicas import home_device
+
+    on_cpu, elsewhere = torch.zeros(2), torch.empty(2, device="meta")
+    assert home_device([("embed", on_cpu), ("blocks.0", elsewhere)]).type == "meta"
+    assert home_device([("embed", on_cpu)]).type == "cpu"
