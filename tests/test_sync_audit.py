@@ -431,3 +431,50 @@ def test_the_replica_checks_fingerprint_and_vote_never_wait_for_the_device(
     gathered = torch.stack([local, local, local + 1, abstention(3, cuda)])
     vote(gathered)
     audited.assert_clean()
+
+
+def test_armed_nan_provenance_forward_and_backward_never_wait_for_the_device(
+    audited: FakeCuda, tmp_path: Path
+) -> None:
+    """NaN provenance armed (always): every module's forward sums and the gradient hooks it
+    registers, fired with CUDA gradients in the order autograd would fire them (the backward
+    itself cannot run on fake CUDA: ``tests/fake_cuda.py``), then the stacked sums read back a
+    step later; a scripted non-finite step gets its verdict through that readback."""
+    from helpers import events
+
+    from stabmon.probes.provenance import _GradientSum
+
+    model = _Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    outputs: list[torch.Tensor] = []
+    for module in model.modules():  # the test's own hook: what autograd would reach
+        module.register_forward_hook(lambda module, args, output: outputs.append(output))
+    monitor = stabmon.attach(
+        model, optimizer, serve_metrics=False, run_dir=str(tmp_path), run_id="provenance",
+        device_check="warn", provenance_always=True, judge_seconds=0,
+    )  # fmt: skip
+    fired = []
+    try:
+        for step in range(6):
+            audited.device.catch_up()
+            audited.device.result = float("nan") if step == 3 else 1.0
+            outputs.clear()
+            loss = model(torch.randn(16, 32, device="cuda")).pow(2).mean()
+            hooks = [(tensor, hook) for tensor in reversed(outputs)
+                     for hook in (tensor._backward_hooks or {}).values()
+                     if isinstance(hook, _GradientSum)]  # fmt: skip  # not other probes' own
+            for tensor, hook in hooks:
+                hook(torch.empty_like(tensor))  # the gradient hook, as autograd calls it
+            fired.append(len(hooks))
+            audited.stand_in_backward(model.parameters())
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            monitor.observe(loss=loss)
+        audited.device.catch_up()
+    finally:
+        monitor.detach()
+
+    audited.assert_clean()
+    assert fired[0] == 0 and all(fired[1:])  # watched from the first step's end on
+    records = [r for r in events(monitor.event_log_path) if r["event"] == "provenance"]
+    assert [r["producer"] for r in records] == ["<input>"]  # every value read back NaN

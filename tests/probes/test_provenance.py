@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from conftest import MonitorFactory
 from helpers import events
@@ -228,6 +229,114 @@ def test_a_nan_from_the_loss_function_is_named_as_the_loss(attach: MonitorFactor
     (record,) = _provenance(monitor)
     assert (record["direction"], record["producer"]) == ("backward", LOSS)
     assert record["propagators"][:2] == ["(root)", "2"]
+
+
+class _Attention(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.c_attn = nn.Linear(width, 3 * width)
+        self.c_proj = nn.Linear(width, width)
+        self.log_zero = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.c_attn(x).chunk(3, dim=-1)
+        scores = (q @ k.transpose(-2, -1)) / q.shape[-1] ** 0.5
+        causal = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril()
+        weights = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)  # a legit -inf
+        if self.log_zero:
+            weights = torch.log(weights * 0.0)
+        out: torch.Tensor = self.c_proj(weights @ v)
+        return out
+
+
+class _Mlp(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.c_fc, self.gelu, self.c_proj = (
+            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+        )  # fmt: skip
+        self.nan_grad = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.gelu(self.c_fc(x))
+        if self.nan_grad:
+            h = _NanGrad.apply(h)
+        out: torch.Tensor = self.c_proj(h)
+        return out
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.ln_1, self.attn = nn.LayerNorm(width), _Attention(width)
+        self.ln_2, self.mlp = nn.LayerNorm(width), _Mlp(width)
+        self.residual_nan_grad = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        branch = self.attn(self.ln_1(x))
+        if self.residual_nan_grad:
+            branch = _NanGrad.apply(branch)  # the residual branch's gradient goes NaN
+        x = x + branch
+        return x + self.mlp(self.ln_2(x))
+
+
+class _Gpt(nn.Module):
+    """nanoGPT's shape and names, small: embeddings, blocks with residuals, a tied head."""
+
+    def __init__(self, width: int = 16, layers: int = 4, vocab: int = 32) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.transformer = nn.ModuleDict(
+            {"wte": nn.Embedding(vocab, width), "wpe": nn.Embedding(8, width),
+             "h": nn.ModuleList(_Block(width) for _ in range(layers)),
+             "ln_f": nn.LayerNorm(width)}
+        )  # fmt: skip
+        self.lm_head = nn.Linear(width, vocab, bias=False)
+        self.lm_head.weight = self.transformer["wte"].weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = self.transformer
+        x = t["wte"](idx) + t["wpe"](torch.arange(idx.shape[1]))
+        for block in t["h"]:
+            x = block(x)
+        logits: torch.Tensor = self.lm_head(t["ln_f"](x))
+        return logits
+
+
+@pytest.mark.parametrize(
+    ("poison", "producer", "direction", "propagator"),
+    [
+        ("attn.log_zero", "transformer.h.1.attn", "forward", "transformer.h.1.ln_2"),
+        ("mlp.nan_grad", "transformer.h.1.mlp", "backward", "transformer.h.1.mlp.gelu"),
+        ("residual_nan_grad", "transformer.h.1", "backward", "transformer.h.1.attn"),
+    ],
+    ids=["forward-attention", "backward-mlp", "backward-residual-branch"],
+)
+def test_a_gpt_shaped_model_names_the_block_part_that_produced_the_nan(
+    attach: MonitorFactory, poison: str, producer: str, direction: str, propagator: str
+) -> None:
+    model = _Gpt()
+    part, _, flag = poison.rpartition(".")
+    block = model.transformer["h"][1]  # type: ignore[index]
+    setattr(block.get_submodule(part) if part else block, flag, True)
+    optimizer = _Frozen(model.parameters())
+    monitor = attach(model, optimizer, judge_seconds=0)
+    for _ in range(5):
+        idx = torch.randint(0, 32, (2, 8))
+        logits = model(idx)
+        loss = nn.functional.cross_entropy(logits.reshape(-1, 32), idx.reshape(-1))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        monitor.observe(loss=loss)  # type: ignore[attr-defined]
+    (record,) = _provenance(monitor)
+    assert (record["producer"], record["direction"]) == (producer, direction)
+    assert record["propagators"][0] == propagator  # type: ignore[index]
+    if direction == "backward":  # the blocks before it pass the gradient on, not after it
+        propagators = record["propagators"]
+        assert "transformer.h.0" in propagators or len(propagators) == 5  # type: ignore[operator]
+        assert not any(str(p).startswith(("transformer.h.2", "transformer.h.3", "lm_head"))
+                       for p in propagators)  # type: ignore[attr-defined]  # fmt: skip
 
 
 def test_no_gradient_hook_is_registered_while_disarmed_nor_after_the_watch(
