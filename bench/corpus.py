@@ -72,16 +72,28 @@ import stabmon
 
 LOOPS = ("gpt", "lstm", "cnn", "lightning", "hf", "vae", "lbfgs")
 FAULTS = ("clean", "lr_blowup", "leak", "starve")
+#: The NaN faults (LOOP_FAULTS says which loops carry them): a NaN planted in one inner
+#: parameter's gradient during backward at the fault step (``nan_grad``: one bad backward),
+#: the same at every step from then on (``nan_backward``: a broken backward kernel), and a
+#: layer whose forward takes the log of its activation, some of it zero or below, from then
+#: on (``nan_forward``).
+#: Their runs end :data:`NAN_TAIL` steps after the fault (every later step would be the
+#: same skipped step), judge each step at the next (``judge_seconds: 0``, so the provenance
+#: watch fits in that tail) and hold non-finite steps back (``on_anomaly: {nonfinite_grad:
+#: skip}``), as docs/policies.md advises: applied, a NaN step puts NaN in every weight that
+#: clipping touches, and the forward watched after it starts at the first layer.
+NAN_FAULTS = ("nan_grad", "nan_backward", "nan_forward")
+NAN_TAIL = 8
 #: Which faults each loop can carry (starve needs a DataLoader; LBFGS keeps no loss; a NaN
 #: in the VAE's forward stops it at once, in binary_cross_entropy's range check, and LBFGS
 #: spreads a NaN gradient into every weight within its step, before any hook sees it).
 LOOP_FAULTS = {
-    "gpt": ("clean", "lr_blowup", "leak", "nan_grad", "nan_forward"),
-    "lstm": ("clean", "lr_blowup", "leak", "nan_grad", "nan_forward"),
-    "cnn": (*FAULTS, "nan_grad", "nan_forward"),
-    "lightning": ("clean", "lr_blowup", "leak", "nan_grad", "nan_forward"),
-    "hf": ("clean", "lr_blowup", "leak", "nan_grad", "nan_forward"),
-    "vae": ("clean", "leak", "starve", "nan_grad"),
+    "gpt": ("clean", "lr_blowup", "leak", *NAN_FAULTS),
+    "lstm": ("clean", "lr_blowup", "leak", *NAN_FAULTS),
+    "cnn": (*FAULTS, *NAN_FAULTS),
+    "lightning": ("clean", "lr_blowup", "leak", *NAN_FAULTS),
+    "hf": ("clean", "lr_blowup", "leak", *NAN_FAULTS),
+    "vae": ("clean", "leak", "starve", "nan_grad", "nan_backward"),
     "lbfgs": ("clean", "lr_blowup"),
 }
 #: Steps of each run of the loops whose real runs are short (``--vae-steps``, ``--lbfgs-steps``).
@@ -90,18 +102,9 @@ SHORT_RUNS = {"vae": 300, "lbfgs": 15}
 SHORT_FAULT_STEP = {"vae": 30, "lbfgs": 8}
 #: The starving loader: every fourth batch waits this long, for this much real time.
 STUTTER_SECONDS, STARVE_SECONDS = 0.4, 45.0
-#: The NaN faults, which every loop carries: a NaN planted in one inner parameter's gradient
-#: during backward at the fault step (``nan_grad``), and a layer whose forward takes the log
-#: of its activation, some of it zero or below, from the fault step on (``nan_forward``).
-#: Their runs end :data:`NAN_TAIL` steps after the fault (every later step would be the
-#: same skipped step), judge each step at the next (``judge_seconds: 0``, so the provenance
-#: watch fits in that tail) and hold non-finite steps back (``on_anomaly: {nonfinite_grad:
-#: skip}``), as docs/policies.md advises: applied, a NaN step puts NaN in every weight that
-#: clipping touches, and the forward watched after it starts at the first layer.
-NAN_FAULTS = ("nan_grad", "nan_forward")
-NAN_TAIL = 8
-#: Where each loop plants its NaN faults: the parameter whose gradient ``nan_grad`` poisons,
-#: the module whose forward ``nan_forward`` breaks, and the module group each belongs to.
+#: Where each loop plants its NaN faults, by the names in the user's model: the parameter
+#: whose gradient ``nan_grad`` and ``nan_backward`` poison, the module whose forward
+#: ``nan_forward`` breaks, and the module group (stabmon's default) the parameter is in.
 NAN_TARGETS = {
     "gpt": ("blocks.1.mlp.0.weight", "blocks.1.mlp.0", "blocks.1"),
     "lstm": ("rnn.weight_hh_l1", "rnn", "rnn.l1"),
@@ -112,9 +115,11 @@ NAN_TARGETS = {
 }
 #: The anomaly kind each fault must raise (a NaN fault: a non-finite gradient or loss).
 EXPECTED = {"lr_blowup": "grad_spike", "leak": "memory_leak", "nan_grad": "nonfinite_grad",
-            "nan_forward": "nonfinite_grad", "starve": "input_starvation"}  # fmt: skip
+            "nan_backward": "nonfinite_grad", "nan_forward": "nonfinite_grad",
+            "starve": "input_starvation"}  # fmt: skip
 #: How many steps after the fault the detection may come.
-DEADLINE = {"lr_blowup": 2, "leak": 2000, "nan_grad": 0, "nan_forward": 0, "starve": 10**9}
+DEADLINE = {"lr_blowup": 2, "leak": 2000, "nan_grad": 0, "nan_backward": 0, "nan_forward": 0,
+            "starve": 10**9}  # fmt: skip
 #: How many seconds after the fault the detection may come, where that is the limit.
 DEADLINE_SECONDS = {"starve": 60.0}
 
@@ -163,21 +168,25 @@ class Outcome:
 
     @property
     def named_right(self) -> bool:
-        """Whether a NaN fault's messages say where it is: ``nan_grad``'s anomaly names the
-        planted parameter's group alone and that parameter first, and its provenance finds
-        nothing in the steps after (it was one backward's); ``nan_forward``'s provenance names
-        the broken module, in the forward pass."""
+        """Whether a NaN fault's messages say where it is: a gradient fault's anomaly names
+        the planted parameter's group alone and that parameter first, and its provenance finds
+        nothing in the steps after (``nan_grad``: it was one backward's) or names the
+        parameter's module in the backward pass (``nan_backward``); ``nan_forward``'s
+        provenance names the broken module, in the forward pass."""
         if self.fault not in NAN_FAULTS:
             return True
         param, module, group = NAN_TARGETS[self.loop]
-        if self.fault == "nan_grad":
-            return (
-                self.named_modules == [group]
-                and self.named_parameters[:1] == [param]
-                and self.provenance_step is not None
-                and self.producer is None
-            )
-        return self.producer == module and self.direction == "forward"
+        if self.fault == "nan_forward":
+            return self.producer == module and self.direction == "forward"
+        verdict = (
+            (None, None) if self.fault == "nan_grad" else (param.rpartition(".")[0], "backward")
+        )
+        return (
+            self.named_modules == [group]
+            and self.named_parameters[:1] == [param]
+            and self.provenance_step is not None
+            and (self.producer, self.direction) == verdict
+        )
 
 
 class _Injector:
@@ -200,7 +209,7 @@ class _Injector:
         if self.fault not in NAN_FAULTS:
             return
         param_name, module_name, _ = NAN_TARGETS[loop]
-        if self.fault == "nan_grad":
+        if self.fault in ("nan_grad", "nan_backward"):
             model.get_parameter(param_name).register_hook(self._poison_grad)
             return
         module = model.get_submodule(module_name)
@@ -218,7 +227,9 @@ class _Injector:
         module.forward = log_of_zero  # type: ignore[method-assign]
 
     def _poison_grad(self, grad: torch.Tensor) -> torch.Tensor | None:
-        if self.step != self.fault_step:
+        if self.step < self.fault_step or (
+            self.fault == "nan_grad" and self.step > self.fault_step
+        ):
             return None
         self._injected()
         grad = grad.clone()
@@ -908,7 +919,7 @@ def _nan_cell(o: Outcome) -> str:
     """A NaN fault's cell: its step, the group and parameter it names, the producer."""
     assert o.detected_at is not None and o.fault_step is not None
     where = ", ".join(o.named_modules) or "no group"
-    first = f" ({o.named_parameters[0]})" if o.fault == "nan_grad" and o.named_parameters else ""
+    first = f" ({o.named_parameters[0]})" if o.fault != "nan_forward" and o.named_parameters else ""
     verdict = "no provenance event"
     if o.producer is not None:
         verdict = f"producer {o.producer} ({o.direction})"

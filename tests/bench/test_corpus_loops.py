@@ -1,11 +1,12 @@
 """The corpus loops of bench/corpus.py (gpt, lstm, cnn, and the real Lightning and Hugging Face
 trainers with clipping on), scaled down for CI: each finds its LR blow-up within 2 steps with no
 other anomaly, and exports the pre-clip norm; each NaN fault (a NaN in one parameter's
-gradient, a layer whose forward takes a log of zero) is found at its step, in the planted
-parameter's module group, and the forward one's producer is named. The leak and the
-20,000-step clean runs are the bench's (``python bench/corpus.py``); the trend rule's
-detection within 2,000 steps and its silence on noise are proven on series in
-tests/detectors/test_trend.py, and one real leak run is the slow test below."""
+gradient once or at every step, a layer whose forward takes a log of zero) is found at its
+step, in the planted parameter's module group, and the provenance of a fault that recurs
+names its module. The leak and the 20,000-step clean runs are the bench's
+(``python bench/corpus.py``); the trend rule's detection within 2,000 steps and its silence
+on noise are proven on series in tests/detectors/test_trend.py, and one real leak run is the
+slow test below."""
 
 from __future__ import annotations
 
@@ -72,12 +73,15 @@ def test_corpus_loop_nan_fault_is_found_at_its_step_where_it_was_planted(
     assert outcome.false_positives == []
     assert outcome.detected_at == NAN_FAULT_STEP
     assert outcome.message is not None and f"at step {NAN_FAULT_STEP}" in outcome.message
-    if fault == "nan_grad":  # the gradient check names the group, then the parameter
+    if fault != "nan_forward":  # the gradient check names the group, then the parameter
         assert outcome.named_modules == [group]
         assert outcome.named_parameters[:1] == [param]
         assert f"module group(s) {group} (first parameters {param})" in outcome.message
-        # One backward's NaN, held back by the skip: the steps watched after it are clean.
-        assert outcome.provenance_step is not None and outcome.producer is None
+        assert outcome.provenance_step is not None
+    if fault == "nan_grad":  # one backward's NaN, held back: the steps watched after are clean
+        assert outcome.producer is None
+    elif fault == "nan_backward":  # every backward's: placed at the parameter's module
+        assert (outcome.producer, outcome.direction) == (param.rpartition(".")[0], "backward")
     else:  # every group upstream goes non-finite: the provenance names the producer
         assert group in outcome.named_modules
         assert (outcome.producer, outcome.direction) == (module, "forward")
