@@ -55,10 +55,73 @@ def load(path: Path) -> Any:
     return dashboard.auto_panel_ids()
 
 
+#: What grafanalib writes that Grafana's dashboard schema has no field for, left out of the
+#: committed JSON so that it is the schema's own shape (tests/dashboards/test_grafana_schema.py
+#: loads it into the Grafana Foundation SDK's typed model). Grafana ignores all of these on
+#: load: layout from before panels had gridPos (rows, hideControls), the dark/light style now
+#: a user preference, sharedCrosshair (graphTooltip says it), empty export inputs, and the
+#: graph-era panel keys.
+LEGACY_DASHBOARD_KEYS = frozenset({"__inputs", "rows", "hideControls", "sharedCrosshair", "style"})
+LEGACY_PANEL_KEYS = frozenset({"editable", "error"})
+#: A Prometheus target's query is ``expr``; these are grafanalib's fields for other sources
+#: (Graphite's ``target``, OpenTSDB's ``metric``, the pre-7 ``step``, a generic ``query``).
+LEGACY_TARGET_KEYS = frozenset({"metric", "query", "step", "target"})
+#: Template variable tags, removed in Grafana 8.
+LEGACY_VARIABLE_KEYS = frozenset({"tags", "useTags", "tagsQuery", "tagValuesQuery"})
+#: The fields of Grafana's RowPanel: grafanalib gives rows every panel field (targets, links).
+ROW_KEYS = frozenset(
+    {"type", "collapsed", "title", "datasource", "gridPos", "id", "panels", "repeat"}
+)
+
+
+def schema_shaped(data: dict[str, Any]) -> dict[str, Any]:
+    """grafanalib's dashboard JSON without what Grafana's schema has no field for: the legacy
+    keys above, and unset values written as null (a null where the schema wants an object,
+    such as a row's datasource, is not one; a threshold step's null value is: the base)."""
+
+    def clean(value: Any, parent: str = "") -> Any:
+        if isinstance(value, dict):
+            return {
+                k: clean(v, k)
+                for k, v in value.items()
+                if v is not None or (parent == "steps" and k == "value")
+            }
+        if isinstance(value, list):
+            return [clean(item, parent) for item in value]
+        return value
+
+    def panel(item: dict[str, Any]) -> dict[str, Any]:
+        if item.get("type") == "row":
+            kept = {k: v for k, v in item.items() if k in ROW_KEYS}
+            kept["panels"] = [panel(p) for p in item.get("panels", [])]
+            return kept
+        kept = {k: v for k, v in item.items() if k not in LEGACY_PANEL_KEYS}
+        if "targets" in kept:
+            kept["targets"] = [
+                {k: v for k, v in t.items() if k not in LEGACY_TARGET_KEYS} for t in kept["targets"]
+            ]
+        return kept
+
+    shaped: dict[str, Any] = clean(
+        {k: v for k, v in data.items() if k not in LEGACY_DASHBOARD_KEYS}
+    )
+    shaped["panels"] = [panel(p) for p in shaped.get("panels", [])]
+    templating = shaped.get("templating", {})
+    variables = []
+    for variable in templating.get("list", []):
+        kept = {k: v for k, v in variable.items() if k not in LEGACY_VARIABLE_KEYS}
+        current = {k: v for k, v in kept.pop("current", {}).items() if k != "tags"}
+        if "value" in current:  # an option needs its text and value; none: Grafana picks one
+            kept["current"] = current
+        variables.append(kept)
+    templating["list"] = variables
+    return shaped
+
+
 def render(dashboard: Any) -> str:
-    """The dashboard as committed: sorted keys, two-space indent, a trailing newline."""
-    data = dashboard.to_json_data()
-    return json.dumps(data, cls=DashboardEncoder, sort_keys=True, indent=2) + "\n"
+    """The dashboard as committed: schema-shaped, sorted keys, two-space indent, a newline."""
+    data = json.loads(json.dumps(dashboard.to_json_data(), cls=DashboardEncoder))
+    return json.dumps(schema_shaped(data), sort_keys=True, indent=2) + "\n"
 
 
 def render_all(source_dir: Path = DASHBOARDS_DIR) -> dict[str, str]:
