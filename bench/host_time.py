@@ -21,9 +21,16 @@ measured and taken off each call. On the
 CPU, the gradient norms are computed by the host (on CUDA they are one launch): their share
 is printed apart (``torch calls``), so the Python share can be read on its own.
 
+stabmon is given a loop clock that advances ``--step-ms`` (5 ms, the step issue 38 sets its bound
+for) per training step, whatever the step takes here: its batched judging (``judge_seconds``) and
+the device timer's sampling of fast steps then run as on a 5 ms GPU step, so the counts per step
+are those of that loop (a 55 ms CPU step would judge every step and time every step on the
+device). ``--step-ms 0`` gives stabmon the real clock.
+
 Usage::
 
-    python bench/host_time.py [--steps 30] [--device cpu|cuda|fake-cuda] [--wall] [--json PATH]
+    python bench/host_time.py [--steps 30] [--device cpu|cuda|fake-cuda] [--step-ms 5] [--wall]
+                              [--json PATH]
 
 Runs in well under a minute on two CPU cores. ``--device cuda`` times the same on a GPU
 (the figure issue 38 sets a bound for: at most ~100 us a step). ``--device fake-cuda`` runs it
@@ -68,6 +75,41 @@ WARMUP_STEPS = 30
 KERNELS = ("_foreach_norm", "stack")
 #: Entry points, in the order a step reaches them.
 ENTRY_POINTS = ("forward_pre", "forward_post", "clip", "step_pre", "step_post", "observe")
+
+
+class LoopClock:
+    """The loop clock stabmon is given: ``step_seconds`` a training step (:meth:`tick`), and a
+    microsecond more at each read, so that it is strictly monotonic within a step."""
+
+    def __init__(self, step_seconds: float) -> None:
+        self.step_seconds = step_seconds
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        self.now += 1e-6
+        return self.now
+
+    def tick(self) -> None:
+        self.now += self.step_seconds
+
+
+@contextmanager
+def ticking(loop: gpu_gpt.Loop, clock: LoopClock | None) -> Iterator[None]:
+    """Each ``loop.step()`` advances ``clock`` by a step (nothing without a clock)."""
+    if clock is None:
+        yield
+        return
+    step = loop.step
+
+    def ticked(monitor: stabmon.Monitor | None = None) -> None:
+        step(monitor)
+        clock.tick()
+
+    loop.step = ticked  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del loop.step
 
 
 class Clock:
@@ -270,7 +312,7 @@ def count_calls(loop: gpu_gpt.Loop, monitor: stabmon.Monitor, clock: Clock, step
         "python_calls": python / steps,
         "torch_calls": torch_calls / steps,
         "operators": counts.operators / steps,
-        "top_frames": {k: v / steps for k, v in sorted(frames.items(), key=lambda kv: -kv[1])[:40]},
+        "top_frames": {k: v / steps for k, v in sorted(frames.items(), key=lambda kv: -kv[1])[:80]},
     }
 
 
@@ -325,24 +367,26 @@ def fake_cuda_loop(shape: gpu_gpt.Shape) -> Iterator[FakeCudaLoop]:
 
 def measure(
     *, device: str = "cpu", steps: int = 30, blocks: int = 5, profile: bool = False,
-    shape: gpu_gpt.Shape = gpu_gpt.SMALL, count_steps: int = 10, wall: bool = False,
-    warmup: int = WARMUP_STEPS,
+    shape: gpu_gpt.Shape = gpu_gpt.SMALL, count_steps: int = 40, wall: bool = False,
+    warmup: int = WARMUP_STEPS, step_ms: float = 5.0,
 ) -> dict[str, Any]:  # fmt: skip
     """stabmon's host microseconds per step at each entry point, the median of ``blocks``:
     the training thread's CPU time, or with ``wall`` its wall time (preemption included).
-    ``device`` "fake-cuda" runs on the fake CUDA runtime (:class:`FakeCudaLoop`)."""
+    ``device`` "fake-cuda" runs on the fake CUDA runtime (:class:`FakeCudaLoop`). stabmon's
+    loop clock advances ``step_ms`` a step (:class:`LoopClock`; 0: the real clock)."""
     if device == "fake-cuda":
         with fake_cuda_loop(shape) as fake:
             return _measure(fake, steps=steps, blocks=blocks, profile=profile,
-                            count_steps=count_steps, wall=wall, warmup=warmup)  # fmt: skip
+                            count_steps=count_steps, wall=wall, warmup=warmup,
+                            step_ms=step_ms)  # fmt: skip
     return _measure(gpu_gpt.Loop(shape, compiled=False, device=device), steps=steps,
                     blocks=blocks, profile=profile, count_steps=count_steps, wall=wall,
-                    warmup=warmup)  # fmt: skip
+                    warmup=warmup, step_ms=step_ms)  # fmt: skip
 
 
 def _measure(
     loop: gpu_gpt.Loop, *, steps: int, blocks: int, profile: bool, count_steps: int,
-    wall: bool, warmup: int,
+    wall: bool, warmup: int, step_ms: float,
 ) -> dict[str, Any]:  # fmt: skip
     shape, device = loop.shape, "fake-cuda" if isinstance(loop, FakeCudaLoop) else loop.device.type
     for _ in range(3):
@@ -357,13 +401,17 @@ def _measure(
         f"{shape.vocab}, batch {shape.batch}x{shape.context}, bf16 autocast, fused AdamW, clip",
         "device": device,
         "clock": "wall" if wall else "thread CPU",
+        "step_ms": step_ms,
         "torch": torch.__version__,
         "plain_ms_per_step": plain_ms,
         "timer_overhead_ns_per_call": overhead_ns,
         "module_hook_dispatch_us": module_hook_cost_us("cpu" if device == "fake-cuda" else device),
     }
     with tempfile.TemporaryDirectory() as scratch:
-        with gpu_gpt.attached(loop, Path(scratch)) as monitor:
+        loop_clock = LoopClock(step_ms / 1000) if step_ms else None
+        settings = {} if loop_clock is None else {"clock": loop_clock}
+        attached = gpu_gpt.attached(loop, Path(scratch), **settings)
+        with attached as monitor, ticking(loop, loop_clock):
             loop.block(warmup, monitor)
             with instrumented(loop, monitor, clock):
                 for _ in range(blocks):
@@ -404,7 +452,8 @@ def _measure(
 def report(result: dict[str, Any]) -> str:
     lines = [
         f"{result['model']} on {result['device']} (torch {result['torch']}); plain step "
-        f"{result['plain_ms_per_step']:.2f} ms",
+        f"{result['plain_ms_per_step']:.2f} ms; stabmon's loop clock: "
+        + (f"{result['step_ms']:g} ms a step" if result["step_ms"] else "real"),
         f"stabmon host time ({result['clock']}): {result['stabmon_us_per_step']:.1f} us/step "
         "(median of blocks "
         + ", ".join(f"{t:.1f}" for t in result["stabmon_us_per_step_blocks"])
@@ -428,13 +477,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="cpu, cuda or fake-cuda")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--wall", action="store_true", help="wall time, not thread CPU time")
+    parser.add_argument(
+        "--step-ms",
+        type=float,
+        default=5.0,
+        help="stabmon's loop clock advances this much a step (0: real clock)",
+    )
+    parser.add_argument(
+        "--count-steps",
+        type=int,
+        default=40,
+        help="steps over which the calls per step are counted",
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--profile", action="store_true", help="cProfile of stabmon's frames")
     parser.add_argument("--frames", action="store_true", help="the most called stabmon frames")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     result = measure(device=args.device, steps=args.steps, blocks=args.blocks,
-                     profile=args.profile, wall=args.wall)  # fmt: skip
+                     profile=args.profile, wall=args.wall, step_ms=args.step_ms,
+                     count_steps=args.count_steps)  # fmt: skip
     print(report(result))
     if args.frames:
         print(json.dumps(result["top_frames"], indent=1))

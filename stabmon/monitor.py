@@ -250,7 +250,7 @@ class Monitor:
         if loss is None or self._detached or timer.in_named_phase:
             return
         try:
-            step = self._recorder.global_step
+            step = self._recorder.step_offset + self._readings.steps  # global_step, inlined
             in_iteration = timer.in_iteration
             if not timer.forward_seen:
                 # Hooks inside a compiled forward never fire: a loop that observes before its

@@ -177,10 +177,10 @@ def test_monitored_cuda_loop_never_waits_for_the_device(audited: FakeCuda, tmp_p
 def _plant_in_submit(plant: Callable[[torch.Tensor], Any]) -> Callable[..., int]:
     original = Readback.submit
 
-    def submit(self: Readback[Any], tag: Any, values: Any) -> int:
+    def submit(self: Readback[Any], tag: Any, values: Any, fence: bool = True) -> int:
         if isinstance(values, torch.Tensor):
             plant(values)
-        return original(self, tag, values)
+        return original(self, tag, values, fence)
 
     return submit
 

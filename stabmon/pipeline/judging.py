@@ -82,45 +82,37 @@ class Judging(Generic[T]):
         self.readback: Readback[T] = Readback()
         self.judge_seconds = judge_seconds
         #: When results were last judged, on the loop clock (-inf: never; the first is at once).
-        self._judged_at = -float("inf")
+        #: Attributes, not properties, as ``closed``: the step hooks read them every step.
+        self.judged_at = -float("inf")
         #: Held around every use of the readback queue, the judging code and the sample
         #: windows: by the training thread's hooks, and by the judge thread in a quiet loop.
         self.lock = threading.RLock()
-        self._closed = False  # detach: nothing is judged after it
+        #: Whether the Monitor detached: nothing is judged any more.
+        self.closed = False
         self._exiting = False  # the exit hook: the judge thread judges no more
         _ENGINES.add(self)  # type: ignore[arg-type]  # any T: the fork hook only swaps the lock
 
-    @property
-    def closed(self) -> bool:
-        """Whether the Monitor detached: nothing is judged any more."""
-        return self._closed
-
     def close(self) -> None:
         """Detach: nothing is judged after this."""
-        self._closed = True
+        self.closed = True
 
     def exit(self) -> None:
         """The interpreter exits: the judge thread judges no more (the exit hook judges last)."""
         self._exiting = True
 
-    @property
-    def judged_at(self) -> float:
-        """When results were last judged, on the loop clock (-inf: never)."""
-        return self._judged_at
-
     def due(self, now: float, waiting: int) -> bool:
         """Whether the ``waiting`` results on the host are to be judged at ``now`` (a step
         end): ``judge_seconds`` since the last judgement, or too many waiting. Marks it."""
         if waiting and (
-            now - self._judged_at >= self.judge_seconds or waiting >= MAX_WAITING_RESULTS
+            now - self.judged_at >= self.judge_seconds or waiting >= MAX_WAITING_RESULTS
         ):
-            self._judged_at = now
+            self.judged_at = now
             return True
         return False
 
     def judge_soon(self) -> None:
         """Judge what waits at the next step end, however recent the last judgement."""
-        self._judged_at = -float("inf")
+        self.judged_at = -float("inf")
 
     def consume(self, results: list[tuple[T, list[float]]]) -> None:
         consume = self._consume_ref()
@@ -147,7 +139,7 @@ class Judging(Generic[T]):
         thread); and the lock itself is waited for at most a second (a thread stuck holding
         it must not hang a detach or the interpreter's exit).
         """
-        if self._closed or self.reentered():
+        if self.closed or self.reentered():
             return
         deadline = time.monotonic() + wait_seconds
         while self.lock.acquire(timeout=1.0):
@@ -183,16 +175,16 @@ class Judging(Generic[T]):
         not quiet, however long its steps), this judges what is on the host. ``now`` and
         ``last_beat`` are on the loop clock.
         """
-        if self._closed or self._exiting or not self.readback.pending:
+        if self.closed or self._exiting or not self.readback.pending:
             return
         quiet = max(self.judge_seconds, 2.0 * median_step) if median_step else self.judge_seconds
-        if now - max(last_beat, self._judged_at) < quiet:
+        if now - max(last_beat, self.judged_at) < quiet:
             return
         if not self.lock.acquire(blocking=False):
             return
         try:
-            if not (self._closed or self._exiting):
-                self._judged_at = now
+            if not (self.closed or self._exiting):
+                self.judged_at = now
                 self.consume(self.readback.poll())
         finally:
             self.lock.release()

@@ -169,7 +169,9 @@ class Measurements:
                 layout = probe.layout  # measure() rebuilt it first if the model moved
             self._current = (self._readings.steps, sample)
             if sample is not None:
-                tag = _tuple_new(Tag, (self._judge_grads_ref, self._recorder.global_step, layout))
+                # Recorder.global_step, inlined (a property call fewer, every measured step).
+                step = self._recorder.step_offset + self._readings.steps
+                tag = _tuple_new(Tag, (self._judge_grads_ref, step, layout))
                 with self.engine.lock:
                     self.engine.readback.submit(tag, sample.packed)
         except Exception as error:
@@ -197,7 +199,7 @@ class Measurements:
         ``max_norm`` goes to the clip judges. Never a sync.
         """
         try:
-            step = self._recorder.global_step
+            step = self._recorder.step_offset + self._readings.steps  # global_step, inlined
             if self._clip_after_measure:
                 step = max(step - 1, 0)  # Lightning: the step was measured (and counted) already
             elif self._readings.steps % self._config.measure_every == 0:
@@ -226,13 +228,16 @@ class Measurements:
                 host: torch.Tensor | list[float] = [value.item()]
             else:
                 # Read back in its own dtype (tolist() gives the exact value as a float): a
-                # conversion would be one more launch a step (issue 38).
-                host = value.detach().reshape(1)
+                # conversion would be one more launch a step (issue 38). A 0-d loss is copied
+                # as it is, into a 1-element buffer: no reshape either.
+                host = value.detach() if value.dim() == 0 else value.detach().reshape(1)
         else:
             host = [float(loss)]  # through the queue too (a complex raises here: skipped)
         engine = self.engine
         with engine.lock:
-            waiting = engine.readback.submit(tag, host)
+            # No event of its own: the next step's gradient copy marks it done (or the next
+            # collect, without one): one CUDA event record a step fewer (issue 38).
+            waiting = engine.readback.submit(tag, host, False)
             if not engine.judge_seconds or waiting >= MAX_WAITING_RESULTS:
                 # judge_seconds 0: each result once it is on the host. Or many losses
                 # came without a step end (hooks that do not fire): they wait no longer.

@@ -14,6 +14,12 @@ fall back to a blocking copy, which is documented as not sync-free.
 :meth:`Readback.collect` does the device half alone (buffers come back every
 step) for a caller that takes the results in batches.
 
+A copy that need not be read soon (the observed loss, submitted with
+``fence=False``) records no event of its own: the next copy on the same stream records one
+event that marks both done (stream order), one CUDA event record a step fewer; a
+:meth:`Readback.collect` that finds a copy still unmarked records its event then, so none
+waits for a copy that never comes (issue 38: the runtime calls a step).
+
 Pinned buffers and events are pooled per size, so a long run allocates nothing
 per step. If the device falls more than ``max_pending`` results behind (it
 cannot in practice: CUDA's launch queue fills first), the oldest pending result
@@ -29,8 +35,7 @@ loop (``poll`` until ``in_flight`` is 0), so that lock is never held across a wa
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -39,19 +44,18 @@ __all__ = ["Readback"]
 Tag = TypeVar("Tag")
 
 
-@dataclass
 class _Slot:
-    host: torch.Tensor
-    event: torch.cuda.Event
+    """A pinned host buffer and its event, pooled by size; ``fence`` is the event that marks
+    the copy into it done: its own once recorded, or a later copy's on the same stream (see
+    the module docstring), None while neither is recorded."""
 
+    __slots__ = ("event", "fence", "host", "stream")
 
-@dataclass
-class _Pending(Generic[Tag]):
-    tag: Tag
-    slot: _Slot | None
-    #: Host values queued behind copies still in flight (``slot`` is then None): results keep
-    #: the order they were submitted in.
-    values: list[float] | None = None
+    def __init__(self, host: torch.Tensor, event: Any) -> None:
+        self.host = host
+        self.event = event
+        self.fence: Any = None
+        self.stream: Any = None
 
 
 class Readback(Generic[Tag]):
@@ -59,17 +63,21 @@ class Readback(Generic[Tag]):
 
     def __init__(self, *, max_pending: int = 64) -> None:
         self._max_pending = max_pending
-        self._pending: deque[_Pending[Tag]] = deque()
+        #: In submission order: (tag, the slot of a device copy, or None and host values).
+        self._pending: deque[tuple[Tag, _Slot | None, list[float] | None]] = deque()
         self._ready: list[tuple[Tag, list[float]]] = []
         self._free: dict[tuple[int, torch.dtype], list[_Slot]] = {}
+        #: Copies whose event is not recorded yet (``fence=False``), oldest first.
+        self._unfenced: list[_Slot] = []
         self.dropped = 0
 
-    def submit(self, tag: Tag, values: torch.Tensor | list[float]) -> int:
-        """Start reading ``values`` (a 1-D tensor) back to the host; returns at once.
+    def submit(self, tag: Tag, values: torch.Tensor | list[float], fence: bool = True) -> int:
+        """Start reading ``values`` (a 0-d or 1-D tensor) back to the host; returns at once.
 
         A list is values already on the host: ready at the next poll, like a CPU tensor,
         unless device copies submitted before it are still in flight (it then waits its
-        turn). Returns how many results wait, in flight or ready for :meth:`poll`.
+        turn). ``fence=False``: a CUDA copy's event waits for the next copy (or the next
+        :meth:`collect`). Returns how many results wait, in flight or ready for :meth:`poll`.
         """
         host: list[float]
         if isinstance(values, torch.Tensor):
@@ -78,51 +86,106 @@ class Readback(Generic[Tag]):
             elif not values.is_cuda:
                 host = values.to("cpu").tolist()  # blocking fallback, see the docstring
             else:
-                self._copy(tag, values)
+                self._copy(tag, values, fence)
                 return len(self._pending) + len(self._ready)
         else:
             host = values
         if self._pending:
-            self._queue(_Pending(tag, None, host))
+            self._queue((tag, None, host))
         else:
             self._ready.append((tag, host))
         return len(self._pending) + len(self._ready)
 
-    def _copy(self, tag: Tag, values: torch.Tensor) -> None:
-        slot = self._take_slot(values)
-        slot.host.copy_(values, non_blocking=True)
+    def _copy(self, tag: Tag, values: torch.Tensor, fence: bool) -> None:
+        free = self._free.get((values.numel(), values.dtype))
+        slot = free.pop() if free else self._new_slot(values)
+        slot.host.copy_(values, non_blocking=True)  # a 0-d value fills the 1-element buffer
         # The copy runs on the source device's stream, which need not be the current device's;
         # an index, not ``values.device``: no device object to build and parse per copy.
-        slot.event.record(torch.cuda.current_stream(values.get_device()))
-        self._queue(_Pending(tag, slot))
+        stream = torch.cuda.current_stream(values.get_device())
+        unfenced = self._unfenced
+        if fence:
+            event = slot.event
+            event.record(stream)
+            slot.fence = event
+            if unfenced:  # the copies before it on this stream are done when it is
+                self._fence(stream, event)
+        else:
+            slot.fence = None
+            slot.stream = stream
+            if unfenced and unfenced[-1].stream != stream:  # another stream: its own event
+                self._fence()
+            unfenced.append(slot)
+        pending = self._pending  # _queue, inlined: every copy
+        pending.append((tag, slot, None))
+        if len(pending) > self._max_pending:
+            self._drop_oldest()
 
-    def _queue(self, pending: _Pending[Tag]) -> None:
+    def _fence(self, stream: Any = None, event: Any = None) -> None:
+        """Mark the unfenced copies done with ``event`` (recorded on ``stream`` after them)
+        where they ran on that stream; on another stream, the last copy there records its own
+        event, which marks the copies before it there too."""
+        unfenced = self._unfenced
+        marks: list[tuple[Any, Any]] = [] if event is None else [(stream, event)]
+        for slot in reversed(unfenced):  # latest first: each stream's last copy marks the rest
+            for on, mark in marks:
+                if slot.stream == on:
+                    slot.fence = mark
+                    break
+            else:
+                slot.event.record(slot.stream)
+                slot.fence = slot.event
+                marks.append((slot.stream, slot.event))
+            slot.stream = None
+        unfenced.clear()
+
+    def _queue(self, pending: tuple[Tag, _Slot | None, list[float] | None]) -> None:
         """Queue behind the copies in flight; past ``max_pending`` the oldest is dropped."""
         self._pending.append(pending)
         if len(self._pending) > self._max_pending:
-            oldest = self._pending.popleft().slot
-            if oldest is not None:
-                self._release(oldest)
-            self.dropped += 1
+            self._drop_oldest()
+
+    def _drop_oldest(self) -> None:
+        oldest = self._pending.popleft()[1]
+        if oldest is not None:
+            if oldest.fence is None:  # never marked: the others wait for a later copy
+                self._unfenced.remove(oldest)
+            self._release(oldest)
+        self.dropped += 1
 
     def collect(self) -> int:
         """Read every completed copy into host memory, freeing its buffer; never blocks.
 
         Returns how many results are ready for :meth:`poll`. Called every step, so
         device buffers are recycled at once even when results are handed over in batches.
+        Copies whose event waits for a later copy get one now.
         """
         pending = self._pending
         ready = self._ready
+        if self._unfenced:
+            self._fence()
+        free = self._free
+        passed = None  # an event found complete: the copies it marks need no query of their own
         while pending:
-            slot = pending[0].slot
+            tag, slot, values = pending[0]
             if slot is None:  # host values queued behind copies: their turn has come
-                done = pending.popleft()
-                ready.append((done.tag, done.values))  # type: ignore[arg-type]  # set with slot None
+                pending.popleft()
+                ready.append((tag, values))  # type: ignore[arg-type]  # set with slot None
                 continue
-            if not slot.event.query():  # type: ignore[no-untyped-call]  # unannotated in torch
-                break
-            ready.append((pending.popleft().tag, slot.host.tolist()))  # pinned, copy done
-            self._release(slot)
+            fence = slot.fence
+            if fence is not passed:
+                if not fence.query():
+                    break
+                passed = fence
+            pending.popleft()
+            host = slot.host
+            ready.append((tag, host.tolist()))  # pinned, copy done
+            spare = free.get((host.numel(), host.dtype))  # _release, inlined: every copy
+            if spare is None:
+                self._release(slot)
+            elif len(spare) < 4:
+                slot.fence = None
+                spare.append(slot)
         return len(ready)
 
     def poll(self) -> list[tuple[Tag, list[float]]]:
@@ -144,16 +207,15 @@ class Readback(Generic[Tag]):
         """Results still on their way to the host (device copies, and values queued behind)."""
         return len(self._pending)
 
-    def _take_slot(self, values: torch.Tensor) -> _Slot:
-        key = (values.numel(), values.dtype)
-        free = self._free.get(key)
-        if free:
-            return free.pop()
-        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    @staticmethod
+    def _new_slot(values: torch.Tensor) -> _Slot:
+        # 1-D whatever the value's shape (a 0-d loss too): tolist() gives a list of floats.
+        host = torch.empty(values.numel(), dtype=values.dtype, pin_memory=True)
         event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # unannotated in torch
-        return _Slot(host=host, event=event)
+        return _Slot(host, event)
 
     def _release(self, slot: _Slot) -> None:
+        slot.fence = slot.stream = None
         key = (slot.host.numel(), slot.host.dtype)
         free = self._free.setdefault(key, [])
         if len(free) < 4:  # a few spares per size; a changed layout must not hoard buffers

@@ -185,6 +185,10 @@ class ThroughputWatch:
         #: The counted step's first forward, as meta tensors, while it waits to be replayed
         #: (torch.compile in use: the counting mode stays off the step itself).
         self._replay: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+        #: Whether a FLOP count is open (the mode on, or a forward kept for replay): an
+        #: attribute the step hooks read twice a step (a property was two Python calls each,
+        #: issue 38), set again from the truth wherever a count opens or closes.
+        self.counting = False
         self.flops_per_step: float | None = config.flops_per_step
         self._fresh_flops = False  # counted at this block's step: the block has no MFU
         #: The step count (since attach) whose forward starts the FLOP count; -1: none due.
@@ -251,10 +255,13 @@ class ThroughputWatch:
         if self.flops_per_step is not None:
             return
         self._forwards = 1
-        if compile_in_use(self._model):
-            self._replay = (meta_like(tuple(args)), meta_like(dict(kwargs or {})))
-            return
-        self._counter.start()
+        try:
+            if compile_in_use(self._model):
+                self._replay = (meta_like(tuple(args)), meta_like(dict(kwargs or {})))
+                return
+            self._counter.start()
+        finally:
+            self._recount()
 
     def forward_counted(self, steps: int) -> None:
         """Another forward inside the counted step; a step that never comes is given up."""
@@ -262,28 +269,26 @@ class ThroughputWatch:
         if self._forwards > MAX_COUNTED_FORWARDS:
             self._counter.abandon()
             self._replay = None
+            self._recount()
             self.flops_step = _NEVER
             self._unavailable(
                 f"no optimizer step came within {MAX_COUNTED_FORWARDS} forwards of step {steps}"
             )
 
-    @property
-    def counting(self) -> bool:
-        return self._counter.counting or self._replay is not None
+    def _recount(self) -> None:
+        self.counting = self._counter.counting or self._replay is not None
 
     def optimizer_start(self) -> None:
         """The counted step reached its optimizer step: its FLOPs are known (or why not)."""
-        if self._replay is not None:
-            flops = self._replayed()
-        else:
-            flops = self._counter.stop()
-            if flops <= 0:
-                self._unavailable(
-                    "a FLOP formula failed on an operator of the step"
-                    if self._counter.failed
-                    else "no matrix product ran between the step's first forward and its "
-                    "optimizer step"
-                )
+        replayed = self._replay is not None
+        try:
+            flops = self._replayed() if replayed else self._counter.stop()
+        finally:
+            self._recount()
+        if not replayed and flops <= 0:
+            failed = "a FLOP formula failed on an operator of the step"
+            none = "no matrix product ran between the step's first forward and its optimizer step"
+            self._unavailable(failed if self._counter.failed else none)
         if flops > 0:
             self.flops_per_step = float(flops)
             readings = self._readings  # this step on counts (derived at scrape: no work a step)
@@ -330,12 +335,14 @@ class ThroughputWatch:
         if self.counting:
             self._counter.abandon()
             self._replay = None
+            self._recount()
             self.flops_step = steps + 1
 
     def close(self) -> None:
         """At detach: a count still open (no optimizer step came) leaves the mode stack."""
         self._counter.abandon()
         self._replay = None
+        self._recount()
         self.flops_step = _NEVER
 
     def _update_peak(self) -> None:
