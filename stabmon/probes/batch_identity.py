@@ -21,7 +21,9 @@ the pass's start. Its draws are never changed, and the dataset is never touched.
   constructor, inside ``iter(loader)``, before anything could read its iterator. So
   ``track()`` opens each pass through :meth:`BatchIdentities.opening`: the loader's
   sampler attribute is our reader for the span of that ``iter()`` call only (the iterator
-  keeps the reader as its ``_index_sampler``, the loader gets its own sampler back). With
+  keeps the reader as its ``_index_sampler``, the loader gets its own sampler back; another
+  thread's ``iter()`` of the same loader within that call reads through it too, unfollowed,
+  and a copy or pickle of the reader is the sampler itself). With
   ``persistent_workers=True`` ``iter(loader)`` reuses the iterator, whose ``_reset`` draws
   the next pass's first batches from the reader it keeps (one it had before ``track()``
   saw it is read through from then on). Draw *n* of a pass is task *n* sent to a worker
@@ -270,6 +272,15 @@ class _IndexReader:
         if name.startswith("_stabmon_"):  # not set yet (a copy being built)
             raise AttributeError(name)
         return getattr(self._stabmon_sampler, name)
+
+    def __reduce__(self) -> tuple[Callable[[Any], Any], tuple[Any]]:
+        # A copy or a pickle (a spawned worker's arguments that reach the loader) is the
+        # sampler itself: a pass's draws are this process's, and a generator cannot be pickled.
+        return _itself, (self._stabmon_sampler,)
+
+
+def _itself(value: Any) -> Any:
+    return value
 
 
 class _Draws:

@@ -186,6 +186,24 @@ def test_a_spike_in_the_middle_of_a_pass_of_a_worker_loader_names_its_window_exa
     assert [truth[s] for s in sorted(truth)] == [i.tolist() for _ in range(5) for *_, i in twin]
 
 
+@pytest.mark.slow  # spawned workers import torch: ~30 s on a loaded 2-core machine
+def test_spawned_workers_start_inside_iter_and_the_batches_are_still_named(
+    attach: MonitorFactory, tmp_path: Path
+) -> None:
+    # spawn (macOS's default): the workers start inside iter(loader), while the loader's
+    # batch sampler is stabmon's read-through; they are sent the dataset, not the sampler.
+    # Persistent: two spawns, not two a pass. The batch of step 24 is the third pass's first.
+    loader = DataLoader(
+        _Indexed(96), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(7),
+        num_workers=2, multiprocessing_context="spawn", persistent_workers=True,
+    )  # fmt: skip
+    _, truth = _spike_run(attach, loader, epochs=3, poisoned_step=24)
+    entries = json.loads((tmp_path / "test-run" / "rank-0.skip_batches.json").read_text())
+    assert {entry["step"]: entry["indices"] for entry in entries} == {
+        step: truth[step] for step in (21, 22, 23, 24)
+    }
+
+
 # --- loaders whose batches cannot be named exactly: named nothing -------------------------
 
 
