@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import json
 import logging
-import operator
 import weakref
 from array import array
 from collections import deque
@@ -90,7 +89,7 @@ class BatchIdentities:
 
     def __init__(self, context: Context) -> None:
         self._context = context
-        self._ring: deque[tuple[int, str, list[int]]] = deque(maxlen=RING_STEPS)
+        self._ring: deque[tuple[int, str, Sequence[int]]] = deque(maxlen=RING_STEPS)
         # The pass being followed: its loader iterator (weakly) and the draws it is read by.
         self._iterator: weakref.ref[Any] | None = None
         self._draws: _Draws | None = None
@@ -148,7 +147,7 @@ class BatchIdentities:
         else:  # drawn inside the next() that returned the batch
             indices = draws.take(draws.drawn - 1)
         if indices is not None:
-            self._ring.append((step, "indices", indices.tolist()))
+            self._ring.append((step, "indices", indices))  # a list at an incident only
 
     def observed(self, step: int, ids: Sequence[Any]) -> None:
         """``observe(batch_ids=...)`` for ``step``: the loop's own ids (ints), bounded."""
@@ -197,7 +196,9 @@ class BatchIdentities:
                 self._path, error,
             )  # fmt: skip
 
-    def _entry(self, at: int, rank: int, kind: str, what: str, values: list[int]) -> dict[str, Any]:
+    def _entry(
+        self, at: int, rank: int, kind: str, what: str, values: Sequence[int]
+    ) -> dict[str, Any]:
         entry: dict[str, Any] = {"step": at, "rank": rank, "kind": kind, what: list(values)}
         top = self._top.get(at)
         if top:  # the samples with the highest loss, by dataset index where known
@@ -320,9 +321,9 @@ def _indices(batch: Any) -> array[int] | None:
             if batch.device.type != "cpu" or batch.is_floating_point():
                 return None  # a device tensor would be read back with a sync
             batch = batch.reshape(-1)[:MAX_INDICES].tolist()
-        values = list(batch[:MAX_INDICES]) if isinstance(batch, (list, tuple, range)) else [batch]
-        if any(isinstance(value, (bool, float)) for value in values):
+        values = batch[:MAX_INDICES] if isinstance(batch, (list, tuple, range)) else [batch]
+        if values and isinstance(values[0], bool):  # a mask, not indices (a sampler's are alike)
             return None
-        return array("q", (operator.index(value) for value in values))
+        return array("q", values)  # integers only (``__index__``): a float or a key raises
     except (TypeError, ValueError, OverflowError, IndexError):
         return None
