@@ -37,10 +37,27 @@ Faults, each at ``fault_step``:
 - ``starve`` (the loops with a ``DataLoader``: ``cnn``, ``vae``): from then on, for
   ``STARVE_SECONDS`` of real time, every fourth batch waits ``STUTTER_SECONDS`` for its
   data (a starved worker pool); expected: an ``input_starvation`` within 60 s of its start;
+- ``nan_grad`` (every loop but ``lbfgs``): a NaN in one inner parameter's gradient, put there
+  by a gradient hook during the fault step's backward (a bad kernel, once); expected: a
+  ``nonfinite_grad`` at that very step naming that parameter's module group alone
+  (:data:`NAN_TARGETS`: ``blocks.1``, ``rnn.l1``, ``features``, ``model.net.2`` under both
+  trainers, ``fc3``) and the parameter first; the provenance watch after it finds every
+  step clean ("not reproduced");
+- ``nan_backward`` (the same loops): that NaN at every backward from the fault step on (a
+  broken kernel); expected: the same anomaly, and a provenance placing it in the backward
+  pass at the parameter's module;
+- ``nan_forward`` (not ``vae``, whose ``binary_cross_entropy`` raises on a NaN in its
+  input, nor ``lbfgs``): the forward of one module (``blocks.1.mlp.0``, the ``rnn``,
+  ``features.3``, ``model.net.2``) returns the log of its output from the fault step on;
+  expected: a non-finite gradient and loss at that step, and a provenance naming that
+  module as the producer, in the forward pass. The NaN runs end :data:`NAN_TAIL` steps after
+  the fault and skip non-finite steps (see :data:`NAN_FAULTS`);
 - ``clean``: nothing; expected: no anomaly of any kind.
 
 The table gives the step of the first matching anomaly and the seconds from the fault's
 first injection to it (wall time: these loops run on the real clock).
+A NaN fault's cell gives the module groups its first ``nonfinite_grad`` names (and, for
+the gradient faults, the first parameter) and the provenance verdict.
 
 Usage::
 
@@ -224,7 +241,7 @@ class _Injector:
             first = torch.log(first)  # a log of an activation, some of it <= 0: NaN, -inf
             return (first, *out[1:]) if isinstance(out, tuple) else first
 
-        module.forward = log_of_zero  # type: ignore[method-assign]
+        module.forward = log_of_zero
 
     def _poison_grad(self, grad: torch.Tensor) -> torch.Tensor | None:
         if self.step < self.fault_step or (
