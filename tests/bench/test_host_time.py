@@ -16,15 +16,17 @@ TINY = gpu_gpt.Shape("tiny", layers=2, width=32, heads=2, vocab=64, context=16, 
 
 
 def test_a_step_reaches_each_entry_point_once_and_makes_a_bounded_number_of_calls() -> None:
-    result = host_time.measure(shape=TINY, steps=8, blocks=1, count_steps=8, warmup=10)
+    result = host_time.measure(shape=TINY, steps=8, blocks=1, count_steps=40, warmup=10)
 
     assert result["internal_errors"] == 0
     assert result["entry_calls_per_step"] == dict.fromkeys(host_time.ENTRY_POINTS, 1.0)
     assert result["stabmon_us_per_step"] > 0
     # Python calls a step on the small GPT: 104-107 before issue 38's cuts, 88-92 after
-    # (judging every step, as on a slow CPU; batched judging makes fewer; a memory-trend
-    # sample in the window adds some). Torch calls: the fused norm, its stack and reads.
-    assert result["python_calls"] <= 110
+    # (judging every step, as on a slow CPU). With the bench's 5 ms loop clock (judged in
+    # batches, as on a GPU step of that length) over 40 steps: 79.5 on this tiny GPT (the
+    # small GPT over 80 steps: 83.0 before the cuts that took per-step property calls out,
+    # 80.3 after).
+    assert result["python_calls"] <= 85
     assert result["torch_calls"] <= 8
     assert result["operators"] <= 3
     assert "stabmon host time" in host_time.report(result)
