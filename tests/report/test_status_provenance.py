@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from helpers import events
 from report_helpers import stabmon_cli
@@ -17,6 +18,8 @@ import stabmon
 from stabmon.report.status import RankStatus
 from stabmon.report.status_provenance import MAX_NAME, provenance_lines
 from stabmon.report.status_targets import RegisteredTarget
+
+NOBODY = 65534  # a second local user
 
 
 class _Layer(nn.Module):
@@ -160,5 +163,24 @@ def test_logs_and_run_directories_that_are_symlinks_are_not_followed(tmp_path: P
     lines = provenance_lines([_status("linked"), _status("dirlink")], targets, tmp_path)
     assert lines == [
         "run linked: NaN provenance, step 4, rank 0: produced by layers.0 in the forward pass; "
+        "first non-finite: rank 0 at step 4"
+    ]
+
+
+def test_a_run_directory_or_a_log_another_user_owns_is_not_read(tmp_path: Path) -> None:
+    # Under a world-writable root, another user may make the directory a run of ours will
+    # be looked for in, or (were it writable) plant a log in ours: neither is believed.
+    if os.geteuid() != 0:
+        pytest.skip("Requires: root, to give files to a second local user (nobody)")
+    theirs = tmp_path / "theirs"
+    _write(theirs, 0, _nan(0, 1), _verdict(0, 1, "planted"))
+    os.chown(theirs, NOBODY, NOBODY)
+    ours = tmp_path / "ours"
+    _write(ours, 0, _nan(0, 4), _verdict(0, 4, "layers.0"))
+    os.chown(_write(ours, 1, _nan(1, 2, "nonfinite_loss"), _verdict(1, 9, "planted")), NOBODY, -1)
+    statuses = [_status("theirs"), _status("ours")]
+    lines = provenance_lines(statuses, [_target("theirs"), _target("ours")], tmp_path)
+    assert lines == [
+        "run ours: NaN provenance, step 4, rank 0: produced by layers.0 in the forward pass; "
         "first non-finite: rank 0 at step 4"
     ]
