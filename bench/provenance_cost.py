@@ -1,10 +1,14 @@
 """What NaN provenance costs a step: disarmed (every run) and armed (the steps after a
 non-finite value, or every step with provenance_always), on a CPU model of 12 blocks.
 
-    python bench/provenance_cost.py [--steps 300] [--rounds 5] [--width 256]
+    python bench/provenance_cost.py [--steps 20] [--rounds 60] [--width 256] [--model mlp|gpt]
 
-Two monitors on two copies of one model, stepped in alternating blocks of steps so that
-the machine's load falls on both alike; prints the median step time of each and the ratio.
+Three monitors on three copies of one model: without provenance (provenance_steps 0, the
+baseline), disarmed (the default: no hook until a NaN) and armed (provenance_always: every
+module's forward sums and gradient hooks, every step). They are stepped in alternating
+blocks of steps so that the machine's load falls on all alike; prints the median step time
+of each and the ratios, as wall time and as the thread's CPU time (torch on one thread:
+the step's own work, which a machine shared with other jobs disturbs less).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import torch
 import stabmon
 
 
-def _model(width: int) -> torch.nn.Module:
+def _mlp(width: int) -> torch.nn.Module:
     torch.manual_seed(0)
     layers: list[torch.nn.Module] = []
     for _ in range(12):
@@ -27,45 +31,85 @@ def _model(width: int) -> torch.nn.Module:
     return torch.nn.Sequential(*layers, torch.nn.Linear(width, 1))
 
 
+class _Block(torch.nn.Module):
+    """A pre-norm transformer block's shape: two residual branches of several modules."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.ln_1, self.ln_2 = torch.nn.LayerNorm(width), torch.nn.LayerNorm(width)
+        self.attn = torch.nn.MultiheadAttention(width, 4, batch_first=True)
+        self.mlp = torch.nn.Sequential(
+            torch.nn.Linear(width, 4 * width), torch.nn.GELU(), torch.nn.Linear(4 * width, width)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln_1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        out: torch.Tensor = x + self.mlp(self.ln_2(x))
+        return out
+
+
+def _gpt(width: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*(_Block(width) for _ in range(12)), torch.nn.Linear(width, 1))
+
+
+def _batch(model_kind: str, width: int) -> torch.Tensor:
+    return torch.randn(64, width) if model_kind == "mlp" else torch.randn(4, 16, width)
+
+
 def _steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, monitor: stabmon.Monitor,
-           count: int, width: int) -> list[float]:  # fmt: skip
-    times = []
+           count: int, batch: torch.Tensor) -> tuple[list[float], list[float]]:  # fmt: skip
+    walls, cpus = [], []
     for _ in range(count):
-        start = time.perf_counter()
-        loss = model(torch.randn(64, width)).pow(2).mean()
+        start, start_cpu = time.perf_counter(), time.thread_time()
+        loss = model(batch).pow(2).mean()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         monitor.observe(loss=loss)
-        times.append(time.perf_counter() - start)
-    return times
+        walls.append(time.perf_counter() - start)
+        cpus.append(time.thread_time() - start_cpu)
+    return walls, cpus
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=300, help="steps per block")
-    parser.add_argument("--rounds", type=int, default=5, help="alternating blocks of each")
+    parser.add_argument("--steps", type=int, default=20, help="steps per block")
+    parser.add_argument("--rounds", type=int, default=60, help="alternating blocks of each")
     parser.add_argument("--width", type=int, default=256, help="each layer's width")
+    parser.add_argument("--model", choices=("mlp", "gpt"), default="mlp")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    results: dict[str, list[float]] = {"disarmed": [], "armed": []}
+    build = _mlp if args.model == "mlp" else _gpt
+    batch = _batch(args.model, args.width)
+    settings = {"without": {"provenance_steps": 0}, "disarmed": {},
+                "armed": {"provenance_always": True}}  # fmt: skip
+    walls: dict[str, list[float]] = {name: [] for name in settings}
+    cpus: dict[str, list[float]] = {name: [] for name in settings}
     with tempfile.TemporaryDirectory() as run_dir:
-        pairs = {}
-        for name in results:
-            model = _model(args.width)
-            optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+        runs = {}
+        for name, overrides in settings.items():
+            model = build(args.width)
+            optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
             monitor = stabmon.attach(model, optimizer, serve_metrics=False, run_dir=run_dir,
-                                     run_id=name, provenance_always=name == "armed")  # fmt: skip
-            pairs[name] = (model, optimizer, monitor)
+                                     run_id=name, **overrides)  # type: ignore[arg-type]  # fmt: skip
+            runs[name] = (model, optimizer, monitor)
+            _steps(model, optimizer, monitor, 10, batch)  # warm up (and arm)
         for _ in range(args.rounds):
-            for name, (model, optimizer, monitor) in pairs.items():
-                results[name] += _steps(model, optimizer, monitor, args.steps, args.width)
-        for _, _, monitor in pairs.values():
+            for name, (model, optimizer, monitor) in runs.items():
+                wall, cpu = _steps(model, optimizer, monitor, args.steps, batch)
+                walls[name] += wall
+                cpus[name] += cpu
+        for _, _, monitor in runs.values():
             monitor.detach()
-    medians = {name: statistics.median(times) for name, times in results.items()}
-    for name, median in medians.items():
-        print(f"{name:9s} median step {median * 1e3:.3f} ms")
-    print(f"armed / disarmed: x{medians['armed'] / medians['disarmed']:.3f}")
+    print(f"model {args.model}, width {args.width}, {args.rounds} x {args.steps} steps each")
+    for label, times in (("wall", walls), ("cpu", cpus)):
+        medians = {name: statistics.median(values) for name, values in times.items()}
+        line = "  ".join(f"{name} {median * 1e3:.3f} ms" for name, median in medians.items())
+        print(f"{label:4s} median step: {line}")
+        print(f"{label:4s} disarmed / without: x{medians['disarmed'] / medians['without']:.3f}"
+              f"  armed / disarmed: x{medians['armed'] / medians['disarmed']:.3f}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -495,7 +495,8 @@ class Config(_Section):
         default=3,
         metadata=_meta(
             "After a non-finite gradient or loss, the training steps for which every module's "
-            "forward is watched on the device to name the module that produced it (0: never).",
+            "forward (and, after a non-finite gradient with a finite loss, its backward) is "
+            "watched on the device to name the module that produced it (0: never).",
             ge=0,
             le=100,
         ),
@@ -503,8 +504,8 @@ class Config(_Section):
     provenance_always: bool = field(
         default=False,
         metadata=_meta(
-            "Watch every module's forward from the first step, for a debugging session "
-            "(costs a few device reductions per module per step)."
+            "Watch every module's forward and backward from the first step, for a debugging "
+            "session (one device reduction per module output and per gradient, each step)."
         ),
     )
     amp_skip_run: int = field(

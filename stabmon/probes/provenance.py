@@ -9,7 +9,8 @@ step, or the end of an iteration GradScaler skipped: the training thread) a forw
 on every module for ``provenance_steps`` training steps. Each hook sums, on the device and
 without a sync, every floating tensor the module takes or returns that this step has not
 summed yet (a NaN or an infinity reaches the sum: one fused reduction per tensor, no
-boolean copy), and on each one that requires a gradient it registers a gradient hook
+boolean copy; half precision is summed in fp32, so a finite sum overflows only past about
+1e38, where the tensor is about to overflow anyway), and on each one that requires a gradient it registers a gradient hook
 that sums the gradient when autograd computes it, noting the order the gradients come
 in. The sums of a step go back stacked with the Monitor's other results (the device-side
 port of :mod:`stabmon.extension`) and are judged a step later:
@@ -107,8 +108,8 @@ class _GradientSum:
     def __call__(self, grad: torch.Tensor) -> None:
         step = self._step
         try:
-            if len(step.grads) < MAX_WATCHED_TENSORS:
-                step.grads.append(_sum(grad))
+            if len(step.grads) < MAX_WATCHED_TENSORS:  # a gradient needs no detach
+                step.grads.append(grad.sum(dtype=torch.float32))
                 step.grad_slots.append(self._slot)
         except Exception as error:  # never break the backward; raised at measure()
             step.error = step.error or error
@@ -140,6 +141,9 @@ class NanProvenance:
         # verdict per episode).
         self._explained = False
         self._loss_finite = self._grads_finite = True
+        # Whether the watch registers gradient hooks: always on in provenance_always, else
+        # only after a non-finite gradient whose loss was finite (the costlier half).
+        self._gradients = self._always
 
     @property
     def measuring(self) -> bool:
@@ -156,14 +160,19 @@ class NanProvenance:
             return
         if step in self._waiting:  # a watched step: its flags come next
             self._backward = self._backward or _last_nonfinite_module(summary)
-        self._arm(step)
+        if self._arm(step):
+            # The loss judged last was finite: the NaN may arise in the backward pass, so
+            # the gradients are watched too (unless this step's loss turns out non-finite).
+            self._gradients = self._always or self._loss_finite
 
     def loss_judged(self, step: int, value: float) -> None:
         self._loss_finite = math.isfinite(value)
         if self._loss_finite:
             self._settle()
-        else:
-            self._arm(step)
+        elif self._arm(step) or step == self._trigger:
+            # A non-finite loss comes from the forward pass (or the batch): the forward
+            # watch names it, and the gradients, non-finite after it anyway, are left alone.
+            self._gradients = self._always
 
     def _settle(self) -> None:
         """The episode is over once the loss and the gradients are both finite again (a NaN
@@ -171,13 +180,15 @@ class NanProvenance:
         if self._loss_finite and self._grads_finite:
             self._explained = False
 
-    def _arm(self, step: int) -> None:
+    def _arm(self, step: int) -> bool:
+        """Arm for the non-finite value judged at ``step``; whether this armed the watch."""
         if self._trigger is not None or self._explained or not (self._steps or self._always):
-            return
+            return False
         self._trigger = step
         if not self._always:
             self._measured = 0
             self._arm_pending = True  # the next measure() arms it, on the training thread
+        return True
 
     # --- the training thread ------------------------------------------------------------
 
@@ -192,29 +203,44 @@ class NanProvenance:
         if len(step.calls) >= MAX_WATCHED_CALLS or not torch.is_grad_enabled():
             return  # evaluation is no training step; past the bound, the first calls decide
         try:
-            outputs = self._slots(output, step)
-            if outputs:
+            if isinstance(output, torch.Tensor):  # the common case, without a tuple walk
+                slot = self._slot(output, step)
+                if slot < 0:
+                    return
+                outputs: tuple[int, ...] = (slot,)
+            else:
+                outputs = self._slots(output, step)
+                if not outputs:
+                    return
+            if len(inputs) == 1 and isinstance(inputs[0], torch.Tensor):
+                slot = self._slot(inputs[0], step)
+                step.calls.append((name, (slot,) if slot >= 0 else (), outputs))
+            else:
                 step.calls.append((name, self._slots(inputs, step), outputs))
         except Exception as error:  # never break the forward; raised at measure()
             step.error = step.error or error
 
+    def _slot(self, tensor: torch.Tensor, step: _Step) -> int:
+        """``tensor``'s slot, summed once a step (-1: not a floating tensor, or past the
+        bound); one that requires a gradient gets a gradient hook the first time."""
+        known = step.seen.get(id(tensor))
+        if known is not None and known[0]() is tensor:
+            return known[1]
+        slot = len(step.sums)
+        if not tensor.is_floating_point() or not tensor.numel() or slot >= MAX_WATCHED_TENSORS:
+            return -1
+        step.sums.append(tensor.detach().sum(dtype=torch.float32))
+        step.seen[id(tensor)] = (weakref.ref(tensor), slot)
+        if self._gradients and tensor.requires_grad:
+            self._watch_gradient(tensor, _GradientSum(step, slot))
+        return slot
+
     def _slots(self, value: Any, step: _Step, depth: int = 0) -> tuple[int, ...]:
-        """The slots of the floating tensors in ``value``, each summed once a step; one that
-        requires a gradient gets a gradient hook the first time."""
+        """The slots of the floating tensors in ``value`` (a tensor, or a tuple, list or
+        mapping of them, two levels deep)."""
         if isinstance(value, torch.Tensor):
-            known = step.seen.get(id(value))
-            if known is not None and known[0]() is value:
-                return (known[1],)
-            if not value.is_floating_point() or not value.numel():
-                return ()
-            slot = len(step.sums)
-            if slot >= MAX_WATCHED_TENSORS:
-                return ()
-            step.sums.append(_sum(value))
-            step.seen[id(value)] = (weakref.ref(value), slot)
-            if value.requires_grad:
-                self._watch_gradient(value, _GradientSum(step, slot))
-            return (slot,)
+            slot = self._slot(value, step)
+            return (slot,) if slot >= 0 else ()
         if depth >= 2:
             return ()
         if isinstance(value, Mapping):
@@ -263,7 +289,7 @@ class NanProvenance:
         finite = [math.isfinite(v) for v in values]
         forward = forward_producer(calls, finite[:count])
         backward = backward_producer(calls, grad_slots, finite[count:])
-        verdict = _Verdict(step, forward, backward)
+        verdict = _Verdict(step, forward, backward, bool(grad_slots))
         if self._always:  # every step watched: a verdict for each episode's first producer
             if verdict.found and not self._explained:
                 self._verdicts = [verdict]
@@ -298,7 +324,7 @@ class NanProvenance:
             message = _parameters_message(trigger, self._backward)
         else:
             step = trigger
-            message = _not_reproduced(trigger, watched)
+            message = _not_reproduced(trigger, watched, any(v.gradients for v in verdicts))
         context.event(
             "provenance", step=trigger, observed_step=step, producer=producer,
             direction=direction, propagators=propagators, watched_steps=watched,
@@ -313,15 +339,17 @@ class NanProvenance:
 class _Verdict:
     """One watched step's findings."""
 
-    __slots__ = ("backward", "forward", "step")
+    __slots__ = ("backward", "forward", "gradients", "step")
 
     def __init__(
         self,
         step: int,
         forward: tuple[str | None, list[str]],
         backward: tuple[str | None, list[str], str | None],
+        gradients: bool,
     ) -> None:
         self.step, self.forward, self.backward = step, forward, backward
+        self.gradients = gradients  # whether any gradient was watched
 
     @property
     def found(self) -> bool:
@@ -429,12 +457,6 @@ def _contains(name: str, inner: str) -> bool:
     return name in ("", ROOT, inner) or inner.startswith(name + ".")
 
 
-def _sum(tensor: torch.Tensor) -> torch.Tensor:
-    """A 0-d fp32 device sum of ``tensor``: a NaN or an infinity anywhere makes it non-finite,
-    and a finite fp32 sum overflows only past ~1e38 (half precision is summed in fp32)."""
-    return tensor.detach().sum(dtype=torch.float32)
-
-
 def _last_nonfinite_module(summary: GradSummary) -> str | None:
     """The module of the parameter with a non-finite gradient that comes last in model order."""
     offenders = summary.layout.nonfinite_offenders(summary, limit=sys.maxsize)
@@ -488,9 +510,10 @@ def _parameters_message(trigger: int, module: str) -> str:
     )
 
 
-def _not_reproduced(trigger: int, watched: list[int]) -> str:
+def _not_reproduced(trigger: int, watched: list[int], gradients: bool) -> str:
+    passes = "forward and backward" if gradients else "forward"
     return (
-        f"the non-finite value at step {trigger} was not reproduced: every module's forward "
-        f"and backward was finite in steps {', '.join(map(str, watched))}: a transient, so "
-        f"look at step {trigger}'s batch (its samples) and at the hardware"
+        f"the non-finite value at step {trigger} was not reproduced: every module's {passes} "
+        f"was finite in steps {', '.join(map(str, watched))}: a transient, so look at step "
+        f"{trigger}'s batch (its samples) and at the hardware"
     )

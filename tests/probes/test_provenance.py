@@ -339,22 +339,27 @@ def test_a_gpt_shaped_model_names_the_block_part_that_produced_the_nan(
                        for p in propagators)  # type: ignore[attr-defined]  # fmt: skip
 
 
-def test_no_gradient_hook_is_registered_while_disarmed_nor_after_the_watch(
+def test_gradient_hooks_only_while_armed_after_a_nan_that_may_arise_in_the_backward(
     attach: MonitorFactory,
 ) -> None:
-    model, monitor, optimizer, scaler = _attached(attach, provenance_steps=2)
+    model = _Deep()
+    optimizer = _Frozen(model.parameters())
+    monitor = attach(model, optimizer, judge_seconds=0, provenance_steps=2)
     outputs: list[torch.Tensor] = []
     model.layers[3].register_forward_hook(lambda m, i, o: outputs.append(o))
 
-    def hooked() -> bool:
-        return bool(outputs[-1]._backward_hooks)
+    def hooked(since: int) -> list[bool]:
+        return [bool(output._backward_hooks) for output in outputs[since:]]
 
-    _train(model, monitor, optimizer, scaler, 3)
-    assert not hooked()  # disarmed: nothing on the graph
-    _train(model, monitor, optimizer, scaler, 6, batch_nan_at=0)  # arms after the NaN
-    seen = [bool(o._backward_hooks) for o in outputs[3:]]
-    assert seen == [False, False, True, True, False, False]  # two watched steps, then none
-    monitor.detach()  # type: ignore[attr-defined]
+    _train(model, monitor, optimizer, None, 3)
+    assert hooked(0) == [False] * 3  # disarmed: nothing on the graph
+    _train(model, monitor, optimizer, None, 6, batch_nan_at=0)  # a non-finite loss
+    assert hooked(3) == [False] * 6  # the forward is watched; the gradients are left alone
+    _train(model, monitor, optimizer, None, 6, backward_from=0)  # the loss stays finite
+    assert hooked(9) == [False, False, True, True, False, False]  # two watched steps
+    records = _provenance(monitor)
+    assert [(r["producer"], r["direction"]) for r in records] == [
+        (None, None), ("layers.7", "backward")]  # fmt: skip
 
 
 def test_a_nan_in_one_batch_with_healthy_weights_is_not_reproduced_with_its_step(
