@@ -3,17 +3,20 @@ it on, in the forward or the backward pass.
 
 After one step, every parameter upstream of a fault is non-finite too, so the gradient
 norms alone cannot tell the producer from the propagators. Disarmed, this costs nothing:
-the step hooks do not call it (``measuring`` is False).
+no hook is registered and the step hooks do not call it (``measuring`` is False).
 When a non-finite gradient or loss is judged at step K, it arms (at the next optimizer
 step, or the end of an iteration GradScaler skipped: the training thread) a forward hook
 on every module for ``provenance_steps`` training steps. Each hook sums, on the device and
 without a sync, every floating tensor the module takes or returns that this step has not
-summed yet (a NaN or an infinity reaches the sum: one fused reduction per tensor, no
+summed yet: a NaN or an infinity reaches the sum (one fused reduction per tensor, no
 boolean copy; half precision is summed in fp32, so a finite sum overflows only past about
-1e38, where the tensor is about to overflow anyway), and on each one that requires a gradient it registers a gradient hook
-that sums the gradient when autograd computes it, noting the order the gradients come
-in. The sums of a step go back stacked with the Monitor's other results (the device-side
-port of :mod:`stabmon.extension`) and are judged a step later:
+1e38, where the tensor is about to overflow anyway). When the gradients are watched too
+(after a non-finite gradient whose loss was finite, or always with ``provenance_always``;
+a non-finite loss comes from the forward, which the forward watch names alone), each such
+tensor that requires a gradient gets a gradient hook that sums its gradient when autograd
+computes it, in autograd's order. The sums of a step go back stacked with the Monitor's
+other results (the device-side port of :mod:`stabmon.extension`) and are judged a step
+later:
 
 - **forward producer**: the first module, in completion order, whose inputs are finite
   and whose output is not (a ``log`` of zero, an overflow); its **propagators** are the
@@ -39,7 +42,8 @@ port of :mod:`stabmon.extension`) and are judged a step later:
 
 The verdict is one ``provenance`` event and one log line. ``provenance_always`` watches
 from the first step, for a debugging session. A compiled forward is not watched (its
-module hooks are no-ops in traced code), nor an evaluation under ``no_grad``.
+module hooks are no-ops in traced code), nor an evaluation under ``no_grad``. What an
+armed step costs on CPU: ``bench/provenance_cost.py`` (docs/loops.md).
 """
 
 from __future__ import annotations
