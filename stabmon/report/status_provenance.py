@@ -103,6 +103,8 @@ class _Fold:
             if step == self.first:
                 self.first_kinds.add(str(record["kind"]))
         elif event == "provenance":
+            if not isinstance(record.get("producer"), (str, type(None))):
+                return  # malformed: not a verdict (None is "not reproduced")
             if record.get("direction") == "forward" and -step not in self.forward_steps:
                 heapq.heappush(self.forward_steps, -step)
                 if len(self.forward_steps) > _FORWARD_STEPS:
@@ -132,13 +134,15 @@ def _verdict(step: int, record: dict[str, Any]) -> dict[str, Any]:
     watched = record.get("watched_steps")
     return {
         "step": step,
-        "producer": _printable(producer) if isinstance(producer, str) else None,
+        "producer": None if producer is None else _printable(producer),
         "direction": direction if direction in _DIRECTIONS else None,
         "propagators": shown,
         "more": max(len(names) - MAX_PROPAGATORS, 0),
         "watched": [
-            s for s in (watched if isinstance(watched, list) else [])[:8] if count(s) is not None
-        ],  # fmt: skip
+            n
+            for s in (watched if isinstance(watched, list) else [])[:8]
+            if (n := count(s)) is not None
+        ],
     }
 
 

@@ -146,9 +146,11 @@ def test_hostile_records_neither_crash_status_nor_reach_the_terminal(tmp_path: P
         _nan(0, 7),
         _verdict(0, 9, evil, direction="\x1b[31msideways", propagators=[evil, 3, None] * 5000),
         {"event": "anomaly", "kind": "nonfinite_loss", "step": -1},
+        {"event": "provenance", "step": 50, "producer": {"not": "a name"}},  # no verdict
     )  # fmt: skip
     (line,) = provenance_lines([_status("hostile")], [_target("hostile")], tmp_path)
     assert line.isprintable() and len(line) < 8 * MAX_NAME
+    assert line.startswith("run hostile: NaN provenance, step 9, rank 0: produced by ")
     assert "produced by ?]0;owned??[2J?evil??" in line and "in an unnamed pass" in line
     assert line.endswith("and 14995 more; first non-finite: rank 0 at step 7")
 
