@@ -316,13 +316,13 @@ class NanProvenance:
         direction: str | None = None
         first: str | None = None
         if found is not None and found.forward[0] is not None:
-            step, (producer, propagators) = found.step, found.forward
+            step, producer, propagators = found.step, found.forward[0], found.forward[1]
             direction = "forward"
-            message = _forward_message(trigger, step, producer, propagators)
-        elif found is not None:
-            step, (producer, propagators, first) = found.step, found.backward
-            direction = "backward"
-            message = _backward_message(trigger, step, producer, propagators, first)
+            message = _forward_message(trigger, step, found.forward[0], propagators)
+        elif found is not None and found.backward[0] is not None:
+            step, producer, propagators = found.step, found.backward[0], found.backward[1]
+            direction, first = "backward", found.backward[2]
+            message = _backward_message(trigger, step, found.backward[0], propagators, first)
         elif self._backward is not None:
             step, producer, direction = verdicts[-1].step, self._backward, "backward"
             message = _parameters_message(trigger, self._backward)

@@ -424,7 +424,7 @@ def watch_gradient(tensor: torch.Tensor, hook: Callable[[torch.Tensor], None]) -
     uses), for NaN provenance's armed steps: registered from a module watch, on a tensor of
     this step's graph, so it goes with the graph and there is nothing to remove. ``hook``
     returns None (the gradient passes unchanged) and must neither raise nor sync."""
-    tensor.register_hook(hook)
+    tensor.register_hook(hook)  # type: ignore[no-untyped-call]  # unannotated in torch
 
 
 def _own_hook_dicts(
