@@ -7,32 +7,38 @@ where it came from is in the ``provenance`` records the ranks wrote (see
 listed records that need it are read: one whose scraped ranks counted a non-finite value,
 or one with a rank that did not answer (it may have died of it). A healthy run costs no read.
 
-Every record is untrusted (any user may write under the run-directory root): the directory
-must be the record owner's, not a symlink, and so must each log; logs are read by
-:func:`stabmon.report.events.read_log` without following a symlink, bounded, a malformed
-line skipped; each record is folded as it is read, so memory holds a few numbers per rank
-whatever the log holds; text from a record is shown only as printable characters, cut
-short (no escape sequence reaches the terminal), and a field of the wrong type reads as
-absent. The first non-finite rank is :func:`stabmon.report.incidents.first_nonfinite_rank`,
-the report's own rule.
+A status is a health check, so a log is not parsed whole as the report parses it (a long
+run's log is mostly step samples): it is read a line at a time, and only the lines that
+name a provenance verdict or a non-finite anomaly are parsed. Every record is untrusted
+(any user may write under the run-directory root): the directory must be the record
+owner's and not a symlink, and so must each log (checked on the open file: no symlink
+followed, no FIFO, at most
+:data:`~stabmon.report.events.MAX_LOG_BYTES`, lines past
+:data:`~stabmon.report.events.MAX_LINE_BYTES` skipped); each record is folded as it is
+read, so memory holds a few numbers per rank whatever the log holds; text from a record is
+shown only as printable characters, cut short (no escape sequence reaches the terminal),
+and a field of the wrong type reads as absent. The first non-finite rank is
+:func:`stabmon.report.incidents.first_nonfinite_rank`, the report's own rule.
 """
 
 from __future__ import annotations
 
 import heapq
+import json
 import os
 import re
 import stat
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stabmon.report.events import RankLog, Run, count, read_log
+from stabmon.report.events import MAX_LINE_BYTES, MAX_LOG_BYTES, RankLog, Run, count
 from stabmon.report.incidents import first_nonfinite_rank
 from stabmon.report.status import RankStatus
 from stabmon.report.status_targets import RegisteredTarget
 from stabmon.shared.rundir import run_directory_name
+from stabmon.shared.safefs import open_regular
 
 __all__ = ["MAX_RUNS", "provenance_lines"]
 
@@ -47,6 +53,8 @@ MAX_NAME = 120
 #: Forward verdicts' steps kept per rank, the earliest (what the first-rank rule reads).
 _FORWARD_STEPS = 16
 _LOG_NAME = re.compile(r"^rank-(\d{1,9})\.events\.jsonl$")
+#: What a line must hold to be parsed: the records folded name one of these.
+_WANTED = re.compile(rb'"provenance"|"nonfinite_(?:grad|loss)"')
 _NONFINITE = frozenset({"nonfinite_grad", "nonfinite_loss"})
 _DIRECTIONS = frozenset({"forward", "backward"})
 
@@ -92,7 +100,7 @@ class _Fold:
     forward_steps: list[int] = field(default_factory=list)  # a max-heap (negated), bounded
     verdict: dict[str, Any] | None = None  # the latest (highest step, then the last written)
 
-    def fold(self, rank: int, record: dict[str, Any]) -> None:
+    def fold(self, record: dict[str, Any]) -> None:
         step = count(record.get("step"))
         if step is None:
             return
@@ -150,12 +158,8 @@ def _run_line(run: str, directory: Path, owner: int) -> str | None:
     folds: list[_Fold] = []
     for rank, path in _logs(directory, owner):
         fold = _Fold(rank)
-
-        def select(rank: int, record: dict[str, Any], fold: _Fold = fold) -> None:
-            fold.fold(rank, record)
-            return None  # nothing kept: the fold holds what is needed
-
-        read_log(path, select=select, follow_symlinks=False)
+        for record in _records(path, owner):
+            fold.fold(record)
         folds.append(fold)
     first = first_nonfinite_rank(Run(directory, [fold.log(directory) for fold in folds]))
     verdicts = [(fold.rank, fold.verdict) for fold in folds if fold.verdict is not None]
@@ -191,22 +195,50 @@ def _explained(verdict: dict[str, Any]) -> str:
 
 def _logs(directory: Path, owner: int) -> list[tuple[int, Path]]:
     """The event logs of a run directory of ``owner``'s (not a symlink), lowest ranks first;
-    none when the directory is not the record owner's, or a log is not."""
+    none when the directory is not the record owner's."""
     try:
         info = os.lstat(directory)
         if not stat.S_ISDIR(info.st_mode) or info.st_uid != owner:
             return []
         with os.scandir(directory) as entries:
-            found = []
-            for entry in entries:
-                match = _LOG_NAME.match(entry.name)
-                if match is None or not entry.is_file(follow_symlinks=False):
-                    continue
-                if entry.stat(follow_symlinks=False).st_uid == owner:
-                    found.append((int(match.group(1)), Path(entry.path)))
+            found = [
+                (int(match.group(1)), Path(entry.path))
+                for entry in entries
+                if (match := _LOG_NAME.match(entry.name)) is not None
+            ]
     except OSError:
         return []
     return sorted(found)[:MAX_LOGS]
+
+
+def _records(path: Path, owner: int) -> Iterator[dict[str, Any]]:
+    """The records of ``path`` that may be a verdict or a non-finite anomaly (the others are
+    not parsed); nothing from a log that is not ``owner``'s regular file, or too large."""
+    try:
+        fd, info = open_regular(path, os.O_RDONLY)  # never a symlink, FIFO or device
+    except OSError:
+        return
+    if info.st_uid != owner or info.st_size > MAX_LOG_BYTES:
+        os.close(fd)
+        return
+    read = 0
+    with open(fd, "rb", buffering=2**16) as stream:
+        for line in iter(lambda: stream.readline(MAX_LINE_BYTES + 1), b""):
+            read += len(line)
+            if read > MAX_LOG_BYTES:  # it grew past the bound while being read
+                return
+            if len(line) > MAX_LINE_BYTES:  # no stabmon record is this long: to its end
+                while (rest := stream.readline(MAX_LINE_BYTES)) and not rest.endswith(b"\n"):
+                    read += len(rest)
+                continue
+            if _WANTED.search(line) is None:
+                continue
+            try:
+                record = json.loads(line)
+            except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+                continue
+            if isinstance(record, dict):
+                yield record
 
 
 def _printable(text: str) -> str:

@@ -155,11 +155,12 @@ def test_hostile_records_neither_crash_status_nor_reach_the_terminal(tmp_path: P
     assert line.endswith("and 14995 more; first non-finite: rank 0 at step 7")
 
 
-def test_logs_and_run_directories_that_are_symlinks_are_not_followed(tmp_path: Path) -> None:
+def test_logs_and_run_directories_that_are_symlinks_or_fifos_are_not_read(tmp_path: Path) -> None:
     elsewhere = _write(tmp_path / "elsewhere", 0, _nan(0, 1), _verdict(0, 1, "planted"))
     run = tmp_path / "linked"
     _write(run, 0, _nan(0, 4), _verdict(0, 4, "layers.0"))
     (run / "rank-1.events.jsonl").symlink_to(elsewhere)
+    os.mkfifo(run / "rank-2.events.jsonl")  # a read would wait for a writer for ever
     (tmp_path / "dirlink").symlink_to(tmp_path / "elsewhere")
     targets = [_target("linked"), _target("dirlink")]
     lines = provenance_lines([_status("linked"), _status("dirlink")], targets, tmp_path)
