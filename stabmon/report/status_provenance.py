@@ -228,7 +228,9 @@ def _records(path: Path, owner: int) -> Iterator[dict[str, Any]]:
             if read > MAX_LOG_BYTES:  # it grew past the bound while being read
                 return
             if len(line) > MAX_LINE_BYTES:  # no stabmon record is this long: to its end
-                while (rest := stream.readline(MAX_LINE_BYTES)) and not rest.endswith(b"\n"):
+                rest = line
+                while rest and not rest.endswith(b"\n"):
+                    rest = stream.readline(MAX_LINE_BYTES)
                     read += len(rest)
                 continue
             if _WANTED.search(line) is None:

@@ -15,6 +15,7 @@ from report_helpers import stabmon_cli
 from torch import nn
 
 import stabmon
+from stabmon.report import status_provenance
 from stabmon.report.status import RankStatus
 from stabmon.report.status_provenance import MAX_NAME, provenance_lines
 from stabmon.report.status_targets import RegisteredTarget
@@ -187,3 +188,14 @@ def test_a_run_directory_or_a_log_another_user_owns_is_not_read(tmp_path: Path) 
         "run ours: NaN provenance, step 4, rank 0: produced by layers.0 in the forward pass; "
         "first non-finite: rank 0 at step 4"
     ]
+
+
+def test_an_overlong_line_is_skipped_to_its_end_and_the_next_one_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(status_provenance, "MAX_LINE_BYTES", 1000)
+    overlong = _verdict(0, 30, "x" * 5000)
+    exact = json.dumps(_verdict(0, 20, "y")).ljust(1000)  # with its newline: one byte over
+    _write(tmp_path / "long", 0, _nan(0, 4), overlong, exact, _verdict(0, 4, "layers.0"))
+    (line,) = provenance_lines([_status("long")], [_target("long")], tmp_path)
+    assert line.startswith("run long: NaN provenance, step 4, rank 0: produced by layers.0 ")
