@@ -6,9 +6,10 @@ non-finite value, or every step with provenance_always), on a CPU model of 12 bl
 Three monitors on three copies of one model: without provenance (provenance_steps 0, the
 baseline), disarmed (the default: no hook until a NaN) and armed (provenance_always: every
 module's forward sums and gradient hooks, every step). They are stepped in alternating
-blocks of steps so that the machine's load falls on all alike; prints the median step time
-of each and the ratios, as wall time and as the thread's CPU time (torch on one thread:
-the step's own work, which a machine shared with other jobs disturbs less).
+blocks of steps, each round starting with the next, so that the machine's load falls on all
+alike; prints the median step time of each and the ratios, as wall time and as the thread's
+CPU time (torch on one thread: the step's own work, which a machine shared with other jobs
+disturbs less).
 """
 
 from __future__ import annotations
@@ -96,8 +97,10 @@ def main() -> None:
                                      run_id=name, **overrides)  # type: ignore[arg-type]  # fmt: skip
             runs[name] = (model, optimizer, monitor)
             _steps(model, optimizer, monitor, 10, batch)  # warm up (and arm)
-        for _ in range(args.rounds):
-            for name, (model, optimizer, monitor) in runs.items():
+        names = list(runs)
+        for round_ in range(args.rounds):  # each round starts with the next one: no order bias
+            for name in names[round_ % 3 :] + names[: round_ % 3]:
+                model, optimizer, monitor = runs[name]
                 wall, cpu = _steps(model, optimizer, monitor, args.steps, batch)
                 walls[name] += wall
                 cpus[name] += cpu
