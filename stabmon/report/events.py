@@ -257,7 +257,8 @@ def _records(path: Path, notes: list[str], follow_symlinks: bool) -> Iterator[di
             last = not line.endswith(b"\n")  # the writer had not finished it
             record = None
             if len(line) > MAX_LINE_BYTES:  # no stabmon record is this long: skip to its end
-                last = _skip_line(stream)
+                # (unless the newline was its last byte read: the next line is a record)
+                last = last and _skip_line(stream)
             elif not line.strip():
                 continue
             else:

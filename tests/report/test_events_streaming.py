@@ -58,6 +58,20 @@ def test_a_line_longer_than_any_record_is_skipped_as_malformed(
     assert log.notes == ["rank-0.events.jsonl: 1 malformed line(s) skipped (line 2)"]
 
 
+def test_a_line_one_byte_over_with_its_newline_does_not_take_the_next_record_along(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    # 64 bytes and a newline: read whole in one go (65 bytes), so nothing of it is left to
+    # skip; the record after it is the next line, and must be read.
+    monkeypatch.setattr(events, "MAX_LINE_BYTES", 64)
+    path = tmp_path / "rank-0.events.jsonl"
+    path.write_text('{"event": "attach"}\n' + "x" * 64 + "\n" + '{"event": "detach"}\n')
+
+    log = read_log(path)
+
+    assert [r["event"] for r in log.records] == ["attach", "detach"]
+
+
 def test_malformed_lines_are_counted_whole_and_listed_first_ten(tmp_path: Path) -> None:
     path = tmp_path / "rank-0.events.jsonl"
     path.write_text('{"event": "attach"}\n' + "not json\n" * 25)
