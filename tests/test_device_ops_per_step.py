@@ -199,12 +199,14 @@ def test_stabmon_adds_a_bounded_number_of_device_calls_per_step(
     # (the clip's norm rides with it) and one for observe()'s loss; five operators: the fused
     # norm and its stack, the loss's detach (a 0-d loss is copied as it is, no reshape: six
     # before), the two copies. stabmon's Python calls a step on the training thread: 107.7
-    # before these cuts, 93.8 after (a loop clock of 5 ms a step: judged in batches).
+    # before these cuts, 89.1 after (a loop clock of 5 ms a step: judged in batches; the loop
+    # timer calls the device timer at no forward, backward or optimizer boundary between its
+    # windows).
     assert added["event records"] <= 2
     assert added["elapsed_time reads"] <= 1
     assert added["event queries"] <= 6  # the judge thread may poll too, in a quiet moment
     assert added["current_stream calls"] <= 3
     assert added["device-to-host copies"] <= 2
     assert added["CUDA operators"] <= 5
-    assert added["stabmon Python calls"] <= 100
+    assert added["stabmon Python calls"] <= 95
     cuda.assert_clean()

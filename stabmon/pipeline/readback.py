@@ -109,7 +109,12 @@ class Readback(Generic[Tag]):
             event.record(stream)
             slot.fence = event
             if unfenced:  # the copies before it on this stream are done when it is
-                self._fence(stream, event)
+                first = unfenced[0]
+                if len(unfenced) == 1 and first.stream == stream:  # the loss's: the usual case
+                    first.fence, first.stream = event, None
+                    unfenced.clear()
+                else:
+                    self._fence(stream, event)
         else:
             slot.fence = None
             slot.stream = stream

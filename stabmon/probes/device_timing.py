@@ -111,6 +111,10 @@ class DeviceTimer:
         self._gap = True
         #: When the last window closed (host clock); None before the first.
         self._closed_at: float | None = None
+        #: Between windows, after the boundary that closes the last interval: a mark of the
+        #: loop's own phases (not a step end) records nothing now, so the loop timer need not
+        #: call :meth:`mark` for it (issue 38: three Python calls a step, seven steps in eight).
+        self.idle = False
 
     def mark(self, phase: str, step_end: bool = False) -> None:
         """Record a boundary where ``phase`` starts; ``step_end`` after an optimizer step.
@@ -153,7 +157,8 @@ class DeviceTimer:
         event = self._free.pop() if self._free else self._new_event()
         self._record(event)
         self._pending.append((event, timed, step_end, weight))
-        self._gap = timed is None
+        self._gap = gap = timed is None
+        self.idle = gap and not self._recording
         if len(self._pending) > self._max_pending:
             self._recycle(self._pending.popleft()[0])
             self.dropped += 1

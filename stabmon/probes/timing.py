@@ -52,6 +52,15 @@ _OPTIMIZER = "optimizer"
 EVAL_PHASE = "eval"
 
 
+class _Busy:
+    """A device mark's owner that is never idle: every boundary calls the mark."""
+
+    idle = False
+
+
+_BUSY = _Busy()
+
+
 class LoopTimer:
     """Attributes host wall time to loop phases from hook boundaries (training thread only)."""
 
@@ -68,6 +77,10 @@ class LoopTimer:
         #: Called at each boundary with the phase starting there and whether a step just
         #: ended (CUDA-event timing), if set.
         self._device_mark = device_mark
+        #: The device timer whose method ``device_mark`` is: while it is ``idle`` (between its
+        #: sampling windows) the forward and optimizer boundaries do not call it (issue 38).
+        owner = getattr(device_mark, "__self__", None)
+        self._device: Any = owner if isinstance(getattr(owner, "idle", None), bool) else _BUSY
         self._heartbeat = heartbeat
         # Also the heartbeat's clock: its beats are this clock's readings (one read a step).
         self._clock = clock
@@ -133,7 +146,7 @@ class LoopTimer:
         self._state = self._heartbeat.phase = _FORWARD
         self._mark = now
         self._loader_seconds = 0.0
-        if self._device_mark is not None:
+        if self._device_mark is not None and not self._device.idle:
             self._device_mark(_FORWARD, False)
 
     def eval_forward(self) -> None:
@@ -165,7 +178,7 @@ class LoopTimer:
         self._state = self._heartbeat.phase = _BACKWARD
         self._mark = now
         self._loader_seconds = 0.0
-        if self._device_mark is not None:
+        if self._device_mark is not None and not self._device.idle:
             self._device_mark(_BACKWARD, False)
 
     def optimizer_start(self) -> None:
@@ -188,7 +201,7 @@ class LoopTimer:
         self._in_step = True
         self._mark = now
         self._loader_seconds = 0.0
-        if self._device_mark is not None:
+        if self._device_mark is not None and not self._device.idle:
             self._device_mark(_OPTIMIZER, False)
 
     def optimizer_end(self) -> float:

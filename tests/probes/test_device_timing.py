@@ -205,3 +205,28 @@ def test_a_named_phase_between_windows_is_timed_once() -> None:
     assert readings.device_phase_seconds["eval"] == pytest.approx(0.5)
     assert readings.device_phase_seconds["forward"] == pytest.approx(0.020)
     assert "data_wait" not in readings.device_phase_seconds
+
+
+def test_while_idle_a_mark_of_the_loops_own_phases_changes_nothing() -> None:
+    """The loop timer skips the forward, backward and optimizer marks while the device timer
+    is ``idle`` (issue 38): in a loop of fast steps with named phases between windows, each
+    such mark made while idle records no event and leaves the timer's state as it was."""
+    device, readings, clock = FakeDevice(), _readings(), _Clock()
+    recorded: list[object] = []
+    timer = DeviceTimer(readings, new_event=device.event, every=4, clock=clock,
+                        record=lambda event: recorded.append(event))  # fmt: skip
+    idle_marks = 0
+    for step in range(200):
+        for phase in ("forward", "backward", "optimizer"):
+            if timer.idle:
+                before = (len(recorded), vars(timer).copy())
+                timer.mark(phase)
+                assert (len(recorded), vars(timer)) == before
+                idle_marks += 1
+            else:
+                timer.mark(phase)
+        timer.mark("data_wait", step_end=True)
+        if step % 37 == 0:  # a named phase between the steps, in a window or not
+            timer.mark("eval")
+            timer.mark("data_wait")
+    assert idle_marks > 200  # most fast steps fall between windows

@@ -173,6 +173,38 @@ def test_device_marks_name_each_phase_and_flag_the_step_end(loop: Loop) -> None:
     ]
 
 
+class _IdleDevice:
+    """A device timer stand-in: its marks, and whether it is between sampling windows."""
+
+    def __init__(self) -> None:
+        self.idle = False
+        self.marks: list[tuple[str, bool]] = []
+
+    def mark(self, phase: str, step_end: bool = False) -> None:
+        self.marks.append((phase, step_end))
+
+
+def test_an_idle_device_timer_is_not_called_at_the_loops_own_boundaries() -> None:
+    """Between sampling windows the device timer records nothing at the forward, backward and
+    optimizer boundaries: they do not call it (issue 38); the step end still does, and so do
+    named phases."""
+    clock = LoopClock(start=100.0)
+    readings = Readings(labels={})
+    device = _IdleDevice()
+    timer = LoopTimer(readings, Heartbeat(clock), clock=clock, device_mark=device.mark)
+    device.idle = True
+    timer.forward_start()
+    timer.forward_end()
+    timer.optimizer_start()
+    timer.optimizer_end()
+    timer.enter_named("eval")
+    timer.exit_named()
+    assert device.marks == [("data_wait", True), ("eval", False), ("data_wait", False)]
+    device.idle = False
+    timer.forward_start()
+    assert device.marks[-1] == ("forward", False)
+
+
 def test_timed_iteration_times_each_fetch_on_the_injected_clock() -> None:
     clock = LoopClock()
 
