@@ -910,6 +910,8 @@ def table(outcomes: list[Outcome]) -> str:
     lines = ["| fault \\ loop | " + " | ".join(loops) + " |",
              "|---" * (len(loops) + 1) + "|"]  # fmt: skip
     for fault in (*FAULTS, *NAN_FAULTS):
+        if not any(o.fault == fault for o in outcomes):
+            continue  # a fault this run left out: no row
         cells = []
         for loop in loops:
             found = [o for o in outcomes if o.loop == loop and o.fault == fault]
