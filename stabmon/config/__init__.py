@@ -307,7 +307,8 @@ class Config(_Section):
         metadata=_meta(
             "Module-name depth of gradient-norm groups: 0 groups by the model's repeated "
             "blocks (transformer.h.7, model.layers.12), plus its stem and head (top-level "
-            "children when it repeats none); 1 = top-level children, 2 = theirs, ...",
+            "children below any shared wrapper when it repeats none; a multi-layer LSTM's "
+            "layers: rnn.l1); 1 = top-level children, 2 = theirs, ...",
             ge=0,
         ),
     )
