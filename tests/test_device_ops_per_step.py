@@ -199,7 +199,7 @@ def test_stabmon_adds_a_bounded_number_of_device_calls_per_step(
     # (the clip's norm rides with it) and one for observe()'s loss; five operators: the fused
     # norm and its stack, the loss's detach (a 0-d loss is copied as it is, no reshape: six
     # before), the two copies. stabmon's Python calls a step on the training thread: 107.7
-    # before these cuts, 89.1 after (a loop clock of 5 ms a step: judged in batches; the loop
+    # before these cuts, 88.2 after (a loop clock of 5 ms a step: judged in batches; the loop
     # timer calls the device timer at no forward, backward or optimizer boundary between its
     # windows).
     assert added["event records"] <= 2

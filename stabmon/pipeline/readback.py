@@ -90,8 +90,11 @@ class Readback(Generic[Tag]):
                 return len(self._pending) + len(self._ready)
         else:
             host = values
-        if self._pending:
-            self._queue((tag, None, host))
+        pending = self._pending
+        if pending:  # _queue, inlined: a clip's limit waits behind the step's copies
+            pending.append((tag, None, host))
+            if len(pending) > self._max_pending:
+                self._drop_oldest()
         else:
             self._ready.append((tag, host))
         return len(self._pending) + len(self._ready)
@@ -143,12 +146,6 @@ class Readback(Generic[Tag]):
                 marks.append((slot.stream, slot.event))
             slot.stream = None
         unfenced.clear()
-
-    def _queue(self, pending: tuple[Tag, _Slot | None, list[float] | None]) -> None:
-        """Queue behind the copies in flight; past ``max_pending`` the oldest is dropped."""
-        self._pending.append(pending)
-        if len(self._pending) > self._max_pending:
-            self._drop_oldest()
 
     def _drop_oldest(self) -> None:
         oldest = self._pending.popleft()[1]

@@ -170,6 +170,7 @@ class DeviceTimer:
         while len(pending) >= 2 and pending[1][0].query():
             start, phase, _, weight = pending.popleft()
             end, _, step_end, _ = pending[0]
+            previous = self._last_step_end
             if phase is not None:
                 seconds = start.elapsed_time(end) / 1000.0
                 readings.add_device_phase_time(phase, seconds * weight if weight > 1 else seconds)
@@ -178,6 +179,10 @@ class DeviceTimer:
             elif step_end:
                 self._last_step_end = end  # a window opens: the steps before it were not timed
             self._recycle(start)
+            if previous is not None and previous is not start and step_end:
+                # The step end kept for the next step's duration, replaced now and out of the
+                # queue already: back to the pool (a new event every window otherwise).
+                self._recycle(previous)
 
     def _step_ended(self, event: Any) -> None:
         if self._last_step_end is not None:

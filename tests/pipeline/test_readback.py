@@ -75,7 +75,7 @@ def test_host_values_behind_a_copy_that_never_finishes_stay_bounded(
     event = _Event()  # never done
 
     def copy_in_flight(self: Readback[int], tag: int, values: torch.Tensor, fence: bool) -> None:
-        self._queue((tag, _in_flight(values, event), None))
+        self._pending.append((tag, _in_flight(values, event), None))
 
     monkeypatch.setattr(Readback, "_copy", copy_in_flight)
     readback: Readback[int] = Readback(max_pending=8)

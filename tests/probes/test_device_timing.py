@@ -230,3 +230,21 @@ def test_while_idle_a_mark_of_the_loops_own_phases_changes_nothing() -> None:
             timer.mark("eval")
             timer.mark("data_wait")
     assert idle_marks > 200  # most fast steps fall between windows
+
+
+def test_the_event_pool_covers_a_long_run_of_windows() -> None:
+    """Each window's step end is kept for the next timed step's duration; once replaced it goes
+    back to the pool: a long run allocates no event a window (issue 38)."""
+    device, readings, clock = FakeDevice(), _readings(), _Clock()
+    created: list[FakeEvent] = []
+
+    def new_event() -> FakeEvent:
+        created.append(device.event())
+        return created[-1]
+
+    timer = DeviceTimer(readings, new_event=new_event, every=8, clock=clock)
+    _sampled_loop(timer, device, 100, step_ms=100)
+    early = len(created)
+    _sampled_loop(timer, device, 2000, step_ms=100, first=100)
+    assert len(created) == early  # the pool held enough for every later window
+    assert readings.device_step_duration.count > 100  # and the timed steps were measured
