@@ -7,7 +7,10 @@ replica then applies alike: their parameters stay identical, so the fingerprint 
 before the reduction. DDP exposes it in one place only, a communication hook, which sees
 each gradient bucket's flat buffer before it is reduced. This hook adds the bucket's
 squared norm (on the device, no sync) to the step's total and then reduces exactly as DDP
-does without a hook (:func:`allreduce_hook`: divide by the group size, all-reduce). At each
+does without a hook (:func:`_reduce`: multiply by the reciprocal of the group size,
+all-reduce; not torch's ``allreduce_hook``, whose division rounds differently on the CPU).
+Where DDP divides gradients that are bucket views in place (``gradient_as_bucket_view``
+on the CPU) no hook can match it, and none is installed. At each
 optimizer step the step's local norm is folded into the maximum over the replica check's
 interval; at the check that maximum travels with the fingerprints (one more value in the
 same gather) and the judge compares the ranks' maxima (:mod:`stabmon.detectors.replica`).
@@ -25,7 +28,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 __all__ = ["LocalGradNorms", "install"]
 
@@ -72,7 +74,20 @@ def _hook(state: LocalGradNorms, bucket: Any) -> torch.futures.Future[torch.Tens
         state.add(buffer)
     except Exception:  # never in the way of the reduction: the interval just lacks it
         pass
-    return allreduce_hook(state.process_group, bucket)
+    return _reduce(state.process_group, buffer)
+
+
+def _reduce(process_group: Any, buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    """Average ``buffer`` over the group exactly as DDP's reducer does without a hook: it
+    multiplies each gradient by the reciprocal of the group's size (``at::mul_out`` with a
+    double scalar) before the summing all-reduce. torch's ``allreduce_hook`` divides
+    instead, which on the CPU rounds differently whenever the size is not a power of two
+    (3 gloo ranks: 19 of 836 parameters differed after 5 steps); on CUDA a division by a
+    scalar is that same multiplication."""
+    group = process_group if process_group is not None else dist.group.WORLD
+    buffer.mul_(1.0 / group.size())
+    work = dist.all_reduce(buffer, group=group, async_op=True)
+    return work.get_future().then(lambda done: done.value()[0])
 
 
 def install(model: Any, device: torch.device) -> LocalGradNorms | str:
@@ -82,6 +97,14 @@ def install(model: Any, device: torch.device) -> LocalGradNorms | str:
         return "the model is not wrapped in DistributedDataParallel (no gradient buckets)"
     if getattr(model, "_comm_hooks", None):
         return "the model has a DDP communication hook of its own (DDP allows one)"
+    if device.type == "cpu" and getattr(model, "gradient_as_bucket_view", False):
+        # Gradients that already are bucket views are divided in place by DDP's reducer, on
+        # the CPU a true division that a hook's averaging cannot match bit for bit.
+        return (
+            "gradient_as_bucket_view=True on the CPU: DDP averages those gradients in a way "
+            "a communication hook cannot reproduce exactly, so training would change; "
+            "unset replica_local_norms or gradient_as_bucket_view"
+        )
     state = LocalGradNorms(model.process_group, device)
     try:
         dist._register_comm_hook(model.reducer, state, _hook)  # type: ignore[attr-defined]

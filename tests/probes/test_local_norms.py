@@ -4,8 +4,13 @@ reduction, reduces exactly as DDP does without a hook, and stays out of the wrap
 
 from __future__ import annotations
 
+import json
+import os
 import pickle
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -107,3 +112,29 @@ def test_the_wrapper_pickles_as_it_would_without_the_hook(one_rank: None) -> Non
     held, plain_held = hooked.__getstate__(), plain.__getstate__()
     assert set(held) == set(plain_held) and held["_comm_hooks"] == []
     assert "stabmon" not in repr(pickle.dumps(hooked))
+
+
+@pytest.mark.slow  # three spawned gloo ranks: about 40 s on a loaded 2-core box
+def test_the_hook_averages_as_ddp_does_where_the_group_size_is_not_a_power_of_two(
+    tmp_path: Path,
+) -> None:
+    # DDP's reducer multiplies each gradient by 1/size; torch's allreduce_hook divides by
+    # size, which on the CPU rounds differently for 3 ranks: training changed.
+    out = tmp_path / "out.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run(
+        [sys.executable, str(Path(__file__).parent / "local_norms_trainee.py"), str(out)],
+        check=True, env=env, timeout=240,
+    )  # fmt: skip
+    assert json.loads(out.read_text())["differing"] == 0
+
+
+def test_it_is_not_installed_where_ddp_divides_bucket_views_in_place_on_the_cpu(
+    one_rank: None,
+) -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    model = nn.parallel.DistributedDataParallel(net, gradient_as_bucket_view=True)
+    why = install(model, torch.device("cpu"))
+    assert isinstance(why, str) and "gradient_as_bucket_view" in why
+    assert model._comm_hooks == []
