@@ -42,12 +42,27 @@ class LocalGradNorms:
         #: Whether a bucket was seen since the last fold (a step with no synchronised
         #: backward, all under ``no_sync``, has no local norm to fold).
         self._seen = False
+        #: Whether the last synchronised backward's last bucket was seen and not folded
+        #: since: the next bucket then opens a backward whose optimizer step did not follow
+        #: the previous one (GradScaler skipped it on an overflow, or the loop ran another
+        #: synchronised backward before stepping), and that backward's norm is dropped.
+        self._ended = False
 
-    def add(self, buffer: torch.Tensor) -> None:
-        """A bucket's flat gradient buffer before its reduction (the backward's thread)."""
+    def add(self, buffer: torch.Tensor, last: bool = False) -> None:
+        """A bucket's flat gradient buffer before its reduction (the backward's thread);
+        ``last``: the backward's last bucket (``GradBucket.is_last()``).
+
+        Only the last synchronised backward before an optimizer step counts: a step that
+        GradScaler skips runs no optimizer step, so no fold, and its overflowed (infinite)
+        local norm, routinely on one rank alone, would otherwise be added into the next
+        step's and name that rank as corrupted at the next check."""
+        if self._ended:
+            self._step.zero_()
+            self._ended = False
         # float32 reads the bucket at speed; squared in float64, a huge norm does not overflow.
         self._step.add_(torch.linalg.vector_norm(buffer, dtype=torch.float32).double().square())
         self._seen = True
+        self._ended = last
 
     def fold(self) -> None:
         """At an optimizer step: the step's local norm into the interval's maximum. A
@@ -57,7 +72,7 @@ class LocalGradNorms:
             return
         torch.maximum(self._most, self._step, out=self._most)
         self._step.zero_()
-        self._seen = False
+        self._seen = self._ended = False
 
     def take(self) -> torch.Tensor:
         """The interval's maximum local norm (a float64 scalar on the device; not squared),
@@ -71,7 +86,7 @@ def _hook(state: LocalGradNorms, bucket: Any) -> torch.futures.Future[torch.Tens
     """DDP's communication hook (``bucket``: a ``torch.distributed.GradBucket``)."""
     buffer = bucket.buffer()
     try:
-        state.add(buffer)
+        state.add(buffer, bucket.is_last())
     except Exception:  # never in the way of the reduction: the interval just lacks it
         pass
     return _reduce(state.process_group, buffer)

@@ -138,3 +138,25 @@ def test_it_is_not_installed_where_ddp_divides_bucket_views_in_place_on_the_cpu(
     why = install(model, torch.device("cpu"))
     assert isinstance(why, str) and "gradient_as_bucket_view" in why
     assert model._comm_hooks == []
+
+
+def test_a_backward_whose_step_gradscaler_skipped_does_not_count(one_rank: None) -> None:
+    # fp16 loss scaling overflows now and then, on one rank alone as often as not; GradScaler
+    # then skips optimizer.step (no fold). That backward's infinite local norm must not be
+    # added into the next step's: it would name a healthy rank as corrupted.
+    model = _ddp()
+    state = install(model, torch.device("cpu"))
+    assert isinstance(state, LocalGradNorms)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=float("inf"))  # overflows at once
+    batch = torch.randn(4, 8, generator=torch.Generator().manual_seed(3))
+    scaler.scale(model(batch).pow(2).mean()).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.step(optimizer)  # skipped: the gradients are not finite
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    optimizer.zero_grad()
+    model(batch).pow(2).mean().backward()  # the next, finite, step: stepped and folded
+    norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])))
+    optimizer.step()
+    state.fold()
+    assert float(state.take()) == pytest.approx(norm, rel=1e-5)
