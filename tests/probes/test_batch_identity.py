@@ -270,3 +270,42 @@ def test_batches_that_cannot_be_named_exactly_are_named_nothing(
     assert any(r["event"] == "anomaly" and r["kind"] == "nonfinite_loss" for r in records)
     assert not [r for r in records if r["event"] == "batch_identities"]
     assert not (tmp_path / "test-run" / "rank-0.skip_batches.json").exists()
+
+
+class _Checkpointed(DataLoader[Any]):
+    """A loader that saves its sampler's state as torchdata's StatefulDataLoader does: its
+    iterator's index sampler and sampler iterator, as they are (a stand-in: torchdata is
+    not a dependency; with torchdata 0.11 a tracked StatefulDataLoader resumed on other
+    batches than an untracked one before the fix)."""
+
+    def __iter__(self) -> Any:
+        self.opened = super().__iter__()
+        self.opened.state_dict = self.state_dict  # type: ignore[union-attr]  # its iterator's too
+        return self.opened
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sampler": self.opened._index_sampler, "drawing": self.opened._sampler_iter}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_loader_that_checkpoints_its_sampler_keeps_its_own_sampler_and_iterator(
+    attach: MonitorFactory, workers: int
+) -> None:
+    import inspect
+
+    loader = _Checkpointed(
+        _Indexed(32), batch_size=4, shuffle=True, num_workers=workers,
+        **({"multiprocessing_context": "fork"} if workers else {}),
+    )  # fmt: skip
+    model = torch.nn.Linear(8, 1)
+    monitor = attach(model, torch.optim.SGD(model.parameters(), lr=0.0), judge_seconds=0)
+    passes = iter(monitor.track(loader))
+    next(passes)
+    state = loader.state_dict()
+    assert state["sampler"] is loader.batch_sampler  # what a checkpoint asks for its state
+    assert inspect.isgenerator(state["drawing"])  # BatchSampler's own iterator
+    del passes
+    monitor.detach()
