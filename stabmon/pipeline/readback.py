@@ -18,7 +18,11 @@ A copy that need not be read soon (the observed loss, submitted with
 ``fence=False``) records no event of its own: the next copy on the same stream records one
 event that marks both done (stream order), one CUDA event record a step fewer; a
 :meth:`Readback.collect` that finds a copy still unmarked records its event then, so none
-waits for a copy that never comes (issue 38: the runtime calls a step).
+waits for a copy that never comes (issue 38: the runtime calls a step). The price: the loss
+is on the host once the next step's gradients are (after that step's backward on the device),
+up to a step later than with its own event where the host runs ahead of the device; the
+gradients, whose non-finite values matter first, are read as soon as before. The copy's stream
+is kept for that later record, which the judge thread may make in a quiet loop (under the lock).
 
 Pinned buffers and events are pooled per size, so a long run allocates nothing
 per step. If the device falls more than ``max_pending`` results behind (it
