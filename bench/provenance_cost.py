@@ -2,6 +2,7 @@
 non-finite value, or every step with provenance_always), on a CPU model of 12 blocks.
 
     python bench/provenance_cost.py [--steps 20] [--rounds 60] [--width 256] [--model mlp|gpt]
+    python bench/provenance_cost.py --floor [--width 256]   # bare hooks: what any design pays
 
 Three monitors on three copies of one model: without provenance (provenance_steps 0, the
 baseline), disarmed (the default: no hook until a NaN) and armed (provenance_always: every
@@ -18,6 +19,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from typing import Any
 
 import torch
 
@@ -74,16 +76,66 @@ def _steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, monitor: st
     return walls, cpus
 
 
+def _floor(build: Any, batch: torch.Tensor, width: int, steps: int) -> None:
+    """What any design with a Python hook per module pays: bare hooks on copies of the model
+    (no stabmon), forward and backward only, stepped in turn; thread CPU time."""
+
+    def forward_hook(module: Any, args: Any, output: Any) -> None:
+        pass
+
+    def forward_sum(module: Any, args: Any, output: Any) -> None:
+        output = output[0] if isinstance(output, tuple) else output  # attention's (out, None)
+        output.detach().sum(dtype=torch.float32)
+
+    def gradient_hook(module: Any, args: Any, output: Any) -> None:
+        output = output[0] if isinstance(output, tuple) else output
+        if output.requires_grad:
+            output.register_hook(lambda grad: None)
+
+    def gradient_sum(module: Any, args: Any, output: Any) -> None:
+        output = output[0] if isinstance(output, tuple) else output
+        output.detach().sum(dtype=torch.float32)
+        if output.requires_grad:
+            output.register_hook(lambda grad: grad.sum(dtype=torch.float32) and None)
+
+    kinds = {"bare": None, "+ a Python hook a module": forward_hook,
+             "+ a sum an output": forward_sum, "+ a gradient hook an output": gradient_hook,
+             "+ sums of outputs and gradients": gradient_sum}  # fmt: skip
+    models = {}
+    for name, hook in kinds.items():
+        model = build(width)
+        if hook is not None:
+            for module in model.modules():
+                module.register_forward_hook(hook)
+        models[name] = model
+    times: dict[str, list[float]] = {name: [] for name in kinds}
+    for step in range(steps + 10):
+        for name, model in models.items():
+            start = time.thread_time()
+            model(batch).pow(2).mean().backward()
+            if step >= 10:
+                times[name].append(time.thread_time() - start)
+    base = statistics.median(times["bare"])
+    for name, values in times.items():
+        median = statistics.median(values)
+        print(f"{name:34s} {median * 1e3:8.3f} ms  x{median / base:.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=20, help="steps per block")
     parser.add_argument("--rounds", type=int, default=60, help="alternating blocks of each")
     parser.add_argument("--width", type=int, default=256, help="each layer's width")
     parser.add_argument("--model", choices=("mlp", "gpt"), default="mlp")
+    parser.add_argument("--floor", action="store_true",
+                        help="instead: bare hooks on every module, no stabmon")  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(1)
     build = _mlp if args.model == "mlp" else _gpt
     batch = _batch(args.model, args.width)
+    if args.floor:
+        _floor(build, batch, args.width, args.rounds * args.steps // 3)
+        return
     settings = {"without": {"provenance_steps": 0}, "disarmed": {},
                 "armed": {"provenance_always": True}}  # fmt: skip
     walls: dict[str, list[float]] = {name: [] for name in settings}
