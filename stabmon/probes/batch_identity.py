@@ -32,6 +32,11 @@ the pass's start. Its draws are never changed, and the dataset is never touched.
   batch handed out is the draw of that number, whatever the prefetch depth.
 - A single-process loader draws each batch inside the ``next()`` that returns it: the
   batch is the pass's latest draw.
+- Each pass is followed on its own (a validation loader's pass inside a training one's,
+  two loaders zipped), and a pass that ends with no optimizer step taken (validation) has
+  its batches taken out of the ring at its end: they are fetched under the next training
+  step's number but trained nothing, and their indices are another dataset's. A
+  validation pass left before its end (``break``) is not known as one.
 - Named nothing, rather than a wrong index: ``in_order=False`` (workers hand batches out as
   they finish), an ``IterableDataset`` (no sampler indices), a sampler whose batches are not
   integers (keys, floats), a draw older than :data:`MAX_PENDING` batches, the batches a
@@ -46,6 +51,7 @@ the pass's start. Its draws are never changed, and the dataset is never touched.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import weakref
@@ -63,7 +69,7 @@ from stabmon.shared.rundir import prepare_run_directory, write_atomic
 if TYPE_CHECKING:
     from stabmon.extension import Context
 
-__all__ = ["RING_STEPS", "WINDOW_STEPS", "BatchIdentities"]
+__all__ = ["RING_STEPS", "WINDOW_STEPS", "BatchIdentities", "Pass"]
 
 T = TypeVar("T")
 
@@ -91,11 +97,10 @@ class BatchIdentities:
 
     def __init__(self, context: Context) -> None:
         self._context = context
-        self._ring: deque[tuple[int, str, Sequence[int]]] = deque(maxlen=RING_STEPS)
-        # The pass being followed: its loader iterator (weakly) and the draws it is read by.
-        self._iterator: weakref.ref[Any] | None = None
-        self._draws: _Draws | None = None
-        self._workers = False
+        # (step, kind of identity, the identity, the number of the pass it came from; None
+        # for the loop's own ids).
+        self._ring: deque[tuple[int, str, Sequence[int], int | None]] = deque(maxlen=RING_STEPS)
+        self._passes = itertools.count()
         self._entries: list[dict[str, Any]] = []
         # The highest per-sample losses of recent steps: step -> [(position in batch, loss)].
         self._top: dict[int, list[tuple[int, float]]] = {}
@@ -110,17 +115,17 @@ class BatchIdentities:
         index sampler through from the first draw (the module docstring says why)."""
         return _Opening(loader, guard)
 
-    def follow(self, iterator: Iterator[Any]) -> None:
-        """A pass of ``track()`` began with ``iterator``: follow its draws, where they name
-        the batches it hands out exactly."""
-        self._iterator, self._draws = None, None
+    def follow(self, iterator: Iterator[Any]) -> Pass | None:
+        """A pass of ``track()`` began with ``iterator``: what follows its draws, where they
+        name the batches it hands out exactly (the pass hands it to :meth:`fetched`: passes
+        interleave, a validation loader's inside a training one's); None where they do not."""
         workers = getattr(iterator, "_num_workers", None)
         if not isinstance(workers, int) or isinstance(
             getattr(iterator, "_dataset", None), IterableDataset
         ):
-            return  # not a DataLoader's iterator, or no sampler indices
+            return None  # not a DataLoader's iterator, or no sampler indices
         if workers > 0 and getattr(iterator, "_in_order", True) is not True:
-            return  # batches are handed out as workers finish them, not in draw order
+            return None  # batches are handed out as workers finish them, not in draw order
         reader = getattr(iterator, "_index_sampler", None)
         drawing = getattr(iterator, "_sampler_iter", None)
         if isinstance(reader, _IndexReader) and reader._stabmon_draws is drawing:
@@ -128,34 +133,43 @@ class BatchIdentities:
         elif isinstance(drawing, _Draws):  # an iterator track() has seen before
             draws = drawing
         elif _checkpoints(iterator):
-            return  # its state holds the sampler iterator's: not read through
+            return None  # its state holds the sampler iterator's: not read through
         else:  # an iterator opened without us: read from its next draw on
             sent = getattr(iterator, "_send_idx", 0) if workers > 0 else 0
             if drawing is None or not isinstance(sent, int):
-                return
+                return None
             draws = _Draws(drawing, first=sent)
             iterator._sampler_iter = draws  # type: ignore[attr-defined]
-        self._iterator, self._draws, self._workers = weakref.ref(iterator), draws, workers > 0
+        return Pass(next(self._passes), draws, weakref.ref(iterator) if workers > 0 else None)
 
-    def fetched(self, step: int) -> None:
-        """A tracked batch was handed out for ``step``: its sampler indices, if known."""
-        draws = self._draws
-        if draws is None:
+    def fetched(self, step: int, followed: Pass | None) -> None:
+        """A batch of the pass ``followed`` was handed out for ``step``: its sampler indices,
+        if known."""
+        if followed is None:
             return
-        if self._workers:  # the task the loader handed out last
-            iterator = self._iterator() if self._iterator is not None else None
-            number = getattr(iterator, "_rcvd_idx", None)
+        draws = followed.draws
+        if followed.iterator is not None:  # workers: the task the loader handed out last
+            number = getattr(followed.iterator(), "_rcvd_idx", None)
             if not isinstance(number, int):
                 return
             indices = draws.take(number - 1)
         else:  # drawn inside the next() that returned the batch
             indices = draws.take(draws.drawn - 1)
-        if indices is not None:
-            self._ring.append((step, "indices", indices))  # a list at an incident only
+        if indices is not None:  # a list at an incident only
+            self._ring.append((step, "indices", indices, followed.number))
+
+    def untrained(self, followed: Pass | None) -> None:
+        """The pass ``followed`` ended without an optimizer step (a validation loader): its
+        batches trained nothing, though numbered with the next training step's number."""
+        if followed is not None:
+            number = followed.number
+            kept = [entry for entry in self._ring if entry[3] != number]
+            if len(kept) != len(self._ring):
+                self._ring = deque(kept, maxlen=RING_STEPS)
 
     def observed(self, step: int, ids: Sequence[Any]) -> None:
         """``observe(batch_ids=...)`` for ``step``: the loop's own ids (ints), bounded."""
-        self._ring.append((step, "ids", [int(i) for i in list(ids)[:MAX_INDICES]]))
+        self._ring.append((step, "ids", [int(i) for i in list(ids)[:MAX_INDICES]], None))
 
     def top_samples(self, losses: torch.Tensor) -> torch.Tensor | None:
         """The batch's highest per-sample losses and their positions, on the device (read
@@ -180,7 +194,7 @@ class BatchIdentities:
         rank = self._context.rank
         batches = [
             self._entry(at, rank, kind, what, values)
-            for at, what, values in list(self._ring)
+            for at, what, values, _ in list(self._ring)
             if step - WINDOW_STEPS < at <= step
         ]
         if not batches:
@@ -211,6 +225,16 @@ class BatchIdentities:
                 for p, loss in top
             ]
         return entry
+
+
+class Pass:
+    """One ``track()`` pass followed: its draws, and its loader iterator (weakly) where
+    worker processes hand out the batches."""
+
+    __slots__ = ("draws", "iterator", "number")
+
+    def __init__(self, number: int, draws: _Draws, iterator: weakref.ref[Any] | None) -> None:
+        self.number, self.draws, self.iterator = number, draws, iterator
 
 
 class _Opening(Generic[T]):

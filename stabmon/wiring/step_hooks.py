@@ -267,10 +267,14 @@ class StepHooks:
         """One timed pass over ``loader`` (each ``iter()`` of what ``track()`` returned);
         the pass holds ``keep`` (the Monitor) until it is done."""
         steps_at_start = self._readings.steps
+        followed: list[Any] = [None]  # the pass's batch identities, once it has begun
 
         def exhausted() -> None:
             _ = keep  # held by the pass's closure
             self.fetch_over()
+            if steps_at_start == self._readings.steps:  # validation: its batches trained nothing
+                with guard.contain("hooks"):
+                    batches.untrained(followed[0])
             if self.epochs.pass_ended(steps_at_start, self._readings.steps):
                 self.close_epoch()
 
@@ -284,12 +288,12 @@ class StepHooks:
         def begun(iterator: Iterator[T]) -> None:
             workers.follow(iterator)
             with guard.contain("hooks"):
-                batches.follow(iterator)
+                followed[0] = batches.follow(iterator)
 
         def fetched(seconds: float) -> None:
             self.loader_wait(seconds)
             try:
-                batches.fetched(self._recorder.global_step)  # the step it is fetched for
+                batches.fetched(self._recorder.global_step, followed[0])  # the step it is for
             except Exception as error:
                 guard.record("hooks", error)
 

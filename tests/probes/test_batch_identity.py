@@ -309,3 +309,41 @@ def test_a_loader_that_checkpoints_its_sampler_keeps_its_own_sampler_and_iterato
     assert inspect.isgenerator(state["drawing"])  # BatchSampler's own iterator
     del passes
     monitor.detach()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_evaluation_pass_between_steps_is_no_training_batch_and_loses_none(
+    attach: MonitorFactory, tmp_path: Path, workers: int
+) -> None:
+    # A validation loader tracked every 10 steps, mid-epoch: its batches are fetched with
+    # the next training step's number but no optimizer step follows them; the training
+    # pass goes on after it and its batches must still be named.
+    options: dict[str, Any] = {"multiprocessing_context": "fork"} if workers else {}
+    train = DataLoader(
+        _Indexed(160), batch_size=8, shuffle=True, num_workers=workers,
+        generator=torch.Generator().manual_seed(7), **options,
+    )  # fmt: skip
+    evaluation = DataLoader(_Indexed(24), batch_size=8, num_workers=workers, **options)
+    model = torch.nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    monitor = attach(model, optimizer, judge_seconds=0)
+    truth: dict[int, list[int]] = {}
+    for step, (inputs, targets, indices) in enumerate(monitor.track(train)):
+        if step and step % 10 == 0:
+            with torch.no_grad():
+                for held_out, _, _ in monitor.track(evaluation):
+                    model(held_out)
+        truth[step] = indices.tolist()
+        if step == 12:
+            inputs[0, 0] = float("nan")
+        loss = torch.nn.functional.mse_loss(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        monitor.observe(loss=loss)
+    monitor.detach()
+    named = json.loads((tmp_path / "test-run" / "rank-0.skip_batches.json").read_text())
+    at_12 = [entry for entry in named if entry["kind"] == "nonfinite_loss"]
+    assert [(e["step"], e["indices"]) for e in at_12] == [
+        (step, truth[step]) for step in range(12 - WINDOW_STEPS + 1, 13)
+    ]
