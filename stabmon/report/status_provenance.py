@@ -50,6 +50,10 @@ MAX_LOGS = 1024
 MAX_PROPAGATORS = 5
 #: Characters shown of one name from a record.
 MAX_NAME = 120
+#: Bytes of event logs one status reads at most, all runs together (a few seconds): a
+#: health check must return; a thousand ranks' logs of a long run are terabytes. Past it
+#: the line says it read the logs in part and names the command that reads them all.
+MAX_READ_BYTES = 2**28
 #: Forward verdicts' steps kept per rank, the earliest (what the first-rank rule reads).
 _FORWARD_STEPS = 16
 _LOG_NAME = re.compile(r"^rank-(\d{1,9})\.events\.jsonl$")
@@ -78,8 +82,9 @@ def provenance_lines(
     )
     base = root.parent if any(root.glob("rank-*.json")) else root
     lines = []
+    budget = _Budget(MAX_READ_BYTES)
     for run in wanted[:MAX_RUNS]:
-        line = _run_line(run, base / run_directory_name(run), owners[run])
+        line = _run_line(run, base / run_directory_name(run), owners[run], budget)
         if line is not None:
             lines.append(line)
     if len(wanted) > MAX_RUNS:
@@ -88,6 +93,15 @@ def provenance_lines(
             "stabmon status --run <id> or stabmon report <run directory> explains each"
         )
     return lines
+
+
+@dataclass
+class _Budget:
+    """The bytes this status may still read (:data:`MAX_READ_BYTES`), and whether a log of
+    the run being read was left unread, or read in part, for want of them."""
+
+    left: int
+    short: bool = False
 
 
 @dataclass
@@ -154,19 +168,28 @@ def _verdict(step: int, record: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _run_line(run: str, directory: Path, owner: int) -> str | None:
+def _run_line(run: str, directory: Path, owner: int, budget: _Budget) -> str | None:
     folds: list[_Fold] = []
+    budget.short = False
     for rank, path in _logs(directory, owner):
         fold = _Fold(rank)
-        for record in _records(path, owner):
+        for record in _records(path, owner, budget):
             fold.fold(record)
         folds.append(fold)
+    short = budget.short
     first = first_nonfinite_rank(Run(directory, [fold.log(directory) for fold in folds]))
     verdicts = [(fold.rank, fold.verdict) for fold in folds if fold.verdict is not None]
     shown_run = _printable(run)
     first_text = "" if first is None else f"first non-finite: rank {first[0]} at step {first[1]}"
+    if short:  # what was not read may hold an earlier non-finite step or a later verdict
+        first_text = (first_text + " among the logs read; " if first_text else "") + (
+            f"its logs were read in part (stabmon status reads {MAX_READ_BYTES / 2**20:g} MiB at "
+            f"most): stabmon report {_printable(str(directory))} reads them all"
+        )
     if not verdicts:
-        return None if first is None else f"run {shown_run}: {first_text} (no verdict yet)"
+        if first is None and not short:
+            return None
+        return f"run {shown_run}: {first_text}" + ("" if short else " (no verdict yet)")
     latest = max(verdict["step"] for _, verdict in verdicts)
     at_latest = [(rank, verdict) for rank, verdict in verdicts if verdict["step"] == latest]
     rank, verdict = next(
@@ -211,9 +234,10 @@ def _logs(directory: Path, owner: int) -> list[tuple[int, Path]]:
     return sorted(found)[:MAX_LOGS]
 
 
-def _records(path: Path, owner: int) -> Iterator[dict[str, Any]]:
+def _records(path: Path, owner: int, budget: _Budget) -> Iterator[dict[str, Any]]:
     """The records of ``path`` that may be a verdict or a non-finite anomaly (the others are
-    not parsed); nothing from a log that is not ``owner``'s regular file, or too large."""
+    not parsed); nothing from a log that is not ``owner``'s regular file, or too large; no
+    more than ``budget`` has left (it says when it ran short)."""
     try:
         fd, info = open_regular(path, os.O_RDONLY)  # never a symlink, FIFO or device
     except OSError:
@@ -221,26 +245,32 @@ def _records(path: Path, owner: int) -> Iterator[dict[str, Any]]:
     if info.st_uid != owner or info.st_size > MAX_LOG_BYTES:
         os.close(fd)
         return
-    read = 0
+    read, most = 0, min(MAX_LOG_BYTES, budget.left)
     with open(fd, "rb", buffering=2**16) as stream:
-        for line in iter(lambda: stream.readline(MAX_LINE_BYTES + 1), b""):
-            read += len(line)
-            if read > MAX_LOG_BYTES:  # it grew past the bound while being read
-                return
-            if len(line) > MAX_LINE_BYTES:  # no stabmon record is this long: to its end
-                rest = line
-                while rest and not rest.endswith(b"\n"):
-                    rest = stream.readline(MAX_LINE_BYTES)
-                    read += len(rest)
-                continue
-            if _WANTED.search(line) is None:
-                continue
-            try:
-                record = json.loads(line)
-            except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
-                continue
-            if isinstance(record, dict):
-                yield record
+        try:
+            if info.st_size > most or budget.left <= 0:
+                budget.short = True
+            for line in iter(lambda: stream.readline(MAX_LINE_BYTES + 1), b""):
+                read += len(line)
+                if read > most:  # past the budget, or it grew past the bound while read
+                    budget.short = budget.short or most < MAX_LOG_BYTES
+                    return
+                if len(line) > MAX_LINE_BYTES:  # no stabmon record is this long: to its end
+                    rest = line
+                    while rest and not rest.endswith(b"\n") and read <= most:
+                        rest = stream.readline(MAX_LINE_BYTES)
+                        read += len(rest)  # bounded too: the log may grow while skipped
+                    continue
+                if _WANTED.search(line) is None:
+                    continue
+                try:
+                    record = json.loads(line)
+                except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+                    continue
+                if isinstance(record, dict):
+                    yield record
+        finally:
+            budget.left -= min(read, most)
 
 
 def _printable(text: str) -> str:
