@@ -128,6 +128,7 @@ class BatchIdentities:
             return None  # batches are handed out as workers finish them, not in draw order
         reader = getattr(iterator, "_index_sampler", None)
         drawing = getattr(iterator, "_sampler_iter", None)
+        draws: _Draws | None
         if isinstance(reader, _IndexReader) and reader._stabmon_draws is drawing:
             draws = reader._stabmon_draws
         elif isinstance(drawing, _Draws):  # an iterator track() has seen before
@@ -140,6 +141,8 @@ class BatchIdentities:
                 return None
             draws = _Draws(drawing, first=sent)
             iterator._sampler_iter = draws  # type: ignore[attr-defined]
+        if draws is None:
+            return None
         return Pass(next(self._passes), draws, weakref.ref(iterator) if workers > 0 else None)
 
     def fetched(self, step: int, followed: Pass | None) -> None:

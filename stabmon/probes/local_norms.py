@@ -99,10 +99,13 @@ def _reduce(process_group: Any, buffer: torch.Tensor) -> torch.futures.Future[to
     instead, which on the CPU rounds differently whenever the size is not a power of two
     (3 gloo ranks: 19 of 836 parameters differed after 5 steps); on CUDA a division by a
     scalar is that same multiplication."""
-    group = process_group if process_group is not None else dist.group.WORLD
+    group: Any = process_group if process_group is not None else dist.group.WORLD
     buffer.mul_(1.0 / group.size())
-    work = dist.all_reduce(buffer, group=group, async_op=True)
-    return work.get_future().then(lambda done: done.value()[0])
+    work: Any = dist.all_reduce(buffer, group=group, async_op=True)
+    averaged: torch.futures.Future[torch.Tensor] = work.get_future().then(
+        lambda done: done.value()[0]
+    )
+    return averaged
 
 
 def install(model: Any, device: torch.device) -> LocalGradNorms | str:
