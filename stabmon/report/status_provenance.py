@@ -14,7 +14,9 @@ name a provenance verdict or a non-finite anomaly are parsed. Every record is un
 owner's and not a symlink, and so must each log (checked on the open file: no symlink
 followed, no FIFO, at most
 :data:`~stabmon.report.events.MAX_LOG_BYTES`, lines past
-:data:`~stabmon.report.events.MAX_LINE_BYTES` skipped); each record is folded as it is
+:data:`~stabmon.report.events.MAX_LINE_BYTES` skipped, and :data:`MAX_READ_BYTES` in all
+for one status, past which the line says the logs were read in part and names the
+``stabmon report`` that reads them all); each record is folded as it is
 read, so memory holds a few numbers per rank whatever the log holds; text from a record is
 shown only as printable characters, cut short (no escape sequence reaches the terminal),
 and a field of the wrong type reads as absent. The first non-finite rank is
