@@ -266,7 +266,7 @@ class Monitor:
                 top = self._batches.top_samples(sample_losses)
                 if top is not None:
                     self._measurements.submit_device(self._batches.judge_top, step, top)
-            self._measurements.loss(loss, step)
+            self._measurements.loss(loss, step, timer.last_step_seconds)
         except Exception as error:  # never break training
             self._guard.record("loss", error)
 

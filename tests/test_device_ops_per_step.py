@@ -34,17 +34,18 @@ STEP_SECONDS = 0.005
 
 
 class LoopClock:
-    """STEP_SECONDS a step (:meth:`tick`), a microsecond more at each read (monotonic)."""
+    """``step_seconds`` a step (:meth:`tick`), a microsecond more at each read (monotonic)."""
 
-    def __init__(self) -> None:
+    def __init__(self, step_seconds: float = STEP_SECONDS) -> None:
         self.now = 1000.0
+        self.step_seconds = step_seconds
 
     def __call__(self) -> float:
         self.now += 1e-6
         return self.now
 
     def tick(self) -> None:
-        self.now += STEP_SECONDS
+        self.now += self.step_seconds
 
 
 class PythonCalls:
@@ -129,13 +130,15 @@ class RuntimeCalls:
         return counted
 
 
-def per_step(cuda: FakeCuda, run_dir: Path | None, calls: RuntimeCalls) -> dict[str, float]:
+def per_step(
+    cuda: FakeCuda, run_dir: Path | None, calls: RuntimeCalls, step_seconds: float = STEP_SECONDS
+) -> dict[str, float]:
     """Event records, device-to-host copies, CUDA operators and runtime calls per step, after
     warm-up."""
     model = _Net()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     monitor = None
-    clock = LoopClock()
+    clock = LoopClock(step_seconds)
     if run_dir is not None:
         monitor = stabmon.attach(model, optimizer, port=0, address="127.0.0.1",
                                  run_dir=str(run_dir), run_id="ops", clock=clock)  # fmt: skip
@@ -209,4 +212,16 @@ def test_stabmon_adds_a_bounded_number_of_device_calls_per_step(
     assert added["device-to-host copies"] <= 2
     assert added["CUDA operators"] <= 5
     assert added["stabmon Python calls"] <= 95
+    cuda.assert_clean()
+
+
+def test_a_slow_steps_loss_keeps_its_own_read_back_event(
+    cuda: FakeCuda, calls: RuntimeCalls, tmp_path: Path
+) -> None:
+    """Steps longer than judge_seconds (0.05 s): the loss's copy records its own event, so it
+    is read as soon as its step is done on the device, not with the next step's gradients;
+    steps of 5 ms share the gradient copy's event (one record a step fewer)."""
+    fast = per_step(cuda, tmp_path / "fast", calls)
+    slow = per_step(cuda, tmp_path / "slow", calls, step_seconds=0.2)
+    assert slow["event records"] - fast["event records"] == 1.0
     cuda.assert_clean()

@@ -214,8 +214,15 @@ class Measurements:
         except Exception as error:
             self._guard.record("grads", error)
 
-    def loss(self, loss: torch.Tensor | float, step: int) -> None:
-        """Submit an observed loss for ``step`` (a tensor is kept on device, read later)."""
+    def loss(
+        self, loss: torch.Tensor | float, step: int, step_seconds: float = float("inf")
+    ) -> None:
+        """Submit an observed loss for ``step`` (a tensor is kept on device, read later).
+
+        ``step_seconds``, the last step's duration: in a loop whose steps are shorter than
+        ``judge_seconds`` (its results wait that long to be judged anyway) a device loss's
+        copy records no event of its own; the next step's gradient copy marks it done (one
+        CUDA event record a step fewer, issue 38; at most a step later on the host)."""
         tag = _tuple_new(Tag, (self._judge_loss_ref, step, None))
         if isinstance(loss, torch.Tensor):
             if loss.is_complex():
@@ -235,9 +242,9 @@ class Measurements:
             host = [float(loss)]  # through the queue too (a complex raises here: skipped)
         engine = self.engine
         with engine.lock:
-            # No event of its own: the next step's gradient copy marks it done (or the next
-            # collect, without one): one CUDA event record a step fewer (issue 38).
-            waiting = engine.readback.submit(tag, host, False)
+            # A fast step's loss: no event of its own, the next step's gradient copy (or the
+            # next collect, without one) marks it done.
+            waiting = engine.readback.submit(tag, host, step_seconds >= engine.judge_seconds)
             if not engine.judge_seconds or waiting >= MAX_WAITING_RESULTS:
                 # judge_seconds 0: each result once it is on the host. Or many losses
                 # came without a step end (hooks that do not fire): they wait no longer.

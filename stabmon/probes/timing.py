@@ -107,6 +107,9 @@ class LoopTimer:
         self._before_fetch: str | None = None
         #: Inside ``optimizer.step()``: a forward there is a closure pass (LBFGS).
         self._in_step = False
+        #: The last step's duration on the loop clock (inf before the second step end): a
+        #: fast step's loss may wait for the next step's read-back event (issue 38).
+        self.last_step_seconds = float("inf")
 
     @property
     def phase(self) -> str:
@@ -219,6 +222,7 @@ class LoopTimer:
         step_seconds = None if last is None else now - last
         if step_seconds is not None:
             readings.step_duration.observe(step_seconds)
+            self.last_step_seconds = step_seconds
         self._last_step_end = now
         readings.steps += 1
         readings.last_step_unix = time.time()
