@@ -171,8 +171,26 @@ class BatchIdentities:
                 self._ring = deque(kept, maxlen=RING_STEPS)
 
     def observed(self, step: int, ids: Sequence[Any]) -> None:
-        """``observe(batch_ids=...)`` for ``step``: the loop's own ids (ints), bounded."""
-        self._ring.append((step, "ids", [int(i) for i in list(ids)[:MAX_INDICES]], None))
+        """``observe(batch_ids=...)`` for ``step``: the loop's own ids (ints), bounded.
+
+        A tensor is read only on the CPU: ids moved to the GPU with the rest of the batch
+        would be read back one element at a time (a host-device sync each, thousands a
+        step); they are refused with a line saying what to pass."""
+        if isinstance(ids, torch.Tensor):
+            if ids.device.type != "cpu" or ids.is_floating_point():
+                self._context.log(
+                    "batch_ids", logging.WARNING,
+                    "stabmon: observe(batch_ids=...) got a %s tensor on %s: batch ids must be "
+                    "integers on the host (reading them off the device would stall every "
+                    "step); pass the ids before moving the batch to the device, e.g. "
+                    "batch_ids=batch['idx'] from the loader, or a list of ints",
+                    ids.dtype, ids.device,
+                )  # fmt: skip
+                return
+            values: list[Any] = ids.reshape(-1)[:MAX_INDICES].tolist()
+        else:
+            values = list(itertools.islice(ids, MAX_INDICES))
+        self._ring.append((step, "ids", [int(i) for i in values], None))
 
     def top_samples(self, losses: torch.Tensor) -> torch.Tensor | None:
         """The batch's highest per-sample losses and their positions, on the device (read

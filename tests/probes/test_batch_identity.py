@@ -347,3 +347,28 @@ def test_an_evaluation_pass_between_steps_is_no_training_batch_and_loses_none(
     assert [(e["step"], e["indices"]) for e in at_12] == [
         (step, truth[step]) for step in range(12 - WINDOW_STEPS + 1, 13)
     ]
+
+
+def test_batch_ids_on_the_device_are_refused_without_a_sync(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Fake CUDA (tests/fake_cuda.py: no GPU here): ids moved to the GPU with the batch were
+    # read back element by element, a host-device sync each.
+    from types import SimpleNamespace
+
+    from fake_cuda import fake_cuda
+
+    from stabmon.probes.batch_identity import BatchIdentities
+
+    logged: list[tuple[Any, ...]] = []
+    context: Any = SimpleNamespace(
+        run_directory=tmp_path, rank=0, log=lambda *line: logged.append(line)
+    )
+    batches = BatchIdentities(context)
+    with fake_cuda(monkeypatch) as cuda:
+        batches.observed(3, torch.arange(512, device="cuda"))
+        cuda.assert_clean()
+    assert not batches._ring and logged and "integers on the host" in logged[0][2]
+    batches.observed(4, torch.arange(5000))  # on the host: read at once, bounded
+    batches.observed(5, range(10**9))  # any iterable: only the first MAX_INDICES are read
+    assert [len(values) for _, _, values, _ in batches._ring] == [4096, 4096]
