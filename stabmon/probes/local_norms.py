@@ -59,8 +59,12 @@ class LocalGradNorms:
         if self._ended:
             self._step.zero_()
             self._ended = False
-        # float32 reads the bucket at speed; squared in float64, a huge norm does not overflow.
-        self._step.add_(torch.linalg.vector_norm(buffer, dtype=torch.float32).double().square())
+        # float32 reads a half-precision bucket at speed (a float64 or complex one is read as
+        # it is: vector_norm refuses to narrow it, and every bucket raised); squared in
+        # float64, a huge norm does not overflow.
+        wide = buffer.dtype in (torch.float16, torch.bfloat16)
+        norm = torch.linalg.vector_norm(buffer, dtype=torch.float32 if wide else None)
+        self._step.add_(norm.double().square())
         self._seen = True
         self._ended = last
 

@@ -160,3 +160,18 @@ def test_a_backward_whose_step_gradscaler_skipped_does_not_count(one_rank: None)
     optimizer.step()
     state.fold()
     assert float(state.take()) == pytest.approx(norm, rel=1e-5)
+
+
+def test_a_float64_model_has_its_local_norm_taken(one_rank: None) -> None:
+    # vector_norm(dtype=float32) refuses a float64 bucket: every bucket raised, the hook
+    # swallowed it, and a float64 model's local norm was always 0 (nothing ever named).
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)).double()
+    model = nn.parallel.DistributedDataParallel(net, bucket_cap_mb=0.0001)
+    state = install(model, torch.device("cpu"))
+    assert isinstance(state, LocalGradNorms)
+    model(torch.randn(4, 8, dtype=torch.float64)).pow(2).mean().backward()
+    norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in net.parameters()])))
+    state.fold()
+    assert float(state.take()) == pytest.approx(norm, rel=1e-9)
+    assert state.take().dtype == torch.float64
