@@ -186,7 +186,7 @@ def _run_line(run: str, directory: Path, owner: int, budget: _Budget) -> str | N
     if short:  # what was not read may hold an earlier non-finite step or a later verdict
         first_text = (first_text + " among the logs read; " if first_text else "") + (
             f"its logs were read in part (stabmon status reads {MAX_READ_BYTES / 2**20:g} MiB at "
-            f"most): stabmon report {_printable(str(directory))} reads them all"
+            f"most): stabmon report {_printable(str(directory), cut=False)} reads them all"
         )
     if not verdicts:
         if first is None and not short:
@@ -275,9 +275,10 @@ def _records(path: Path, owner: int, budget: _Budget) -> Iterator[dict[str, Any]
             budget.left -= min(read, most)
 
 
-def _printable(text: str) -> str:
+def _printable(text: str, *, cut: bool = True) -> str:
     """``text`` with every character a terminal could act on (controls, escapes, bidi
-    overrides: all that ``str.isprintable`` refuses) shown as ``?``, cut to MAX_NAME."""
-    cut = text[:MAX_NAME]
-    shown = "".join(character if character.isprintable() else "?" for character in cut)
-    return shown + ("..." if len(text) > MAX_NAME else "")
+    overrides: all that ``str.isprintable`` refuses) shown as ``?``, cut to MAX_NAME unless
+    ``cut`` is False (a path in a command to run, bounded by the system's path length)."""
+    kept = text[:MAX_NAME] if cut else text
+    shown = "".join(character if character.isprintable() else "?" for character in kept)
+    return shown + ("..." if len(kept) < len(text) else "")

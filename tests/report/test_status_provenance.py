@@ -207,14 +207,15 @@ def test_status_reads_a_bounded_number_of_bytes_and_says_when_it_read_logs_in_pa
     # A health check must return: a thousand ranks' logs of a long run are terabytes. Here
     # the bound is lowered to rank 0's log: rank 1's (its earlier NaN) is not read.
     samples = [{"event": "step", "step": n, "loss": 1.0, "pad": "x" * 40} for n in range(60)]
-    log = _write(tmp_path / "big", 0, *samples, _nan(0, 9), _verdict(0, 9, "layers.2"))
-    _write(tmp_path / "big", 1, _nan(1, 7), _verdict(1, 7, "layers.1"))
-    _write(tmp_path / "small", 0, _nan(0, 3), _verdict(0, 3, "layers.0"))
+    root = tmp_path / ("a-long-run-directory-root-" * 6)  # the command is shown whole
+    log = _write(root / "big", 0, *samples, _nan(0, 9), _verdict(0, 9, "layers.2"))
+    _write(root / "big", 1, _nan(1, 7), _verdict(1, 7, "layers.1"))
+    _write(root / "small", 0, _nan(0, 3), _verdict(0, 3, "layers.0"))
     monkeypatch.setattr(status_provenance, "MAX_READ_BYTES", log.stat().st_size + 10)
     first, second = provenance_lines(
-        [_status("big"), _status("small")], [_target("big"), _target("small")], tmp_path
+        [_status("big"), _status("small")], [_target("big"), _target("small")], root
     )
     assert first.startswith("run big: NaN provenance, step 9, rank 0: produced by layers.2 ")
     assert "first non-finite: rank 0 at step 9 among the logs read; its logs were read in " in first
-    assert first.endswith(f"stabmon report {tmp_path / 'big'} reads them all")
+    assert first.endswith(f"stabmon report {root / 'big'} reads them all")
     assert second.startswith("run small: its logs were read in part")  # nothing left to read
