@@ -4,13 +4,14 @@ non-finite value, or every step with provenance_always), on a CPU model of 12 bl
     python bench/provenance_cost.py [--steps 20] [--rounds 60] [--width 256] [--model mlp|gpt]
     python bench/provenance_cost.py --floor [--width 256]   # bare hooks: what any design pays
 
-Three monitors on three copies of one model: without provenance (provenance_steps 0, the
-baseline), disarmed (the default: no hook until a NaN) and armed (provenance_always: every
-module's forward sums and gradient hooks, every step). They are stepped in alternating
-blocks of steps, each round starting with the next, so that the machine's load falls on all
-alike; prints the median step time of each and the ratios, as wall time and as the thread's
-CPU time (torch on one thread: the step's own work, which a machine shared with other jobs
-disturbs less).
+Four monitors on four copies of one model: without provenance (provenance_steps 0, the
+baseline), disarmed (the default: no hook until a NaN), forward (the forward watch alone,
+what a non-finite loss arms) and armed (provenance_always: every module's forward sums and
+gradient hooks, every step, what a non-finite gradient with a finite loss arms). They are
+stepped in alternating blocks of steps, each round starting with the next, so that the
+machine's load falls on all alike; prints the median step time of each and the ratios, as
+wall time and as the thread's CPU time (torch on one thread: the step's own work, which a
+machine shared with other jobs disturbs less).
 """
 
 from __future__ import annotations
@@ -136,8 +137,9 @@ def main() -> None:
     if args.floor:
         _floor(build, batch, args.width, args.rounds * args.steps // 3)
         return
-    settings = {"without": {"provenance_steps": 0}, "disarmed": {},
-                "armed": {"provenance_always": True}}  # fmt: skip
+    always = {"provenance_always": True}
+    settings = {"without": {"provenance_steps": 0}, "disarmed": {}, "forward": always,
+                "armed": always}  # fmt: skip
     walls: dict[str, list[float]] = {name: [] for name in settings}
     cpus: dict[str, list[float]] = {name: [] for name in settings}
     with tempfile.TemporaryDirectory() as run_dir:
@@ -147,11 +149,16 @@ def main() -> None:
             optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
             monitor = stabmon.attach(model, optimizer, serve_metrics=False, run_dir=run_dir,
                                      run_id=name, **overrides)  # type: ignore[arg-type]  # fmt: skip
+            if name == "forward":  # the forward watch alone: what a non-finite loss arms
+                for plugin in monitor._plugged.plugins:
+                    if type(plugin).__name__ == "NanProvenance":
+                        plugin._gradients = False
             runs[name] = (model, optimizer, monitor)
             _steps(model, optimizer, monitor, 10, batch)  # warm up (and arm)
         names = list(runs)
         for round_ in range(args.rounds):  # each round starts with the next one: no order bias
-            for name in names[round_ % 3 :] + names[: round_ % 3]:
+            turn = round_ % len(names)
+            for name in names[turn:] + names[:turn]:
                 model, optimizer, monitor = runs[name]
                 wall, cpu = _steps(model, optimizer, monitor, args.steps, batch)
                 walls[name] += wall
@@ -164,6 +171,7 @@ def main() -> None:
         line = "  ".join(f"{name} {median * 1e3:.3f} ms" for name, median in medians.items())
         print(f"{label:4s} median step: {line}")
         print(f"{label:4s} disarmed / without: x{medians['disarmed'] / medians['without']:.3f}"
+              f"  forward / disarmed: x{medians['forward'] / medians['disarmed']:.3f}"
               f"  armed / disarmed: x{medians['armed'] / medians['disarmed']:.3f}")  # fmt: skip
 
 
