@@ -64,22 +64,28 @@ class NonfiniteGrads:
                 episode_end(self._context, "nonfinite_grad", change, modules=sorted(self._groups))
             return
         self._readings.nonfinite_grad_steps += 1
-        groups = sorted(
-            group for group, norm in summary.group_norms.items() if not math.isfinite(norm)
-        )
+        # In model order (the groups' order), so the first named is nearest the input.
+        groups = [group for group, norm in summary.group_norms.items() if not math.isfinite(norm)]
         if change is None:  # the episode goes on: one record for all of it
             self._groups.update(groups)
             return
         self._groups = set(groups)
         names = summary.layout.nonfinite_offenders(summary)
+        action = self._context.config.on_anomaly.nonfinite_grad
+        weights = (
+            f"on_anomaly.nonfinite_grad: {action} acts on it (its policy record says whether "
+            "the step was held back)"
+            if action in ("skip", "stop")
+            else "resume from a checkpoint before it if the weights went non-finite too "
+            "(on_anomaly.nonfinite_grad: skip holds such steps back)"
+        )
         self._context.anomaly(
             "nonfinite_grad",
             step,
             f"non-finite gradient norm {summary.total_norm} at step {step} in module "
             f"group(s) {', '.join(groups) or 'unknown'}{named(names, 'first parameters')}; "
-            f"look at step {step}'s batch and learning rate, and resume from a checkpoint "
-            "before it if the weights went non-finite too; further non-finite steps of this "
-            "episode are counted, not recorded again",
+            f"look at step {step}'s batch and learning rate; {weights}; further non-finite "
+            "steps of this episode are counted, not recorded again",
             grad_norm=summary.total_norm,
             modules=groups,
             parameters=names,

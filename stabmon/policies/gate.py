@@ -22,16 +22,28 @@ per-tensor norms the gradient probe measured (before any clip), on the device.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
 
-__all__ = ["StepChanges", "step_norm", "takes_device_flag"]
+__all__ = ["StepChanges", "computes_gradients_in_step", "step_norm", "takes_device_flag"]
 
 
 def takes_device_flag(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step()`` honours ``found_inf`` (what GradScaler checks too)."""
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def computes_gradients_in_step(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step`` requires a closure (LBFGS): it computes the gradients it
+    applies inside the step, after the pre-hook checked the ones before it, so no skip can
+    hold them back."""
+    try:
+        closure = inspect.signature(type(optimizer).step).parameters.get("closure")
+    except (TypeError, ValueError):  # a builtin or wrapped step without a signature
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty
 
 
 def step_norm(norms: torch.Tensor | list[float], device: torch.device) -> torch.Tensor:

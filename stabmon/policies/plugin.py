@@ -34,7 +34,12 @@ from stabmon.errors import AnomalyStop
 from stabmon.extension import Context, GradSummary
 from stabmon.policies.actions import BEFORE_STEP, Plan, outcome
 from stabmon.policies.agreement import HostCopy, agree, all_attached, answer_roll_call
-from stabmon.policies.gate import StepChanges, step_norm, takes_device_flag
+from stabmon.policies.gate import (
+    StepChanges,
+    computes_gradients_in_step,
+    step_norm,
+    takes_device_flag,
+)
 from stabmon.policies.verdict import Checkpoints, Verdict
 
 __all__ = ["AnomalyPolicies", "anomaly_policies"]
@@ -91,6 +96,9 @@ class AnomalyPolicies:
             context.run_directory / f"rank-{self._rank}.verdict.json", self._rank
         )
         self._reads_now: bool | None = None  # decided at the first step (the optimizer's kind)
+        #: Whether the optimizer computes its gradients inside step(closure) (LBFGS): no skip
+        #: can hold those back (decided at the first step).
+        self._closure_step: bool | None = None
         #: Whether the step gated last had its gradients held back (read by adapters).
         self.held_back = False
         #: This rank counted among those with a policy (checked at the first step), and
@@ -116,6 +124,16 @@ class AnomalyPolicies:
         reads_now = self._reads_now
         if reads_now is None:
             reads_now = self._reads_now = self._plan.reads_every_step(takes_device_flag(optimizer))
+            self._closure_step = computes_gradients_in_step(optimizer)
+            if self._closure_step and self._skips:
+                self._damaging = _DAMAGING  # a skip holds nothing back: NaNs reach the weights
+                self._context.log(
+                    "policies:closure", logging.WARNING,
+                    "stabmon: rank %d: on_anomaly skip cannot hold %s's steps back: it "
+                    "computes the gradients it applies inside step(closure), after stabmon's "
+                    "check; those steps are applied and recorded as such (use stop or "
+                    "lr_scale with this optimizer)", self._rank, type(optimizer).__name__,
+                )  # fmt: skip
         flags = agree(self._own_flags(step, optimizer))  # every rank, every step
         if reads_now:
             self._act(flags.tolist(), step, optimizer, now=True)  # the one sync a step
@@ -237,7 +255,12 @@ class AnomalyPolicies:
             if action == "stop":
                 stop = stop or (kind, at)
                 continue
-            if action == "skip":
+            if action == "skip" and self._closure_step:
+                self._record(kind, action, at, step, f"step {at} was applied: "
+                             f"{type(optimizer).__name__} computes its gradients inside "
+                             "step(closure), after the check, so a skip cannot hold them "
+                             "back")  # fmt: skip
+            elif action == "skip":
                 if now and not skipped:  # this step: hold its gradients back
                     self._changes.hold_gradients(optimizer)
                     skipped = self.held_back = True

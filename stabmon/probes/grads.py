@@ -377,6 +377,7 @@ def build_grad_probe(
     Complex-valued parameters are left out (logged once): their norms are not comparable
     with the real ones, and the fused kernel takes one dtype per bucket.
     """
+    named_parameters = list(named_parameters)  # read twice: names, then model order
     names = {id(param): name for name, param in named_parameters}
     named: list[tuple[str, torch.Tensor]] = []
     seen: set[int] = set()
@@ -395,6 +396,11 @@ def build_grad_probe(
                 )
                 continue
             named.append((names.get(id(param), f"group{group_index}.param{param_index}"), param))
+    # Model order, not the optimizer's (Hugging Face's Trainer puts every decayed weight
+    # before every bias): the module groups, and the parameters a message names first, are
+    # then listed as the model runs. Parameters the model does not name keep their place last.
+    position = {id(param): index for index, (_, param) in enumerate(named_parameters)}
+    named.sort(key=lambda item: position.get(id(item[1]), len(position)))
     return GradProbe(
         named,
         module_depth=module_depth,

@@ -390,3 +390,39 @@ def test_saves_the_damage_predates_are_not_good_though_it_is_recorded_after_them
     assert _verdict(tmp_path)["last_good_checkpoint"]["step"] == 29
     monitor.detach()
     assert _verdict(tmp_path)["last_good_checkpoint"]["step"] == 29
+
+
+def test_skip_with_lbfgs_says_the_step_was_applied_instead_of_claiming_it_was_not(
+    attach: Callable[..., stabmon.Monitor], caplog: pytest.LogCaptureFixture
+) -> None:
+    # LBFGS computes the gradients it applies inside step(closure), after the pre-hook
+    # checked the ones before it: no skip can hold a NaN of its own closure back. The
+    # policy must say so (once in the log, and in the record of each such step), and
+    # count the NaN as damage, rather than record "step N was not applied".
+    from helpers import events
+
+    model = _model()
+    optimizer = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=2)
+    monitor = attach(model, optimizer, judge_seconds=0, on_anomaly={"nonfinite_grad": "skip"})
+    generator = torch.Generator().manual_seed(1)
+    for step in range(8):
+        inputs = torch.randn(4, 8, generator=generator)
+
+        def closure(inputs: torch.Tensor = inputs, poisoned: bool = step >= 4) -> torch.Tensor:
+            optimizer.zero_grad()
+            loss = model(inputs).pow(2).mean()
+            loss.backward()
+            if poisoned:
+                _nan(model)
+            return loss
+
+        optimizer.step(closure)
+        monitor.observe(loss=closure().detach())
+    monitor.detach()
+
+    policies = [e for e in events(monitor.event_log_path) if e.get("event") == "policy"]
+    assert policies and all("was applied" in e["detail"] for e in policies), policies
+    assert "LBFGS" in policies[0]["detail"] and "not applied" not in str(policies)
+    warnings = [r for r in caplog.records if "cannot hold LBFGS" in r.getMessage()]
+    assert len(warnings) == 1
+    assert not _finite(model)  # what happened: the NaN reached the weights

@@ -9,7 +9,8 @@ import torch
 from torch.nn.utils import get_total_norm
 
 from stabmon.pipeline.readback import Readback
-from stabmon.probes.grads import GradProbe, group_name
+from stabmon.probes.grads import GradProbe, build_grad_probe, group_name
+from stabmon.shared.log import LogLimiter
 
 
 def _named(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -257,3 +258,27 @@ def test_host_sums_match_torch_and_keep_a_nan_in_its_own_group(layers: int) -> N
     assert poisoned.nonfinite and math.isnan(poisoned.total_norm)
     assert math.isnan(poisoned.group_norms["1"])
     assert all(math.isfinite(norm) for group, norm in poisoned.group_norms.items() if group != "1")
+
+
+def test_groups_and_named_parameters_follow_the_model_not_the_optimizers_groups() -> None:
+    # Hugging Face's Trainer gives the optimizer every decayed weight first, then every bias
+    # and norm: a NaN in two blocks must still be named block by block as the model runs.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(4)))
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    optimizer = torch.optim.AdamW([{"params": weights[::-1]}, {"params": biases}], lr=0.1)
+    for param in model.parameters():
+        param.grad = torch.ones_like(param)
+    model[2].bias.grad = torch.full((4,), float("nan"))
+    model[1].weight.grad = torch.full((4, 4), float("nan"))
+    probe = build_grad_probe(model.named_parameters(), optimizer, module_depth=1,
+                             max_modules=32, limiter=LogLimiter())  # fmt: skip
+
+    assert probe.groups == ("0", "1", "2", "3")
+    sample = probe.measure()
+    assert sample is not None
+    summary = probe.layout.summarize(torch.as_tensor(sample.packed).tolist())
+    assert probe.layout.nonfinite_offenders(summary) == ["1.weight", "2.bias"]
+    bad = [group for group, norm in summary.group_norms.items() if norm != norm]
+    assert bad == ["1", "2"]

@@ -33,7 +33,8 @@ EPOCH_AT = 10  # steps completed at the first epoch end
 
 
 def _steps_cell(status_stdout: str) -> str:
-    header, row = status_stdout.splitlines()
+    header, row, *after = status_stdout.splitlines()  # the table; then the NaN's provenance
+    assert all(": NaN provenance, step " in line for line in after), after
     return row.split()[header.split().index("steps")]
 
 
