@@ -226,14 +226,19 @@ def _logs(directory: Path, owner: int) -> list[tuple[int, Path]]:
         if not stat.S_ISDIR(info.st_mode) or info.st_uid != owner:
             return []
         with os.scandir(directory) as entries:
-            found = [
-                (int(match.group(1)), Path(entry.path))
-                for entry in entries
-                if (match := _LOG_NAME.match(entry.name)) is not None
-            ]
+            # The lowest ranks, kept as the listing streams by: a directory of millions of
+            # entries (any user's) costs a status MAX_LOGS names of memory, not millions.
+            found = heapq.nsmallest(
+                MAX_LOGS,
+                (
+                    (int(match.group(1)), entry.name)
+                    for entry in entries
+                    if (match := _LOG_NAME.match(entry.name)) is not None
+                ),
+            )
     except OSError:
         return []
-    return sorted(found)[:MAX_LOGS]
+    return [(rank, directory / name) for rank, name in found]
 
 
 def _records(path: Path, owner: int, budget: _Budget) -> Iterator[dict[str, Any]]:

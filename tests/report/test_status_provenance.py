@@ -219,3 +219,24 @@ def test_status_reads_a_bounded_number_of_bytes_and_says_when_it_read_logs_in_pa
     assert "first non-finite: rank 0 at step 9 among the logs read; its logs were read in " in first
     assert first.endswith(f"stabmon report {root / 'big'} reads them all")
     assert second.startswith("run small: its logs were read in part")  # nothing left to read
+
+
+def test_a_directory_of_many_logs_is_listed_in_bounded_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tracemalloc
+
+    run = tmp_path / "many"
+    run.mkdir()
+    for rank in range(20000):  # empty logs: only the listing costs
+        (run / f"rank-{rank}.events.jsonl").touch()
+    monkeypatch.setattr(status_provenance, "MAX_LOGS", 8)
+    tracemalloc.start()
+    try:
+        listed = status_provenance._logs(run, os.geteuid())
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert [rank for rank, _ in listed] == list(range(8))
+    assert listed[0][1] == run / "rank-0.events.jsonl"
+    assert peak < 500_000, peak  # every name kept: several MB
