@@ -422,6 +422,33 @@ def test_backward_producer_names_the_module_around_a_shared_input() -> None:
     assert backward_producer(calls, order, [True] * 7) == (None, [], None)
 
 
+class _Unsummable(torch.Tensor):
+    """A tensor subclass whose ``sum`` fails: a hook's failure, planted."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.Tensor.sum:
+            raise RuntimeError("planted: no sum")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_a_failing_watch_is_contained_counted_and_stops_while_training_goes_on(
+    attach: MonitorFactory,
+) -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    model[1].register_forward_hook(lambda m, i, o: o.as_subclass(_Unsummable))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = attach(model, optimizer, judge_seconds=0, provenance_always=True)
+    for _ in range(6):
+        loss = model(torch.randn(4, 8)).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        monitor.observe(loss=loss)  # type: ignore[attr-defined]
+    assert monitor._guard.counts["grads"] == 1  # type: ignore[attr-defined]  # once: stopped
+    assert _provenance(monitor) == []
+
+
 def test_a_watched_model_compiled_with_fullgraph_still_trains(attach: MonitorFactory) -> None:
     # The watch arms after a NaN; under torch.compile its hooks are constant no-ops, so a
     # fullgraph compile neither breaks nor errors (a compiled forward is not watched).
