@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from stabmon.errors import AlreadyAttachedError
-from stabmon.wiring.hooks import HookSet, unwrap_model
+from stabmon.wiring.hooks import HookSet, unwrap_model, watch_gradient
 
 
 class Owner:
@@ -190,6 +190,16 @@ def test_watch_modules_sees_every_module_in_completion_order_until_unwatched() -
     assert watcher.seen == ["0", "1.0", "1", ""]
     assert all(type(m._forward_hooks) is OrderedDict for m in model.modules())  # restored
     hooks.remove()
+
+
+def test_watch_gradient_sees_a_tensors_total_gradient_and_leaves_it_unchanged() -> None:
+    x = torch.randn(3, 2, requires_grad=True)
+    hidden = x * 2.0
+    seen: list[torch.Tensor] = []
+    watch_gradient(hidden, seen.append)  # list.append returns None: the gradient stays
+    (hidden.sum() + hidden.pow(2).sum()).backward()  # two uses: one total gradient
+    assert len(seen) == 1 and torch.equal(seen[0], 1 + 2 * hidden.detach())
+    assert x.grad is not None and torch.equal(x.grad, 2 * seen[0])
 
 
 def test_a_model_saved_while_watched_pickles_nothing_of_stabmon() -> None:
