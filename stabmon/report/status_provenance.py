@@ -253,7 +253,13 @@ def _records(path: Path, owner: int, budget: _Budget) -> Iterator[dict[str, Any]
         os.close(fd)
         return
     read, most = 0, min(MAX_LOG_BYTES, budget.left)
-    with open(fd, "rb", buffering=2**16) as stream:
+    try:
+        stream = open(fd, "rb", buffering=2**16)  # noqa: SIM115  # closed by the with below
+    except OSError:
+        os.close(fd)
+        budget.short = True
+        return
+    with stream:
         try:
             if info.st_size > most or budget.left <= 0:
                 budget.short = True
@@ -276,6 +282,8 @@ def _records(path: Path, owner: int, budget: _Budget) -> Iterator[dict[str, Any]
                     continue
                 if isinstance(record, dict):
                     yield record
+        except OSError:  # a read that fails (EIO, a file system gone): the rest is unread
+            budget.short = True
         finally:
             budget.left -= min(read, most)
 

@@ -240,3 +240,21 @@ def test_a_directory_of_many_logs_is_listed_in_bounded_memory(
     assert [rank for rank, _ in listed] == list(range(8))
     assert listed[0][1] == run / "rank-0.events.jsonl"
     assert peak < 500_000, peak  # every name kept: several MB
+
+
+def test_a_log_whose_read_fails_is_said_to_be_read_in_part_not_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A read error mid-log (EIO on a failing disk, a network file system gone): stood in
+    # for by a directory opened as the log, which Python refuses to read (IsADirectoryError).
+    _write(tmp_path / "eio", 0, _nan(0, 4), _verdict(0, 4, "layers.0"))
+    real = status_provenance.open_regular
+
+    def failing(path: Path, flags: int) -> tuple[int, os.stat_result]:
+        fd, info = real(path, flags)
+        os.close(fd)
+        return os.open(path.parent, os.O_RDONLY), info
+
+    monkeypatch.setattr(status_provenance, "open_regular", failing)
+    (line,) = provenance_lines([_status("eio")], [_target("eio")], tmp_path)
+    assert line.startswith("run eio: its logs were read in part")
