@@ -93,7 +93,7 @@ def test_corpus_nan_rows_say_the_group_and_the_producer(tmp_path: Path) -> None:
     outcome = corpus.run("cnn", "nan_forward", NAN_FAULT_STEP + corpus.NAN_TAIL,
                          NAN_FAULT_STEP, str(tmp_path))  # fmt: skip
     row = corpus.table([outcome]).splitlines()[-1]
-    assert row.startswith("| nan_forward | step 20 (+0): classifier, features")
+    assert row.startswith("| nan_forward | step 20 (+0): features, classifier")  # model order
     assert row.endswith("producer features.3 (forward) |")
 
 
