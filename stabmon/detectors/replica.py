@@ -210,6 +210,13 @@ class ReplicaCheck:
             median_local_grad_norm=found.median,
         )  # fmt: skip
 
+    def detach(self) -> None:
+        """Monitor.detach(): the local-norm hook, which DDP cannot take back, measures nothing
+        more (it goes on reducing exactly as DDP does without one)."""
+        close = getattr(self._probe.local_norms, "close", None)
+        if close is not None:
+            close()
+
     def readings(self) -> Iterator[Reading]:
         yield REPLICA_CHECKS, [((), float(self.checks))]
         yield REPLICA_MISMATCHES, [((), float(self.mismatches))]

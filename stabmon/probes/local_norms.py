@@ -47,6 +47,13 @@ class LocalGradNorms:
         #: the previous one (GradScaler skipped it on an overflow, or the loop ran another
         #: synchronised backward before stepping), and that backward's norm is dropped.
         self._ended = False
+        #: Set at Monitor.detach(): DDP cannot take a communication hook back, so the hook
+        #: stays, and from then on only reduces (as DDP does without one) and measures nothing.
+        self.closed = False
+
+    def close(self) -> None:
+        """Monitor.detach(): measure nothing from now on (the reduction goes on)."""
+        self.closed = True
 
     def add(self, buffer: torch.Tensor, last: bool = False) -> None:
         """A bucket's flat gradient buffer before its reduction (the backward's thread);
@@ -89,10 +96,11 @@ class LocalGradNorms:
 def _hook(state: LocalGradNorms, bucket: Any) -> torch.futures.Future[torch.Tensor]:
     """DDP's communication hook (``bucket``: a ``torch.distributed.GradBucket``)."""
     buffer = bucket.buffer()
-    try:
-        state.add(buffer, bucket.is_last())
-    except Exception:  # never in the way of the reduction: the interval just lacks it
-        pass
+    if not state.closed:
+        try:
+            state.add(buffer, bucket.is_last())
+        except Exception:  # never in the way of the reduction: the interval just lacks it
+            pass
     return _reduce(state.process_group, buffer)
 
 

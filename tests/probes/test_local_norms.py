@@ -11,6 +11,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -175,3 +176,20 @@ def test_a_float64_model_has_its_local_norm_taken(one_rank: None) -> None:
     state.fold()
     assert float(state.take()) == pytest.approx(norm, rel=1e-9)
     assert state.take().dtype == torch.float64
+
+
+def test_after_detach_the_hook_only_reduces(one_rank: None) -> None:
+    # DDP cannot take a comm hook back: after Monitor.detach() (ReplicaCheck.detach closes
+    # the state) it must cost what DDP's own reduction costs, measuring nothing.
+    from types import SimpleNamespace
+
+    from stabmon.detectors.replica import ReplicaCheck
+
+    model = _ddp()
+    state = install(model, torch.device("cpu"))
+    assert isinstance(state, LocalGradNorms)
+    probe: Any = SimpleNamespace(local_norms=state, measure=lambda step: None)
+    ReplicaCheck(probe, SimpleNamespace()).detach()  # type: ignore[arg-type]
+    plain = _ddp()
+    assert _train(model, 2, state) == _train(plain, 2)  # still reduced, the same way
+    assert not state._seen and float(state.take()) == 0.0
