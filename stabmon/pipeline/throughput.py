@@ -302,8 +302,10 @@ class ThroughputWatch:
         self.flops_step = _NEVER
         if self.flops_per_step is None:
             self._unavailable(
-                "no forward of the attached module was seen in the step (module.compile() "
-                "traces its forward hooks away: attach to torch.compile(model) instead)"
+                "no forward of the attached module was seen in the step: the loop calls a "
+                "submodule instead (a LightningModule whose training_step calls self.model(x) "
+                "and never its own forward: give it a forward that does), or module.compile() "
+                "traced the forward hooks away (attach to torch.compile(model) instead)"
             )
 
     def _replayed(self) -> int:

@@ -256,6 +256,32 @@ def test_a_step_whose_forward_is_never_seen_says_why(
     assert len(reasons) == 1 and "no forward" in reasons[0]
 
 
+def test_a_wrapper_whose_own_forward_never_runs_is_told_what_the_loop_calls_instead(
+    attach: MonitorFactory, tmp_path: Path
+) -> None:
+    # A LightningModule's training_step calls self.model(x): the attached module's own
+    # forward never runs. The reason must say so (not blame a compile nobody called).
+    class Wrapper(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = torch.nn.Linear(8, 8)
+
+    wrapper = Wrapper()
+    optimizer = torch.optim.SGD(wrapper.parameters(), lr=0.01)
+    monitor = attach(wrapper, optimizer, clock=LoopClock(),
+                     **{"throughput.flops_measure_step": MEASURED_AT})  # fmt: skip
+    for _ in range(STEPS):
+        wrapper.model(torch.randn(4, 8)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        monitor.observe()
+    monitor.detach()
+
+    reasons = [e["reason"] for e in events(tmp_path) if e["event"] == "flops_unavailable"]
+    assert len(reasons) == 1 and "calls a submodule" in reasons[0], reasons
+    assert "training_step" in reasons[0]
+
+
 class Paced(GPT):
     """A GPT whose forward takes half a second of loop-clock time."""
 
