@@ -35,8 +35,10 @@ the pass's start. Its draws are never changed, and the dataset is never touched.
 - Each pass is followed on its own (a validation loader's pass inside a training one's,
   two loaders zipped), and a pass that ends with no optimizer step taken (validation) has
   its batches taken out of the ring at its end: they are fetched under the next training
-  step's number but trained nothing, and their indices are another dataset's. A
-  validation pass left before its end (``break``) is not known as one.
+  step's number but trained nothing, and their indices are another dataset's. One left
+  before its end (``break``) is known as one when the training pass, begun before it,
+  fetches its next batch under the same step number (validation after an optimizer
+  step), not when it ran between a training batch's fetch and its step.
 - Named nothing, rather than a wrong index: ``in_order=False`` (workers hand batches out as
   they finish), an ``IterableDataset`` (no sampler indices), a sampler whose batches are not
   integers (keys, floats), a draw older than :data:`MAX_PENDING` batches, the batches a
@@ -158,8 +160,16 @@ class BatchIdentities:
             indices = draws.take(number - 1)
         else:  # drawn inside the next() that returned the batch
             indices = draws.take(draws.drawn - 1)
-        if indices is not None:  # a list at an incident only
-            self._ring.append((step, "indices", indices, followed.number))
+        if indices is None:
+            return
+        ring, number = self._ring, followed.number
+        # A pass begun after this one whose batches came under this same step number, with
+        # no optimizer step after them: a validation pass between steps, left before its
+        # end (no untrained() call). One begun before (the training pass around a
+        # validation pass run between a fetch and its step, a zipped loader) stays.
+        while ring and ring[-1][0] == step and (ring[-1][3] is not None) and ring[-1][3] > number:
+            ring.pop()
+        ring.append((step, "indices", indices, number))  # a list at an incident only
 
     def untrained(self, followed: Pass | None) -> None:
         """The pass ``followed`` ended without an optimizer step (a validation loader): its

@@ -372,3 +372,37 @@ def test_batch_ids_on_the_device_are_refused_without_a_sync(
     batches.observed(4, torch.arange(5000))  # on the host: read at once, bounded
     batches.observed(5, range(10**9))  # any iterable: only the first MAX_INDICES are read
     assert [len(values) for _, _, values, _ in batches._ring] == [4096, 4096]
+
+
+def test_a_validation_pass_left_before_its_end_is_no_training_batch(
+    attach: MonitorFactory, tmp_path: Path
+) -> None:
+    # Validation of two batches after every 10th optimizer step, by break: the pass never
+    # ends, so only the training pass's next fetch, under the same step number, tells.
+    train = DataLoader(
+        _Indexed(160), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(7)
+    )
+    evaluation = DataLoader(_Indexed(64), batch_size=8)
+    model = torch.nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    monitor = attach(model, optimizer, judge_seconds=0)
+    truth: dict[int, list[int]] = {}
+    for step, (inputs, targets, indices) in enumerate(monitor.track(train)):
+        truth[step] = indices.tolist()
+        if step == 11:
+            inputs[0, 0] = float("nan")
+        loss = torch.nn.functional.mse_loss(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        monitor.observe(loss=loss)
+        if step % 10 == 9:
+            with torch.no_grad():
+                for batch, (held_out, _, _) in enumerate(monitor.track(evaluation)):
+                    model(held_out)
+                    if batch == 1:
+                        break
+    monitor.detach()
+    named = json.loads((tmp_path / "test-run" / "rank-0.skip_batches.json").read_text())
+    at_11 = [(e["step"], e["indices"]) for e in named if e["kind"] == "nonfinite_loss"]
+    assert at_11 == [(step, truth[step]) for step in range(11 - WINDOW_STEPS + 1, 12)]
