@@ -123,8 +123,9 @@ def outlier_message(found: GradOutlier, rank: int, where: dict[int, str]) -> str
         "A weaker signal than a parameter mismatch: a GPU computing wrong gradients "
         "corrupts the average every replica applies (their parameters stay identical), and "
         "a batch far outside the others' on that rank looks the same. Look at that rank's "
-        "batch identities (skip_batches.json) and loss; if they are ordinary, stop before "
-        "the next checkpoint save and drain that node (`dcgmi diag -r 3`)"
+        f"loss over steps {found.step - found.every + 1}..{found.step} (a batch's own spike "
+        "shows there, and its batches are named at that spike); if it is ordinary, stop "
+        "before the next checkpoint save and drain that node (`dcgmi diag -r 3`)"
     )
 
 

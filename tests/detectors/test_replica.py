@@ -45,7 +45,7 @@ def test_a_rank_whose_local_norm_is_orders_above_the_others_is_named() -> None:
     assert found is not None and list(found.outliers) == [2]
     message = outlier_message(found, rank=0, where={2: "node-7 GPU-1234"})
     assert "rank 2 (node-7 GPU-1234)" in message and "up to step 59" in message
-    assert "before the all-reduce" in message and "skip_batches.json" in message
+    assert "before the all-reduce" in message and "loss over steps 50..59" in message
     assert "drain that node" in message
 
 
