@@ -136,7 +136,7 @@ class NanProvenance:
         self._left = 0  # watched steps still to measure
         self._step = _Step()
         # Measured steps' calls, their forward sums' count and gradients' slots, by step.
-        self._waiting: dict[int, tuple[list[Call], int, list[int]]] = {}
+        self._waiting: dict[int, tuple[list[Call], int, list[int], list[str]]] = {}
         self._verdicts: list[_Verdict] = []
         self._measured = 0  # watched steps measured for the trigger under way
         self._backward: str | None = None  # where the parameters' gradients went non-finite
@@ -148,6 +148,11 @@ class NanProvenance:
         # Whether the watch registers gradient hooks: always on in provenance_always, else
         # only after a non-finite gradient whose loss was finite (the costlier half).
         self._gradients = self._always
+        # The weights as the watch began (once per watch): each parameter's norm on the
+        # device, sent with the first watched step; the modules whose own weights were
+        # non-finite then (an update applied the non-finite gradient before the watch).
+        self._weights: tuple[list[str], torch.Tensor] | None = None
+        self._bad_weights: list[str] = []
 
     @property
     def measuring(self) -> bool:
@@ -201,6 +206,8 @@ class NanProvenance:
         if self._unwatch is None:
             self._unwatch = self._context.watch_modules(self._forward)
             self._left = self._steps if not self._always else sys.maxsize
+            if not self._always:
+                self._weights = _weight_norms(self._context.model)
 
     def _forward(self, name: str, inputs: Any, output: Any) -> None:
         step = self._step
@@ -271,7 +278,11 @@ class NanProvenance:
         packed = torch.stack(
             [s if s.device == device else s.to(device, non_blocking=True) for s in sums]
         )
-        self._waiting[step] = (watched.calls, len(watched.sums), watched.grad_slots)
+        owners: list[str] = []
+        if self._weights is not None:  # the first watched step: the weights go with it
+            (owners, norms), self._weights = self._weights, None
+            packed = torch.cat([packed, norms.to(device, non_blocking=True)])
+        self._waiting[step] = (watched.calls, len(watched.sums), watched.grad_slots, owners)
         self._measured += 1
         self._left -= 1
         if self._left <= 0:
@@ -289,8 +300,12 @@ class NanProvenance:
         waiting = self._waiting.pop(step, None)
         if waiting is None:
             return
-        calls, count, grad_slots = waiting
+        calls, count, grad_slots, owners = waiting
         finite = [math.isfinite(v) for v in values]
+        if owners:
+            weights, finite = finite[len(finite) - len(owners) :], finite[: -len(owners)]
+            bad = [owner for owner, ok in zip(owners, weights, strict=True) if not ok]
+            self._bad_weights = list(dict.fromkeys(bad))
         forward = forward_producer(calls, finite[:count])
         backward = backward_producer(calls, grad_slots, finite[count:])
         verdict = _Verdict(step, forward, backward, bool(grad_slots))
@@ -315,7 +330,11 @@ class NanProvenance:
         propagators: list[str] = []
         direction: str | None = None
         first: str | None = None
-        if found is not None and found.forward[0] is not None:
+        if self._bad_weights:  # the NaN is in the weights already: no producer can be told
+            step, direction = verdicts[0].step, "weights"
+            producer, propagators = _shown(self._bad_weights[0]), []
+            message = _weights_message(trigger, step, [_shown(m) for m in self._bad_weights])
+        elif found is not None and found.forward[0] is not None:
             step, producer, propagators = found.step, found.forward[0], found.forward[1]
             direction = "forward"
             message = _forward_message(trigger, step, found.forward[0], propagators)
@@ -336,6 +355,7 @@ class NanProvenance:
         )  # fmt: skip
         context.log("provenance", logging.WARNING, "stabmon: rank %d: %s", context.rank, message)
         self._trigger, self._backward, self._explained = None, None, True
+        self._weights, self._bad_weights = None, []
         if not self._always:
             self._waiting.clear()  # steps still in flight for this trigger: explained already
 
@@ -459,6 +479,52 @@ def _shown(name: str) -> str:
 def _contains(name: str, inner: str) -> bool:
     """Whether module ``name`` contains module ``inner`` (the root, "", contains all)."""
     return name in ("", ROOT, inner) or inner.startswith(name + ".")
+
+
+def _weight_norms(model: torch.nn.Module) -> tuple[list[str], torch.Tensor] | None:
+    """Each floating parameter's norm (on the device, no sync) and the name of the module
+    that owns it, as the module watch names modules; None for a model without any. Taken
+    once per watch, when it begins."""
+    for _ in range(8):  # the user's module inside compile / DDP / DataParallel, as watched
+        inner = getattr(model, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
+            inner = getattr(model, "module", None)
+            if not isinstance(model, (torch.nn.DataParallel, _ddp())):
+                inner = None
+        if not isinstance(inner, torch.nn.Module):
+            break
+        model = inner
+    owners: list[str] = []
+    norms: list[torch.Tensor] = []
+    for name, module in model.named_modules():
+        for param in module.parameters(recurse=False):
+            if param.is_floating_point() and param.numel() and len(norms) < MAX_WATCHED_TENSORS:
+                owners.append(name)
+                norms.append(torch.linalg.vector_norm(param.detach(), dtype=torch.float32))
+    if not norms:
+        return None
+    device = norms[0].device
+    return owners, torch.stack([n if n.device == device else n.to(device) for n in norms])
+
+
+def _ddp() -> type:
+    if torch.distributed.is_available():
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel
+    return torch.nn.DataParallel
+
+
+def _weights_message(trigger: int, step: int, modules: list[str]) -> str:
+    shown = ", ".join(modules[:3]) + (f" and {len(modules) - 3} more" if len(modules) > 3 else "")
+    return (
+        f"the non-finite value of step {trigger} had reached the weights before the watch "
+        f"began (step {step}): {shown} hold non-finite parameters, so every forward is "
+        f"non-finite from them on and no producer can be told; step {trigger}'s "
+        "nonfinite_grad or nonfinite_loss anomaly names where it arose. Resume from a "
+        f"checkpoint before step {trigger}; on_anomaly.nonfinite_grad: skip holds such steps "
+        "back"
+    )
 
 
 def _last_nonfinite_module(summary: GradSummary) -> str | None:

@@ -62,7 +62,7 @@ _LOG_NAME = re.compile(r"^rank-(\d{1,9})\.events\.jsonl$")
 #: What a line must hold to be parsed: the records folded name one of these.
 _WANTED = re.compile(rb'"provenance"|"nonfinite_(?:grad|loss)"')
 _NONFINITE = frozenset({"nonfinite_grad", "nonfinite_loss"})
-_DIRECTIONS = frozenset({"forward", "backward"})
+_DIRECTIONS = frozenset({"forward", "backward", "weights"})
 
 
 def provenance_lines(
@@ -197,20 +197,27 @@ def _run_line(run: str, directory: Path, owner: int, budget: _Budget) -> str | N
     rank, verdict = next(
         ((r, v) for r, v in at_latest if first is not None and r == first[0]), at_latest[0]
     )
-    line = f"run {shown_run}: NaN provenance, step {latest}, rank {rank}: {_explained(verdict)}"
+    line = (
+        f"run {shown_run}: NaN provenance, step {latest}, rank {rank}: {_explained(verdict, rank)}"
+    )
     return f"{line}; {first_text}" if first_text else line
 
 
-def _explained(verdict: dict[str, Any]) -> str:
+def _explained(verdict: dict[str, Any], rank: int) -> str:
     producer, direction = verdict["producer"], verdict["direction"]
     if producer is None:
         watched = ", ".join(map(str, verdict["watched"]))
         clean = f" (steps {watched} were clean)" if watched else ""
         return (
             f"not reproduced{clean}: a transient; look at that step's batch "
-            "(rank-<rank>.skip_batches.json) and at the hardware"
+            f"(rank-{rank}.skip_batches.json) and at the hardware"
         )
     module = producer or "(root)"
+    if direction == "weights":
+        return (
+            f"already in the weights when watched ({module} first): no producer can be "
+            "told; on_anomaly.nonfinite_grad: skip holds such steps back"
+        )
     where = f"in the {direction} pass" if direction is not None else "in an unnamed pass"
     passed = ", ".join(verdict["propagators"])
     if verdict["more"]:

@@ -118,6 +118,25 @@ def test_a_log_of_zero_in_layer_7_is_produced_there_in_the_forward_and_passed_on
     )
 
 
+def test_a_nan_already_applied_to_the_weights_is_said_so_not_blamed_on_the_first_layer(
+    attach: MonitorFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    # No GradScaler and no skip: the NaN of step 40 is applied, every weight upstream goes
+    # NaN, and from then on the first layer's output is non-finite from its own weights. The
+    # verdict must say the weights were already non-finite, not name layers.0 as a producer.
+    model = _Deep()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = attach(model, optimizer, judge_seconds=0)
+    _train(model, monitor, optimizer, None, 46, poison_from=40)
+    (record,) = _provenance(monitor)
+    assert record["direction"] == "weights" and record["reproduced"] is True
+    assert record["producer"] == "layers.0.linear"  # the first module holding NaN weights
+    line = next(
+        r.getMessage() for r in caplog.records if "had reached the weights" in r.getMessage()
+    )
+    assert "step 40's" in line and "skip holds such steps back" in line
+
+
 class _Frozen(torch.optim.SGD):
     """An optimizer whose step changes nothing: the weights stay finite whatever the grads."""
 

@@ -128,6 +128,15 @@ def test_a_transient_reads_not_reproduced_and_the_latest_verdict_wins(tmp_path: 
     assert line.startswith("run flaky: NaN provenance, step 40, rank 0: not reproduced (steps "
                            "41, 42, 43 were clean): a transient")  # fmt: skip
     assert line.endswith("first non-finite: rank 0 at step 3")
+    assert "(rank-0.skip_batches.json)" in line  # the rank's own file, not a placeholder
+
+
+def test_a_nan_already_in_the_weights_says_no_producer_can_be_told(tmp_path: Path) -> None:
+    run = tmp_path / "applied"
+    _write(run, 0, _nan(0, 40), _verdict(0, 40, "layers.0.linear", direction="weights"))
+    (line,) = provenance_lines([_status("applied")], [_target("applied")], tmp_path)
+    assert "already in the weights when watched (layers.0.linear first)" in line
+    assert "skip holds such steps back" in line
 
 
 def test_a_healthy_run_costs_no_read_and_a_url_has_no_run_directory(tmp_path: Path) -> None:
