@@ -519,7 +519,7 @@ def _weights_message(trigger: int, step: int, modules: list[str]) -> str:
     shown = ", ".join(modules[:3]) + (f" and {len(modules) - 3} more" if len(modules) > 3 else "")
     return (
         f"the non-finite value of step {trigger} had reached the weights before the watch "
-        f"began (step {step}): {shown} hold non-finite parameters, so every forward is "
+        f"began (step {step}): non-finite parameters in {shown}, so every forward is "
         f"non-finite from them on and no producer can be told; step {trigger}'s "
         "nonfinite_grad or nonfinite_loss anomaly names where it arose. Resume from a "
         f"checkpoint before step {trigger}; on_anomaly.nonfinite_grad: skip holds such steps "
