@@ -423,7 +423,14 @@ def watch_gradient(tensor: torch.Tensor, hook: Callable[[torch.Tensor], None]) -
     """``hook(gradient)`` when autograd computes ``tensor``'s gradient (the total over its
     uses), for NaN provenance's armed steps: registered from a module watch, on a tensor of
     this step's graph, so it goes with the graph and there is nothing to remove. ``hook``
-    returns None (the gradient passes unchanged) and must neither raise nor sync."""
+    returns None (the gradient passes unchanged) and must neither raise nor sync.
+
+    A leaf (a parameter passed as a module's input, DETR's query embeddings) is left
+    unwatched: its hook would stay on it for good, one more each watched step, fire after
+    the watch, and make pickling the model warn; its gradient is the parameter's own,
+    which the gradient norms judge."""
+    if tensor.grad_fn is None:
+        return
     tensor.register_hook(hook)  # type: ignore[no-untyped-call]  # unannotated in torch
 
 

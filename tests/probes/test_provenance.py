@@ -485,3 +485,43 @@ def test_a_watched_model_compiled_with_fullgraph_still_trains(attach: MonitorFac
         optimizer.zero_grad()
         monitor.observe(loss=loss)
     assert _provenance(monitor) == []  # not watched under compile, and nothing broke
+
+
+class _Queries(nn.Module):
+    """DETR-style: a learned parameter passed as a submodule's input (query embeddings)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.queries = nn.Parameter(torch.randn(4, 8))
+        self.decoder = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(self.decoder(self.queries) + x)
+        return out
+
+
+def test_a_parameter_passed_as_a_module_input_keeps_no_gradient_hook_and_pickles_as_before(
+    attach: MonitorFactory,
+) -> None:
+    # A gradient hook on a leaf (a parameter) is not part of one step's graph: it stayed on
+    # the parameter for good, one more each watched step (each holding its step's record),
+    # fired after the watch ended, and pickling the model warned that hooks are dropped.
+    import pickle
+    import warnings
+
+    model = _Queries()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = attach(model, optimizer, judge_seconds=0, provenance_always=True)
+    for _ in range(4):
+        loss = model(torch.randn(4, 8)).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        monitor.observe(loss=loss)  # type: ignore[attr-defined]
+    assert not model.queries._backward_hooks
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pickle.dumps(model)
+    monitor.detach()  # type: ignore[attr-defined]
+

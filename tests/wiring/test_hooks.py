@@ -202,6 +202,13 @@ def test_watch_gradient_sees_a_tensors_total_gradient_and_leaves_it_unchanged() 
     assert x.grad is not None and torch.equal(x.grad, 2 * seen[0])
 
 
+def test_watch_gradient_leaves_a_leaf_alone() -> None:
+    # A parameter passed as a module's input: a hook on it would outlive the step.
+    weight = torch.nn.Parameter(torch.randn(3))
+    watch_gradient(weight, lambda grad: None)
+    assert not weight._backward_hooks
+
+
 def test_a_model_saved_while_watched_pickles_nothing_of_stabmon() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
     hooks = HookSet(model, torch.optim.SGD(model.parameters(), lr=0.1))
