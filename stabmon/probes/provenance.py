@@ -112,8 +112,10 @@ class _GradientSum:
     def __call__(self, grad: torch.Tensor) -> None:
         step = self._step
         try:
-            if len(step.grads) < MAX_WATCHED_TENSORS:  # a gradient needs no detach
-                step.grads.append(grad.sum(dtype=torch.float32))
+            if len(step.grads) < MAX_WATCHED_TENSORS:
+                # Detached: under backward(create_graph=True) the gradient has a graph
+                # reaching the step's whole forward, which the sum would keep until judged.
+                step.grads.append(grad.detach().sum(dtype=torch.float32))
                 step.grad_slots.append(self._slot)
         except Exception as error:  # never break the backward; raised at measure()
             step.error = step.error or error

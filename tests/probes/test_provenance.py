@@ -525,3 +525,19 @@ def test_a_parameter_passed_as_a_module_input_keeps_no_gradient_hook_and_pickles
         pickle.dumps(model)
     monitor.detach()  # type: ignore[attr-defined]
 
+
+def test_a_double_backward_keeps_no_graph_alive_through_the_gradient_sums(
+    attach: MonitorFactory,
+) -> None:
+    # backward(create_graph=True) (a gradient penalty): each gradient a hook sums has a
+    # graph, which reaches the step's whole forward; a sum kept with it held that graph (all
+    # the step's activations) until the step was judged.
+    from stabmon.probes.provenance import _GradientSum, _Step
+
+    step = _Step()
+    x = torch.randn(4, 8, requires_grad=True)
+    y = torch.tanh(x * 2.0)
+    y.register_hook(_GradientSum(step, 0))
+    (g,) = torch.autograd.grad(y.pow(2).sum(), x, create_graph=True)
+    assert g.requires_grad and len(step.grads) == 1
+    assert not step.grads[0].requires_grad
