@@ -5,6 +5,8 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
+# Extra pip options, e.g. PyTorch's CPU index where the default index serves CUDA builds.
+PIP_ARGS ?=
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint typecheck tools dashboards deploy bench gpu-check clean
@@ -19,8 +21,8 @@ ULTRALYTICS_DEPS := opencv-python polars ultralytics-thop ultralytics-platform r
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check $(TORCH) -e '.[dev,dashboards,report,integrations]' $(ULTRALYTICS_DEPS)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps --upgrade --target $(ULTRALYTICS_SITE) $(ULTRALYTICS)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check $(PIP_ARGS) $(TORCH) -e '.[dev,dashboards,report,integrations]' $(ULTRALYTICS_DEPS)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check $(PIP_ARGS) --no-deps --upgrade --target $(ULTRALYTICS_SITE) $(ULTRALYTICS)
 	touch $(STAMP)
 
 # The real Prometheus and promtool, and Alertmanager's amtool (Debian's packages), for the

@@ -40,6 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     _add_report(commands)
     _add_compare(commands)
     _add_status(commands)
+    for choice in commands._choices_actions:  # `stabmon X --help` opens with what X does
+        sub = commands.choices[choice.dest]
+        sub.description = sub.description or choice.help
     return parser
 
 
@@ -87,7 +90,9 @@ def _add_report(commands: argparse._SubParsersAction[_Parser]) -> None:
         "run_dir", metavar="RUN_DIR",
         help="<run_dir>/<run_id> (or one rank's event log, or the root: its latest run)",
     )  # fmt: skip
-    report.add_argument("-o", "--output", default="report.html", help="default: report.html")
+    report.add_argument(
+        "-o", "--output", default="report.html", help="default: report.html in this directory"
+    )
     report.add_argument(
         "--module-rank", type=int, metavar="RANK",
         help="whose per-module gradient norms to plot (default: the lowest rank)",

@@ -254,7 +254,9 @@ def _plan_text(plan: DemoPlan) -> str:
         f"training {plan.total_steps} steps; faults: NaN gradient at step {plan.nan_step}, "
         f"corrupt batch at step {plan.spike_step}, {plan.stall_seconds:.0f} s stall after step "
         f"{plan.stall_step}, host memory leak of {plan.leak_bytes_per_epoch >> 20} MiB/epoch "
-        f"from epoch {plan.leak_from_epoch}"
+        f"from epoch {plan.leak_from_epoch}; each batch takes "
+        f"{plan.batch_wait_seconds * 1e3:.0f} ms to load, longer than the tiny model trains "
+        "on it (on a fast machine an input_starvation anomaly says so)"
     )
 
 
@@ -279,7 +281,7 @@ def _summary(plan: DemoPlan, detected: dict[str, Any], events_path: Path | None)
             lines.append(f"  MISSED    {kind:15s} {'':25s} <- {injected}")
     # Every other anomaly too (a loss settling back after the corrupt batch spikes again):
     # the summary lists all that the event log holds, not only the first of each kind.
-    first = {id(records[0]) for records in detected.values() if records}
+    first = {id(detected[kind][0]) for kind, _ in expected if detected.get(kind)}
     others = [r for records in detected.values() for r in records if id(r) not in first]
     for record in sorted(others, key=lambda r: (r.get("step") or 0, str(r.get("kind")))):
         lines.append(f"  also      {str(record.get('kind')):15s} at {at(record)}")

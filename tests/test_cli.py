@@ -143,3 +143,17 @@ def test_the_demo_trains_its_tiny_model_on_one_thread_and_puts_the_count_back(
         assert seen == [1] and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_demo_summary_lists_the_first_anomaly_of_a_kind_it_did_not_inject() -> None:
+    # A kind the demo does not inject (an input starvation on a slow machine) has its
+    # first record listed too: every anomaly of the event log, one line each.
+    from stabmon.demo import DemoPlan, _summary
+
+    detected = {
+        "nonfinite_grad": [{"kind": "nonfinite_grad", "step": 100, "epoch": 1}],
+        "input_starvation": [{"kind": "input_starvation", "step": 867, "epoch": 8}],
+    }
+    summary = _summary(DemoPlan(), detected, None)
+    assert "  also      input_starvation at step 867, epoch 8" in summary
+    assert "2 anomalies in the event log" in summary

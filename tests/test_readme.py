@@ -56,6 +56,10 @@ INLINE_CHECKS = {
     "make demo": "make -n (test_readme_inline_make_commands_exist)",
     "make test": "make -n; it runs lint, typecheck and pytest (test_readme_make_test_runs_...)",
     "make TORCH=... demo": "make -n with the default pin for ... (test_readme_inline_make_...)",
+    'make PIP_ARGS="--extra-index-url https://download.pytorch.org/whl/cpu" '
+    "TORCH=torch==2.13.0+cpu demo": "make -n; both pip commands get PIP_ARGS "
+    "(test_readme_pip_args_reach_both_pip_commands)",
+    "stabmon report RUN_DIR": "the subcommand exists (test_readme_inline_stabmon_subcommands_...)",
     "make tools": "make -n (test_readme_inline_make_commands_exist)",
     "make dashboards": "make -n (test_readme_inline_make_commands_exist)",
     "make bench": "make -n (test_readme_inline_make_commands_exist)",
@@ -139,6 +143,13 @@ def test_readme_inline_make_commands_exist() -> None:
         if "demo" in words:
             assert plan.rstrip().endswith("bin/stabmon demo"), plan
     assert "-m venv .venv" in _make_plan("-B", "demo")  # `. .venv/bin/activate` exists after it
+
+
+def test_readme_pip_args_reach_both_pip_commands() -> None:
+    plan = _make_plan("-B", "PIP_ARGS=--extra-index-url https://example.invalid/cpu",
+                      ".venv/.installed")  # fmt: skip
+    installs = [line for line in plan.splitlines() if "pip install" in line]
+    assert len(installs) == 2 and all("https://example.invalid/cpu" in i for i in installs)
 
 
 def test_readme_the_venv_holds_activate_and_the_stabmon_command() -> None:
