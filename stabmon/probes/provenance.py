@@ -42,7 +42,9 @@ later:
 
 The verdict is one ``provenance`` event and one log line. ``provenance_always`` watches
 from the first step, for a debugging session. A compiled forward is not watched (its
-module hooks are no-ops in traced code), nor an evaluation under ``no_grad``. What an
+module hooks are no-ops in traced code), nor an evaluation under ``no_grad``; checkpointed
+blocks are (reentrant ones run under ``no_grad`` inside the training forward), judged in
+the forward's order, not as the backward re-runs them. What an
 armed step costs on CPU: ``bench/provenance_cost.py`` (docs/loops.md).
 """
 
@@ -67,6 +69,9 @@ __all__ = ["MAX_WATCHED_CALLS", "NanProvenance", "backward_producer", "forward_p
 MAX_WATCHED_CALLS = 4096
 #: Tensors (forward) and gradients (backward) summed per step at most.
 MAX_WATCHED_TENSORS = 2 * MAX_WATCHED_CALLS
+#: Module calls under no_grad recorded per step at most (an evaluation of a submodule left
+#: in an armed step: the training forward keeps the rest of the bound).
+MAX_NO_GRAD_CALLS = MAX_WATCHED_CALLS // 4
 #: Propagators a verdict names at most.
 MAX_PROPAGATORS = 5
 #: The producer's name when the model's own input was already non-finite.
@@ -88,7 +93,9 @@ class _Step:
     measured (a graph kept with ``retain_graph``) writes into a record no one reads.
     """
 
-    __slots__ = ("calls", "error", "grad_slots", "grads", "seen", "sums")
+    __slots__ = (
+        "calls", "error", "grad_slots", "grads", "mark", "no_grad", "recomputed", "seen", "sums"
+    )  # fmt: skip
 
     def __init__(self) -> None:
         self.calls: list[Call] = []
@@ -99,6 +106,11 @@ class _Step:
         self.grads: list[torch.Tensor] = []  # gradient sums, in the order autograd made them
         self.grad_slots: list[int] = []  # the slot of each
         self.error: Exception | None = None  # a failure inside a hook, raised at measure()
+        # Calls (by index) made under no_grad, and made inside a backward pass (activation
+        # checkpointing re-running a forward): see _forward_calls.
+        self.no_grad: set[int] = set()
+        self.recomputed: set[int] = set()
+        self.mark = (0, 0)  # the calls and sums as the last call with a gradient completed
 
 
 class _GradientSum:
@@ -137,8 +149,11 @@ class NanProvenance:
         self._unwatch: Any = None
         self._left = 0  # watched steps still to measure
         self._step = _Step()
-        # Measured steps' calls, their forward sums' count and gradients' slots, by step.
-        self._waiting: dict[int, tuple[list[Call], int, list[int], list[str]]] = {}
+        # Measured steps' calls, their forward sums' count, gradients' slots, the weights'
+        # owners and the forward's own calls (None: all of them), by step.
+        self._waiting: dict[
+            int, tuple[list[Call], int, list[int], list[str], tuple[set[int], set[int]] | None]
+        ] = {}
         self._verdicts: list[_Verdict] = []
         self._measured = 0  # watched steps measured for the trigger under way
         self._backward: str | None = None  # where the parameters' gradients went non-finite
@@ -213,23 +228,38 @@ class NanProvenance:
 
     def _forward(self, name: str, inputs: Any, output: Any) -> None:
         step = self._step
-        if len(step.calls) >= MAX_WATCHED_CALLS or not torch.is_grad_enabled():
-            return  # evaluation is no training step; past the bound, the first calls decide
+        if len(step.calls) >= MAX_WATCHED_CALLS:
+            return  # past the bound, the first calls decide
         try:
+            # Tagged for the verdict: a call under no_grad is the training forward's only
+            # inside one that has a gradient (reentrant checkpointing), not an evaluation;
+            # one inside a backward re-runs a forward (checkpointing), out of its order.
+            if not torch.is_grad_enabled():
+                if name == "":  # the model's own forward under no_grad: an evaluation
+                    _drop_since_mark(step)
+                    return
+                if len(step.no_grad) >= MAX_NO_GRAD_CALLS:
+                    return  # an evaluation of a submodule: it takes a bounded share
+                step.no_grad.add(len(step.calls))
+            if torch._C._current_graph_task_id() != -1:
+                step.recomputed.add(len(step.calls))
+            index = len(step.calls)
             if isinstance(output, torch.Tensor):  # the common case, without a tuple walk
                 slot = self._slot(output, step)
-                if slot < 0:
-                    return
-                outputs: tuple[int, ...] = (slot,)
+                outputs: tuple[int, ...] = (slot,) if slot >= 0 else ()
             else:
                 outputs = self._slots(output, step)
-                if not outputs:
-                    return
+            if not outputs:
+                step.no_grad.discard(index)
+                step.recomputed.discard(index)
+                return
             if len(inputs) == 1 and isinstance(inputs[0], torch.Tensor):
                 slot = self._slot(inputs[0], step)
                 step.calls.append((name, (slot,) if slot >= 0 else (), outputs))
             else:
                 step.calls.append((name, self._slots(inputs, step), outputs))
+            if index not in step.no_grad:
+                step.mark = (len(step.calls), len(step.sums))
         except Exception as error:  # never break the forward; raised at measure()
             step.error = step.error or error
 
@@ -284,7 +314,10 @@ class NanProvenance:
         if self._weights is not None:  # the first watched step: the weights go with it
             (owners, norms), self._weights = self._weights, None
             packed = torch.cat([packed, norms.to(device, non_blocking=True)])
-        self._waiting[step] = (watched.calls, len(watched.sums), watched.grad_slots, owners)
+        tags = (
+            (watched.no_grad, watched.recomputed) if watched.no_grad or watched.recomputed else None
+        )
+        self._waiting[step] = (watched.calls, len(watched.sums), watched.grad_slots, owners, tags)
         self._measured += 1
         self._left -= 1
         if self._left <= 0:
@@ -302,13 +335,13 @@ class NanProvenance:
         waiting = self._waiting.pop(step, None)
         if waiting is None:
             return
-        calls, count, grad_slots, owners = waiting
+        calls, count, grad_slots, owners, tags = waiting
         finite = [math.isfinite(v) for v in values]
         if owners:
             weights, finite = finite[len(finite) - len(owners) :], finite[: -len(owners)]
             bad = [owner for owner, ok in zip(owners, weights, strict=True) if not ok]
             self._bad_weights = list(dict.fromkeys(bad))
-        forward = forward_producer(calls, finite[:count])
+        forward = forward_producer(_forward_calls(calls, *tags) if tags else calls, finite[:count])
         backward = backward_producer(calls, grad_slots, finite[count:])
         verdict = _Verdict(step, forward, backward, bool(grad_slots))
         if self._always:  # every step watched: a verdict for each episode's first producer
@@ -453,6 +486,39 @@ def backward_producer(
         if name != producer and name not in propagators:
             propagators.append(name)
     return producer, propagators[:MAX_PROPAGATORS], where
+
+
+def _drop_since_mark(step: _Step) -> None:
+    """Forget the calls and sums since the last call with a gradient: they were an
+    evaluation's (the model's forward under no_grad), and would take the step's bounds."""
+    calls, sums = step.mark
+    if len(step.calls) == calls and len(step.sums) == sums:
+        return
+    del step.calls[calls:], step.sums[sums:]
+    step.no_grad = {index for index in step.no_grad if index < calls}
+    step.seen = {key: seen for key, seen in step.seen.items() if seen[1] < sums}
+
+
+def _forward_calls(calls: Sequence[Call], no_grad: set[int], recomputed: set[int]) -> list[Call]:
+    """The calls of the training forward, in its order: without the forwards re-run inside
+    a backward (activation checkpointing: out of order, duplicates), and without calls
+    under no_grad unless the next call of a module around them had a gradient (reentrant
+    checkpointing runs its blocks under no_grad inside the training forward; an evaluation
+    under no_grad is left out whole)."""
+    kept = [True] * len(calls)
+    for index in range(len(calls) - 1, -1, -1):
+        if index in recomputed:
+            kept[index] = False
+        elif index in no_grad:
+            name = calls[index][0]
+            around = next(
+                (later for later in range(index + 1, len(calls))
+                 if later not in recomputed and calls[later][0] != name
+                 and _contains(calls[later][0], name)),
+                None,
+            )  # fmt: skip
+            kept[index] = around is not None and kept[around]
+    return [call for call, keep in zip(calls, kept, strict=True) if keep]
 
 
 def _deepest(candidates: list[tuple[int, str]]) -> str | None:

@@ -541,3 +541,55 @@ def test_a_double_backward_keeps_no_graph_alive_through_the_gradient_sums(
     (g,) = torch.autograd.grad(y.pow(2).sum(), x, create_graph=True)
     assert g.requires_grad and len(step.grads) == 1
     assert not step.grads[0].requires_grad
+
+
+class _Checkpointed(_Deep):
+    """Activation checkpointing: the blocks after the first re-run in the backward."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        for index, layer in enumerate(self.layers):
+            y = layer(x) if not index else checkpoint(layer, x, use_reentrant=self.reentrant)
+            x = y * 0.5 + x * 0.5
+        out: torch.Tensor = self.head(x)
+        return out
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointed_blocks_name_the_forward_producer_in_forward_order(
+    attach: MonitorFactory, reentrant: bool
+) -> None:
+    # Reentrant checkpointing runs its blocks under no_grad in the forward and again in the
+    # backward: they were left out of the forward and seen in backward order, so the head's
+    # non-finite input came from nowhere watched and the root was named as the producer.
+    model = _Checkpointed(reentrant)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    monitor = attach(model, optimizer, scaler=scaler, judge_seconds=0)
+    _train(model, monitor, optimizer, scaler, 46, poison_from=40)
+    (record,) = _provenance(monitor)
+    assert (record["producer"], record["direction"]) == ("layers.7", "forward")
+    assert record["propagators"][:2] == ["layers.8.linear", "layers.8"]  # type: ignore[index]
+
+
+def test_an_evaluation_under_no_grad_in_a_watched_step_is_no_producer(
+    attach: MonitorFactory,
+) -> None:
+    model, monitor, optimizer, scaler = _attached(attach, provenance_always=True)
+    for step in range(6):
+        if step == 3:
+            with torch.no_grad():  # a NaN in an evaluation batch, not in training
+                model(torch.full((4, 8), float("nan")))
+                model.layers[2](torch.full((4, 8), float("nan")))
+        loss = model(torch.randn(4, 8)).pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        monitor.observe(loss=loss)  # type: ignore[attr-defined]
+    assert _provenance(monitor) == []
