@@ -102,12 +102,17 @@ class StepChanges:
             self._lrs.append((group, lr))
             group["lr"] = lr * factor
 
-    def undo(self) -> None:
-        """Put back what was changed: gradients, the LR, GradScaler's flag (or none)."""
+    def undo(self) -> bool:
+        """Put back what was changed: gradients, the LR, GradScaler's flag (or none).
+        Whether a held-back gradient was computed anew inside the step (``step(closure)``
+        on any optimizer: the step applied those, so nothing was held back)."""
         optimizer, self._optimizer = self._optimizer, None
+        recomputed = False
         for param, grad in self._held:
             if param.grad is None:
                 param.grad = grad
+            else:
+                recomputed = True
         self._held.clear()
         for group, lr in self._lrs:
             group["lr"] = lr
@@ -120,3 +125,4 @@ class StepChanges:
                     optimizer.found_inf = scaler_flag  # type: ignore[attr-defined]  # it deletes it
                 else:
                     del optimizer.found_inf  # type: ignore[attr-defined]
+        return recomputed

@@ -99,6 +99,9 @@ class AnomalyPolicies:
         #: Whether the optimizer computes its gradients inside step(closure) (LBFGS): no skip
         #: can hold those back (decided at the first step).
         self._closure_step: bool | None = None
+        #: Skips of this step whose gradients are held back, recorded once the step has run:
+        #: a closure passed to any optimizer's step may compute new ones that it applies.
+        self._held_records: list[tuple[str, int, int, str]] = []
         #: Whether the step gated last had its gradients held back (read by adapters).
         self.held_back = False
         #: This rank counted among those with a policy (checked at the first step), and
@@ -116,6 +119,7 @@ class AnomalyPolicies:
             return
         if self._changes.pending:  # the last step raised inside optimizer.step()
             self._changes.undo()
+            self._record_held(recomputed=False)
         self.held_back = False
         # Deferred mode: the flags agreed at the steps before. Late kinds are acted on at a
         # set step (the next), the same on every rank; a skip the device made is only told.
@@ -167,7 +171,19 @@ class AnomalyPolicies:
 
     def step_applied(self) -> None:
         if self._changes.pending:
-            self._changes.undo()
+            self._record_held(self._changes.undo())
+
+    def _record_held(self, recomputed: bool) -> None:
+        """The skips of the step just run, as they turned out."""
+        records, self._held_records = self._held_records, []
+        for kind, at, step, optimizer in records:
+            if not recomputed:
+                self._record(kind, "skip", at, step, f"step {at} was not applied")
+                continue
+            self._damaging = _DAMAGING  # such steps are applied: NaNs reach the weights
+            self._record(kind, "skip", at, step, f"step {at} was applied: {optimizer}.step was "
+                         "given a closure that computed new gradients after the check, so a "
+                         "skip cannot hold them back")  # fmt: skip
 
     def _own_flags(self, step: int, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """This rank's flags: one float64 slot per acting kind, the step it fired at + 1."""
@@ -264,7 +280,10 @@ class AnomalyPolicies:
                 if now and not skipped:  # this step: hold its gradients back
                     self._changes.hold_gradients(optimizer)
                     skipped = self.held_back = True
-                self._record(kind, action, at, step, f"step {at} was not applied")
+                if self._changes.pending:  # said once the step has run (a closure may undo it)
+                    self._held_records.append((kind, at, step, type(optimizer).__name__))
+                else:
+                    self._record(kind, action, at, step, f"step {at} was not applied")
             elif action == "lr_scale":
                 self._lr_left = plan.lr_steps
                 self._record(kind, action, at, step, f"the LR is x{plan.lr_factor:g} for "
@@ -273,6 +292,7 @@ class AnomalyPolicies:
                 self._checkpoint(kind, at, step)
         if stop is not None:
             kind, at = stop
+            self._record_held(recomputed=False)  # the step does not run
             self._record(kind, "stop", at, step, f"stopped before step {step}")
             raise AnomalyStop(kind, step, self._rank, anomaly_step=at)
 

@@ -426,3 +426,37 @@ def test_skip_with_lbfgs_says_the_step_was_applied_instead_of_claiming_it_was_no
     warnings = [r for r in caplog.records if "cannot hold LBFGS" in r.getMessage()]
     assert len(warnings) == 1
     assert not _finite(model)  # what happened: the NaN reached the weights
+
+
+def test_skip_with_a_closure_given_to_sgd_says_the_step_was_applied(
+    attach: Callable[..., stabmon.Monitor],
+) -> None:
+    # Any optimizer's step(closure) runs the closure after the pre-hook held the gradients
+    # back; a closure that computes new ones (zero_grad, backward) has them applied. The
+    # skip was recorded 'step N was not applied' while the NaN reached the weights.
+    from helpers import events
+
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = attach(model, optimizer, judge_seconds=0, on_anomaly={"nonfinite_grad": "skip"})
+    generator = torch.Generator().manual_seed(1)
+    for step in range(8):
+        inputs = torch.randn(4, 8, generator=generator)
+
+        def closure(inputs: torch.Tensor = inputs, poisoned: bool = step >= 4) -> torch.Tensor:
+            optimizer.zero_grad()
+            loss = model(inputs).pow(2).mean()
+            loss.backward()
+            if poisoned:
+                _nan(model)
+            return loss
+
+        closure()  # the gradients the pre-hook checks
+        optimizer.step(closure)
+        monitor.observe(loss=closure().detach())
+    monitor.detach()
+
+    policies = [e for e in events(monitor.event_log_path) if e.get("event") == "policy"]
+    assert policies and all("was applied" in e["detail"] for e in policies), policies
+    assert "SGD.step was given a closure" in policies[0]["detail"]
+    assert not _finite(model)  # what happened: the NaN reached the weights
