@@ -567,8 +567,12 @@ def _weight_norms(model: torch.nn.Module) -> tuple[list[str], torch.Tensor] | No
     for name, module in model.named_modules():
         for param in module.parameters(recurse=False):
             if param.is_floating_point() and param.numel() and len(norms) < MAX_WATCHED_TENSORS:
+                # This rank's shard of a DTensor (FSDP2, tensor parallelism): its norm would
+                # be a DTensor, which the step's sums cannot be stacked with, and may redistribute
+                # (a collective) on the one rank that armed.
+                local = param.to_local() if hasattr(param, "to_local") else param
                 owners.append(name)
-                norms.append(torch.linalg.vector_norm(param.detach(), dtype=torch.float32))
+                norms.append(torch.linalg.vector_norm(local.detach(), dtype=torch.float32))
     if not norms:
         return None
     device = norms[0].device

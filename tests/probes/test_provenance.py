@@ -593,3 +593,44 @@ def test_an_evaluation_under_no_grad_in_a_watched_step_is_no_producer(
         optimizer.zero_grad()
         monitor.observe(loss=loss)  # type: ignore[attr-defined]
     assert _provenance(monitor) == []
+
+
+_DTENSOR_SCRIPT = """
+import os, socket, warnings
+warnings.simplefilter("ignore")
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from stabmon.probes.provenance import _weight_norms
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+dist.init_process_group("gloo", rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+model = torch.nn.Linear(4, 4)
+for name in ("weight", "bias"):
+    sharded = distribute_tensor(getattr(model, name).detach(), mesh, [Shard(0)])
+    setattr(model, name, torch.nn.Parameter(sharded))
+owners, norms = _weight_norms(model)
+torch.cat([torch.zeros(2), norms])  # stacked with the step's sums, as measure() does
+print(type(norms).__name__, owners)
+dist.destroy_process_group()
+"""
+
+
+def test_the_weights_norms_of_sharded_parameters_are_this_ranks_plain_tensors() -> None:
+    # FSDP2 / tensor parallelism: parameters are DTensors; their norms were DTensors, which
+    # the first watched step's sums could not be concatenated with (the step was lost,
+    # counted as an internal error) and may redistribute (a collective) on one rank alone.
+    import os
+    import sys
+    from pathlib import Path
+
+    from process_groups import run_group
+
+    root = Path(__file__).resolve().parents[2]
+    done = run_group([sys.executable, "-c", _DTENSOR_SCRIPT], timeout=120,
+                     env={**os.environ, "PYTHONPATH": str(root)})  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-3:] == ["Tensor", "['',", "'']"]
