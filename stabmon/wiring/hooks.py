@@ -334,8 +334,10 @@ class HookSet:
             for module, names in swapped:
                 _restore_hook_dicts(module, names)
             swapped.clear()
+            self._forget(removal)
 
-        self._handles.append(_Removal(unwatch))
+        removal = _Removal(unwatch)
+        self._handles.append(removal)
         return unwatch
 
     def watch_output(self, hook: Callable[[Any, Any], None]) -> Callable[[], None]:
@@ -355,8 +357,10 @@ class HookSet:
         def unwatch() -> None:
             handle.remove()
             _restore_hook_dicts(self._model, owned)
+            self._forget(removal)
 
-        self._handles.append(_Removal(unwatch))
+        removal = _Removal(unwatch)
+        self._handles.append(removal)
         return unwatch
 
     def bind_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -400,11 +404,17 @@ class HookSet:
         """Remove ``handle`` (anything with ``remove()``, e.g. a clip watch) with the hooks."""
         self._handles.append(handle)
 
+    def _forget(self, removal: _Removal) -> None:
+        """A watch ended: its removal leaves the handles (a watch armed once per NaN episode
+        over a long run would otherwise keep one each)."""
+        if removal in self._handles:
+            self._handles.remove(removal)
+
     def remove(self) -> None:
         """Remove every hook and release the model and optimizer for another Monitor."""
-        for handle in self._handles:
+        handles, self._handles = self._handles, []  # a watch's removal forgets itself
+        for handle in handles:
             handle.remove()
-        self._handles.clear()
         _restore_hook_dicts(self._model, getattr(self, "_swapped", ()))
         self._swapped = ()
         if self._scaler is not None and self._scaler_update is not None:

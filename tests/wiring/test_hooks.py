@@ -209,6 +209,23 @@ def test_watch_gradient_leaves_a_leaf_alone() -> None:
     assert not weight._backward_hooks
 
 
+def test_a_watch_ended_leaves_nothing_behind_over_many_cycles() -> None:
+    # NaN provenance arms a module watch once per episode: each ended watch kept its
+    # removal in the handle list for the rest of the run.
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    hooks = HookSet(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    watcher = _Watcher()
+    before = len(hooks._handles)
+    for _ in range(50):
+        hooks.watch_modules(watcher.forward)()
+        hooks.watch_output(lambda kwargs, output: None)()
+    assert len(hooks._handles) == before
+    hooks.watch_modules(watcher.forward)  # still armed when the Monitor detaches
+    hooks.remove()
+    model(torch.randn(1, 2))
+    assert watcher.seen == [] and not any(m._forward_hooks for m in model.modules())
+
+
 def test_a_model_saved_while_watched_pickles_nothing_of_stabmon() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
     hooks = HookSet(model, torch.optim.SGD(model.parameters(), lr=0.1))
