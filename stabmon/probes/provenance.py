@@ -274,7 +274,9 @@ class NanProvenance:
             return -1
         step.sums.append(tensor.detach().sum(dtype=torch.float32))
         step.seen[id(tensor)] = (weakref.ref(tensor), slot)
-        if self._gradients and tensor.requires_grad:
+        # Not under no_grad: an evaluation's slots are dropped and taken again, and a hook
+        # on a tensor it was given would fire into another tensor's slot.
+        if self._gradients and tensor.requires_grad and torch.is_grad_enabled():
             self._watch_gradient(tensor, _GradientSum(step, slot))
         return slot
 

@@ -634,3 +634,20 @@ def test_the_weights_norms_of_sharded_parameters_are_this_ranks_plain_tensors() 
                      env={**os.environ, "PYTHONPATH": str(root)})  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split()[-3:] == ["Tensor", "['',", "'']"]
+
+
+def test_an_evaluation_under_no_grad_puts_no_gradient_hook_on_what_it_is_given(
+    attach: MonitorFactory,
+) -> None:
+    # The evaluation's slots are dropped and given to the training forward's tensors after
+    # it: a hook on a tensor with a gradient passed in would report into one of those.
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = attach(model, optimizer, judge_seconds=0, provenance_always=True)
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    optimizer.step()  # the watch begins
+    hidden = torch.randn(4, 8, requires_grad=True) * 1.0  # in some graph, not a leaf
+    with torch.no_grad():
+        model(hidden)
+    assert not hidden._backward_hooks
+    monitor.detach()  # type: ignore[attr-defined]
