@@ -306,6 +306,14 @@ class NanProvenance:
             self.detach()  # a hook failed: stop watching (the guard counts and logs it)
             raise watched.error
         if not watched.calls:
+            # A step without a watched call (a compiled forward) counts too: the watch ends.
+            self._left -= 1
+            if self._left <= 0:
+                self.detach()
+                if not self._measured and not self._always:
+                    # Nothing was watched: no verdict (none could be right); the episode
+                    # is over once the values are finite again, as after a verdict.
+                    self._explained, self._trigger = True, None
             return None
         sums = watched.sums + watched.grads
         device = sums[0].device
@@ -354,7 +362,10 @@ class NanProvenance:
         if self._trigger is None:
             return
         self._verdicts.append(verdict)
-        if verdict.found or len(self._verdicts) >= max(self._measured, self._steps):
+        # Once the watch has ended, the steps it measured are all there will be (some of
+        # its steps may have had no watched call).
+        needed = self._measured if self._unwatch is None else max(self._measured, self._steps)
+        if verdict.found or len(self._verdicts) >= needed:
             self._report()
 
     def _report(self) -> None:

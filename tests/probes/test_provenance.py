@@ -651,3 +651,26 @@ def test_an_evaluation_under_no_grad_puts_no_gradient_hook_on_what_it_is_given(
         model(hidden)
     assert not hidden._backward_hooks
     monitor.detach()  # type: ignore[attr-defined]
+
+
+def test_a_watch_that_sees_no_module_call_ends_after_its_steps(attach: MonitorFactory) -> None:
+    # A compiled forward is not watched: its steps had no calls, were not counted, and the
+    # watch armed by a NaN stayed on every module for the rest of the run (and never armed
+    # again); it ends after provenance_steps now, without a verdict (nothing was watched).
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    monitor = attach(model, optimizer, judge_seconds=0, provenance_steps=2)
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    hooked = []
+    for step in range(10):
+        inputs = torch.randn(4, 8)
+        if step == 1:
+            inputs[0, 0] = float("nan")
+        loss = compiled(inputs).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        monitor.observe(loss=loss)  # type: ignore[attr-defined]
+        hooked.append(bool(model[0]._forward_hooks))
+    assert any(hooked) and not hooked[-1]
+    assert _provenance(monitor) == []  # no verdict: nothing was watched
