@@ -523,15 +523,25 @@ def _forward_calls(calls: Sequence[Call], no_grad: set[int], recomputed: set[int
         if index in recomputed:
             kept[index] = False
         elif index in no_grad:
-            name = calls[index][0]
-            around = next(
-                (later for later in range(index + 1, len(calls))
-                 if later not in recomputed and calls[later][0] != name
-                 and _contains(calls[later][0], name)),
-                None,
-            )  # fmt: skip
+            around = _around(calls, index, recomputed)
             kept[index] = around is not None and kept[around]
     return [call for call, keep in zip(calls, kept, strict=True) if keep]
+
+
+def _around(calls: Sequence[Call], index: int, recomputed: set[int]) -> int | None:
+    """The call of a module around call ``index`` (the next to complete that contains it),
+    or None when the same module runs again first: then ``index`` ran on its own (a
+    submodule evaluated under no_grad before the training forward calls it again)."""
+    name = calls[index][0]
+    for later in range(index + 1, len(calls)):
+        if later in recomputed:
+            continue
+        other = calls[later][0]
+        if other == name:
+            return None
+        if _contains(other, name):
+            return later
+    return None
 
 
 def _deepest(candidates: list[tuple[int, str]]) -> str | None:

@@ -206,9 +206,10 @@ def test_compare_of_two_multi_rank_runs_has_per_rank_and_whole_run_rows(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # Two processes, each a rank of both runs (starting torch costs seconds, so once per rank);
-    # rank 1 of B sleeps in its batch fetch (30 ms: well above what a busy machine adds to
-    # run A's input wait, so the whole run's row moves too).
-    ranks = [_start_rank(tmp_path, rank, "two-a", f"two-b:{0.03 if rank else 0}")
+    # both ranks of B sleep in their batch fetch, rank 1 longer (20 and 40 ms: well above what
+    # a busy machine adds to run A's input wait). With rank 0 of B not slowed at all, the
+    # whole run's pooled median sat between its two ranks and moved or not with the load.
+    ranks = [_start_rank(tmp_path, rank, "two-a", f"two-b:{0.04 if rank else 0.02}")
              for rank in (0, 1)]  # fmt: skip
     for process in ranks:
         assert process.wait(timeout=120) == 0
