@@ -192,10 +192,10 @@ def test_spawned_workers_start_inside_iter_and_the_batches_are_still_named(
 ) -> None:
     # spawn (macOS's default): the workers start inside iter(loader), while the loader's
     # batch sampler is stabmon's read-through; they are sent the dataset, not the sampler.
-    # Persistent: two spawns, not two a pass. The batch of step 24 is the third pass's first.
+    # Persistent: one spawn, not one a pass. The batch of step 24 is the third pass's first.
     loader = DataLoader(
         _Indexed(96), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(7),
-        num_workers=2, multiprocessing_context="spawn", persistent_workers=True,
+        num_workers=1, multiprocessing_context="spawn", persistent_workers=True,
     )  # fmt: skip
     _, truth = _spike_run(attach, loader, epochs=3, poisoned_step=24)
     entries = json.loads((tmp_path / "test-run" / "rank-0.skip_batches.json").read_text())
