@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from stabmon.shared.generated import check_fresh, stale_files
+from stabmon.shared.generated import BlockDumper, check_fresh, stale_files
 
 KUBERNETES_DIR = Path(__file__).resolve().parent
 ROOT = KUBERNETES_DIR.parents[1]
@@ -44,25 +44,10 @@ class SourceError(Exception):
     """A source file that cannot be turned into its Kubernetes object."""
 
 
-class _Dumper(yaml.SafeDumper):
-    """Block style with indented sequences, and multi-line strings as literal blocks."""
-
-    def increase_indent(self, flow: bool = False, indentless: bool = False) -> None:
-        super().increase_indent(flow, False)
-
-
-def _represent_text(dumper: yaml.SafeDumper, text: str) -> yaml.ScalarNode:
-    style = "|" if "\n" in text else None
-    return dumper.represent_scalar("tag:yaml.org,2002:str", text, style=style)
-
-
-_Dumper.add_representer(str, _represent_text)
-
-
 def _dump(header: str, documents: Sequence[dict[str, Any]]) -> str:
     body = yaml.dump_all(
         documents,
-        Dumper=_Dumper,
+        Dumper=BlockDumper,
         sort_keys=False,
         allow_unicode=True,
         width=100,

@@ -42,7 +42,7 @@ from typing import Any
 
 import yaml
 
-from stabmon.shared.generated import check_fresh, stale_files
+from stabmon.shared.generated import BlockDumper, check_fresh, stale_files
 
 MIXIN_DIR = Path(__file__).resolve().parent
 ROOT = MIXIN_DIR.parents[1]
@@ -229,23 +229,8 @@ class SourceError(Exception):
     """A source the mixin cannot be made from (or a --config it cannot apply)."""
 
 
-class _Dumper(yaml.SafeDumper):
-    """Block style with indented sequences, and multi-line strings as literal blocks."""
-
-    def increase_indent(self, flow: bool = False, indentless: bool = False) -> None:
-        super().increase_indent(flow, False)
-
-
-def _represent_text(dumper: yaml.SafeDumper, text: str) -> yaml.ScalarNode:
-    style = "|" if "\n" in text else None
-    return dumper.represent_scalar("tag:yaml.org,2002:str", text, style=style)
-
-
-_Dumper.add_representer(str, _represent_text)
-
-
 def _dump(header: str, document: Mapping[str, Any]) -> str:
-    body = yaml.dump(document, Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=100)
+    body = yaml.dump(document, Dumper=BlockDumper, sort_keys=False, allow_unicode=True, width=100)
     comments = "".join(f"# {line}".rstrip() + "\n" for line in header.splitlines())
     return comments + body
 

@@ -197,7 +197,7 @@ class BatchIdentities:
                     ids.dtype, ids.device,
                 )  # fmt: skip
                 return
-            values: list[Any] = ids.reshape(-1)[:MAX_INDICES].tolist()
+            values: list[Any] = ids.reshape(-1)[:MAX_INDICES].tolist()  # host memory: no sync
         else:
             values = list(itertools.islice(ids, MAX_INDICES))
         self._ring.append((step, "ids", [int(i) for i in values], None))
@@ -391,7 +391,7 @@ def _indices(batch: Any) -> array[int] | None:
         if isinstance(batch, torch.Tensor):
             if batch.device.type != "cpu" or batch.is_floating_point():
                 return None  # a device tensor would be read back with a sync
-            batch = batch.reshape(-1)[:MAX_INDICES].tolist()
+            batch = batch.reshape(-1)[:MAX_INDICES].tolist()  # a CPU tensor: no sync
         values = batch[:MAX_INDICES] if isinstance(batch, (list, tuple, range)) else [batch]
         if values and isinstance(values[0], bool):  # a mask, not indices (a sampler's are alike)
             return None

@@ -1,8 +1,9 @@
-"""Committed generated files (dashboard JSON, Kubernetes YAML): which are stale, and ``--check``.
+"""Committed generated files (dashboard JSON, Kubernetes YAML, the mixin): which are stale,
+``--check``, and the YAML style they are written in.
 
-``dashboards/generate.py`` and ``deploy/kubernetes/generate.py`` both render text
-from a single source and commit it; CI runs each with ``--check``. They share this
-module so "stale" means the same thing, and the error reads the same, in both.
+``dashboards/generate.py``, ``deploy/kubernetes/generate.py`` and ``deploy/mixin/generate.py``
+render text from a single source and commit it; CI runs each with ``--check``. They share
+this module so "stale" means the same thing, and the error reads the same, in all.
 """
 
 from __future__ import annotations
@@ -12,7 +13,24 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TextIO
 
-__all__ = ["check_fresh", "stale_files"]
+import yaml
+
+__all__ = ["BlockDumper", "check_fresh", "stale_files"]
+
+
+class BlockDumper(yaml.SafeDumper):
+    """Block style with indented sequences, and multi-line strings as literal blocks."""
+
+    def increase_indent(self, flow: bool = False, indentless: bool = False) -> None:
+        super().increase_indent(flow, False)
+
+
+def _represent_text(dumper: yaml.SafeDumper, text: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in text else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", text, style=style)
+
+
+BlockDumper.add_representer(str, _represent_text)
 
 
 def stale_files(
