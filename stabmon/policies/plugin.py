@@ -96,9 +96,6 @@ class AnomalyPolicies:
             context.run_directory / f"rank-{self._rank}.verdict.json", self._rank
         )
         self._reads_now: bool | None = None  # decided at the first step (the optimizer's kind)
-        #: Whether the optimizer computes its gradients inside step(closure) (LBFGS): no skip
-        #: can hold those back (decided at the first step).
-        self._closure_step: bool | None = None
         #: Skips of this step whose gradients are held back, recorded once the step has run:
         #: a closure passed to any optimizer's step may compute new ones that it applies.
         self._held_records: list[tuple[str, int, int, str]] = []
@@ -128,9 +125,9 @@ class AnomalyPolicies:
         reads_now = self._reads_now
         if reads_now is None:
             reads_now = self._reads_now = self._plan.reads_every_step(takes_device_flag(optimizer))
-            self._closure_step = computes_gradients_in_step(optimizer)
-            if self._closure_step and self._skips:
-                self._damaging = _DAMAGING  # a skip holds nothing back: NaNs reach the weights
+            # Said up front where it is known from the optimizer's kind (LBFGS); each such
+            # step's record says it was applied (_record_held: its closure made new gradients).
+            if self._skips and computes_gradients_in_step(optimizer):
                 self._context.log(
                     "policies:closure", logging.WARNING,
                     "stabmon: rank %d: on_anomaly skip cannot hold %s's steps back: it "
@@ -271,12 +268,7 @@ class AnomalyPolicies:
             if action == "stop":
                 stop = stop or (kind, at)
                 continue
-            if action == "skip" and self._closure_step:
-                self._record(kind, action, at, step, f"step {at} was applied: "
-                             f"{type(optimizer).__name__} computes its gradients inside "
-                             "step(closure), after the check, so a skip cannot hold them "
-                             "back")  # fmt: skip
-            elif action == "skip":
+            if action == "skip":
                 if now and not skipped:  # this step: hold its gradients back
                     self._changes.hold_gradients(optimizer)
                     skipped = self.held_back = True
