@@ -59,6 +59,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from stabmon.probes.unwrap import unwrap_model
+
 if TYPE_CHECKING:
     from stabmon.extension import Context, GradSummary
 
@@ -576,15 +578,7 @@ def _weight_norms(model: torch.nn.Module) -> tuple[list[str], torch.Tensor] | No
     """Each floating parameter's norm (on the device, no sync) and the name of the module
     that owns it, as the module watch names modules; None for a model without any. Taken
     once per watch, when it begins."""
-    for _ in range(8):  # the user's module inside compile / DDP / DataParallel, as watched
-        inner = getattr(model, "_orig_mod", None)
-        if not isinstance(inner, torch.nn.Module):
-            inner = getattr(model, "module", None)
-            if not isinstance(model, (torch.nn.DataParallel, _ddp())):
-                inner = None
-        if not isinstance(inner, torch.nn.Module):
-            break
-        model = inner
+    model = unwrap_model(model)  # as the module watch names modules
     owners: list[str] = []
     norms: list[torch.Tensor] = []
     for name, module in model.named_modules():
@@ -600,14 +594,6 @@ def _weight_norms(model: torch.nn.Module) -> tuple[list[str], torch.Tensor] | No
         return None
     device = norms[0].device
     return owners, torch.stack([n if n.device == device else n.to(device) for n in norms])
-
-
-def _ddp() -> type:
-    if torch.distributed.is_available():
-        from torch.nn.parallel import DistributedDataParallel
-
-        return DistributedDataParallel
-    return torch.nn.DataParallel
 
 
 def _weights_message(trigger: int, step: int, modules: list[str]) -> str:

@@ -41,6 +41,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from stabmon.errors import AlreadyAttachedError
+from stabmon.probes.unwrap import unwrap_model
 
 __all__ = ["HookSet", "unwrap_model", "watch_gradient"]
 
@@ -224,27 +225,6 @@ _export_state: Any = (
 
 def _identity(value: Any) -> Any:
     return value
-
-
-def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The user's module inside DDP/DataParallel (``.module``) or compile (``._orig_mod``).
-
-    Parameter names are taken from the unwrapped module, so module groups read
-    ``encoder`` rather than ``module.encoder``.
-    """
-    wrapper_types: tuple[type, ...] = (torch.nn.DataParallel,)
-    if torch.distributed.is_available():
-        from torch.nn.parallel import DistributedDataParallel
-
-        wrapper_types = (*wrapper_types, DistributedDataParallel)
-    for _ in range(8):  # wrappers nest (compile of DDP); never loop on a self-reference
-        inner = getattr(model, "_orig_mod", None)
-        if not isinstance(inner, torch.nn.Module):
-            inner = model.module if isinstance(model, wrapper_types) else None
-        if not isinstance(inner, torch.nn.Module):
-            return model
-        model = inner
-    return model
 
 
 class HookSet:
