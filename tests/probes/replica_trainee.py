@@ -1,6 +1,14 @@
 """One rank of a gloo job on CPU that trains data-parallel replicas the way real loops do.
 
-    torchrun --standalone --nproc_per_node=N replica_trainee.py RUN_DIR MODE STEPS
+    torchrun --standalone --nproc_per_node=N replica_trainee.py RUN_DIR MODE:STEPS[,...]
+
+Each ``MODE:STEPS`` runs in turn in the same ranks (issue 43: five processes importing torch
+and a gloo rendezvous cost more than most modes' training): each mode builds its own model,
+DDP wrapper, optimizer and Monitor (``run_id`` ``replicas-MODE``), undoes its own injections
+and writes its own folder ``RUN_DIR/replicas-MODE``, ending with each rank's
+``rank-R.checks.json`` (the checks its ReplicaCheck judged) on the ranks that attached.
+``rank0`` must come last: only rank 0 attaches there, and every rank's attaches must count
+alike (the replica check's roll call keys on them).
 
 MODE: ``flip`` (one mantissa bit of ``blocks.1.0.weight`` flipped on rank 2 after step
 ``FLIP_AFTER``, then training goes on; ``flip2`` the same on rank 0 of two), ``clean``
@@ -93,8 +101,29 @@ def build(mode: str) -> tuple[nn.Module, nn.Module]:
 
 
 def main() -> None:
-    run_dir, mode, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    run_dir = sys.argv[1]
+    runs = [(mode, int(steps)) for mode, steps in (r.split(":") for r in sys.argv[2].split(","))]
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    for mode, steps in runs:
+        if dist.get_rank() == 0:  # a failure's traceback follows the mode it happened in
+            print(f"replica_trainee: mode {mode} ({steps} steps)", file=sys.stderr, flush=True)
+        train(run_dir, mode, steps)
+        dist.barrier()  # no rank starts the next mode's collectives before all ended this one
+    dist.destroy_process_group()
+
+
+def train(run_dir: str, mode: str, steps: int) -> None:
+    """One mode, start to end, leaving nothing behind for the next."""
+    import stabmon.probes.replicas as replicas
+
+    taken = replicas.fingerprint
+    try:
+        run_mode(run_dir, mode, steps)
+    finally:
+        replicas.fingerprint = taken  # type: ignore[assignment]  # fail's injection
+
+
+def run_mode(run_dir: str, mode: str, steps: int) -> None:
     rank = dist.get_rank()
     model, net = build(mode)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -160,8 +189,7 @@ def main() -> None:
     if monitor:
         monitor.detach()  # the last checks' votes are read back and judged here
         checks = [p.checks for p in monitor._plugged.plugins if isinstance(p, ReplicaCheck)]
-        Path(run_dir, f"rank-{rank}.checks.json").write_text(json.dumps(checks))
-    dist.destroy_process_group()
+        Path(run_dir, f"replicas-{mode}", f"rank-{rank}.checks.json").write_text(json.dumps(checks))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,9 @@
 """Real gloo ranks on CPU (torchrun): the replica check names the corrupted rank, and is
-quiet on clean runs, with a straggler, and where there are no replicas (FSDP)."""
+quiet on clean runs, with a straggler, and where there are no replicas (FSDP).
+
+The scenarios share two torchrun jobs (module-scoped fixtures: four ranks, two ranks), each
+running its modes in turn with a model, Monitor and folder of its own; every scenario is still
+a test of its own, and one whose mode never finished fails naming it (issue 43)."""
 
 from __future__ import annotations
 
@@ -19,23 +23,71 @@ from stabmon.probes.replicas import find_replica_group
 TRAINEE = Path(__file__).with_name("replica_trainee.py")
 Records = dict[int, list[dict[str, Any]]]
 
+#: The scenarios one launch of four ranks runs in turn (mode, optimizer steps): five Python
+#: processes importing torch and a gloo rendezvous cost more than most modes' training, so
+#: they are paid once (issue 43). Each mode has its own model, Monitor and folder
+#: (replica_trainee.py); FSDP's meshes come last, after the plain DDP modes.
+FOUR_RANKS = (
+    ("flip", 70), ("skew", 70), ("fail", 70), ("frozen", 70), ("world", 70), ("local", 70),
+    ("clean", 200), ("straggler", 200), ("hsdp", 70), ("fsdp", 30),
+)  # fmt: skip
+#: A job of two ranks: ``rank0`` last, where only rank 0 attaches.
+TWO_RANKS = (("flip2", 70), ("rank0", 30))
 
-def run_ranks(
-    tmp_path: Path, mode: str, steps: int, ranks: int = 4
-) -> dict[int, list[dict[str, Any]]]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = run_group(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         f"--nproc_per_node={ranks}", str(TRAINEE), str(tmp_path), mode, str(steps)],
-        env=env, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    records: Records = {}
-    for log in (tmp_path / f"replicas-{mode}").glob("rank-*.events.jsonl"):
-        rank = int(log.name.split(".")[0].removeprefix("rank-"))
-        records[rank] = [json.loads(line) for line in log.read_text().splitlines()]
-    assert sorted(records) == list(range(ranks)), sorted(records)
-    return records
+
+class Launch:
+    """One torchrun job that ran several modes: each test reads its own mode's records."""
+
+    def __init__(self, run_dir: Path, modes: tuple[tuple[str, int], ...], ranks: int) -> None:
+        self.run_dir, self.ranks = run_dir, ranks
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.result = run_group(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             f"--nproc_per_node={ranks}", str(TRAINEE), str(run_dir),
+             ",".join(f"{mode}:{steps}" for mode, steps in modes)],
+            env=env, timeout=120 + 120 * len(modes),
+        )  # fmt: skip
+
+    def folder(self, mode: str, ranks: range | None = None) -> Path:
+        """The mode's folder, once every rank in ``ranks`` finished the mode (its checks
+        written), else a failure that names the mode and shows the job's output."""
+        folder = self.run_dir / f"replicas-{mode}"
+        done = [
+            (folder / f"rank-{rank}.checks.json").exists() for rank in ranks or range(self.ranks)
+        ]
+        assert all(done), (
+            f"mode {mode!r} did not finish on every rank (exit {self.result.returncode}):\n"
+            + self.result.stderr[-3000:]
+        )
+        return folder
+
+    def records(self, mode: str) -> Records:
+        records: Records = {}
+        for log in self.folder(mode).glob("rank-*.events.jsonl"):
+            rank = int(log.name.split(".")[0].removeprefix("rank-"))
+            records[rank] = [json.loads(line) for line in log.read_text().splitlines()]
+        assert sorted(records) == list(range(self.ranks)), sorted(records)
+        return records
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> Launch:
+    return Launch(tmp_path_factory.mktemp("four_ranks"), FOUR_RANKS, 4)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Launch:
+    return Launch(tmp_path_factory.mktemp("two_ranks"), TWO_RANKS, 2)
+
+
+@pytest.mark.slow
+def test_each_shared_job_ends_cleanly_after_its_last_mode(
+    four_ranks: Launch, two_ranks: Launch
+) -> None:
+    # What each scenario's own launch asserted before they shared one: every rank exits 0
+    # (the process group torn down), here once per job.
+    for launch in (four_ranks, two_ranks):
+        assert launch.result.returncode == 0, launch.result.stderr[-3000:]
 
 
 def mismatches(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -63,9 +115,9 @@ def test_a_model_seen_without_its_ddp_wrapper_is_told_what_to_set() -> None:
 
 @pytest.mark.slow
 def test_one_flipped_bit_on_rank_2_is_named_at_the_next_check_on_every_rank(
-    tmp_path: Path,
+    four_ranks: Launch,
 ) -> None:
-    records = run_ranks(tmp_path, "flip", 70)
+    records = four_ranks.records("flip")
 
     for rank, logged in records.items():
         found = mismatches(logged)
@@ -81,13 +133,13 @@ def test_one_flipped_bit_on_rank_2_is_named_at_the_next_check_on_every_rank(
 
 @pytest.mark.slow
 def test_ranks_resumed_with_different_step_numbers_check_together_and_name_the_culprit(
-    tmp_path: Path,
+    four_ranks: Launch,
 ) -> None:
     # Rank 0 restored a Monitor state of step 7, the others started at 0: the checks are
     # keyed to the optimizer steps this Monitor saw, the same count on every rank, so every
     # rank gathers at the same iteration (no collective paired with another, no hang) and
     # each reports the mismatch under its own step numbering.
-    records = run_ranks(tmp_path, "skew", 70)
+    records = four_ranks.records("skew")
 
     for rank, logged in records.items():
         (first, *_) = mismatches(logged)
@@ -97,12 +149,12 @@ def test_ranks_resumed_with_different_step_numbers_check_together_and_name_the_c
 
 @pytest.mark.slow
 def test_a_rank_whose_fingerprint_fails_still_gathers_and_the_others_judge_without_it(
-    tmp_path: Path,
+    four_ranks: Launch,
 ) -> None:
     # Rank 1's fingerprint raises from step 50 on (injected): it joins the gather with an
     # abstention instead of leaving the others waiting in it forever; ranks 0 and 3 outvote
     # the corrupted rank 2, and rank 1 is never named.
-    records = run_ranks(tmp_path, "fail", 70)
+    records = four_ranks.records("fail")
 
     for rank in (0, 2, 3):
         (first, *_) = mismatches(records[rank])
@@ -111,12 +163,12 @@ def test_a_rank_whose_fingerprint_fails_still_gathers_and_the_others_judge_witho
 
 
 @pytest.mark.slow
-def test_a_frozen_parameter_is_compared_and_one_ddp_ignores_is_not(tmp_path: Path) -> None:
+def test_a_frozen_parameter_is_compared_and_one_ddp_ignores_is_not(four_ranks: Launch) -> None:
     # A corrupted frozen weight (a fine-tuned base model) makes its replica compute wrong
     # gradients from then on, while the trained parameters stay identical (all-reduced):
     # only comparing the frozen weight itself finds it. A parameter DDP is told to ignore
     # may differ across ranks by design: never a mismatch.
-    records = run_ranks(tmp_path, "frozen", 70)
+    records = four_ranks.records("frozen")
 
     for rank, logged in records.items():
         (first, *_) = mismatches(logged)
@@ -126,18 +178,12 @@ def test_a_frozen_parameter_is_compared_and_one_ddp_ignores_is_not(tmp_path: Pat
 
 @pytest.mark.slow
 def test_stabmon_attached_on_rank_0_alone_issues_no_collective_the_others_never_join(
-    tmp_path: Path,
+    two_ranks: Launch,
 ) -> None:
     # A loop that monitors one rank: rank 0 must not gather with ranks that never will (a
     # hang at the first check, or its gather paired with DDP's all-reduce); it says why.
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = run_group(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(TRAINEE), str(tmp_path), "rank0", "30"],
-        env=env, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    log = tmp_path / "replicas-rank0" / "rank-0.events.jsonl"
+    assert two_ranks.result.returncode == 0, two_ranks.result.stderr[-3000:]  # rank 1 too
+    log = two_ranks.folder("rank0", range(1)) / "rank-0.events.jsonl"
     records = [json.loads(line) for line in log.read_text().splitlines()]
     (off,) = [record for record in records if record.get("event") == "replica_check"]
     assert off["state"] == "off" and "1 of the 2" in off["reason"]
@@ -145,8 +191,10 @@ def test_stabmon_attached_on_rank_0_alone_issues_no_collective_the_others_never_
 
 
 @pytest.mark.slow
-def test_two_replicas_that_differ_report_a_mismatch_without_a_culprit(tmp_path: Path) -> None:
-    records = run_ranks(tmp_path, "flip2", 70, ranks=2)
+def test_two_replicas_that_differ_report_a_mismatch_without_a_culprit(
+    two_ranks: Launch,
+) -> None:
+    records = two_ranks.records("flip2")
 
     for logged in records.values():
         (first, *_) = mismatches(logged)
@@ -156,10 +204,10 @@ def test_two_replicas_that_differ_report_a_mismatch_without_a_culprit(tmp_path: 
 
 @pytest.mark.slow
 def test_clean_ddp_with_bf16_accumulation_and_a_straggler_raises_no_mismatch(
-    tmp_path: Path,
+    four_ranks: Launch,
 ) -> None:
-    clean = run_ranks(tmp_path / "clean", "clean", 200)
-    straggler = run_ranks(tmp_path / "straggler", "straggler", 200)
+    clean = four_ranks.records("clean")
+    straggler = four_ranks.records("straggler")
 
     for records in (clean, straggler):
         for logged in records.values():
@@ -169,15 +217,15 @@ def test_clean_ddp_with_bf16_accumulation_and_a_straggler_raises_no_mismatch(
     # every rank judged every check, one every CHECK_EVERY (10) steps.
     for folder, steps in (("clean", 200), ("straggler", 200)):
         for rank in range(4):
-            done = json.loads((tmp_path / folder / f"rank-{rank}.checks.json").read_text())
+            done = json.loads((four_ranks.folder(folder) / f"rank-{rank}.checks.json").read_text())
             assert done == [steps // 10], (folder, rank, done)
 
 
 @pytest.mark.slow
-def test_hsdp_compares_each_shard_across_the_replicate_dimension(tmp_path: Path) -> None:
+def test_hsdp_compares_each_shard_across_the_replicate_dimension(four_ranks: Launch) -> None:
     # A 2x2 mesh (replicate x shard): rank 2's shard of blocks.1 is corrupted; its replica
     # is rank 0's. Two replicas: a mismatch without a culprit, seen by that pair only.
-    records = run_ranks(tmp_path, "hsdp", 70)
+    records = four_ranks.records("hsdp")
 
     for rank in (0, 2):
         (first, *_) = mismatches(records[rank])
@@ -188,8 +236,10 @@ def test_hsdp_compares_each_shard_across_the_replicate_dimension(tmp_path: Path)
 
 
 @pytest.mark.slow
-def test_fsdp_alone_has_no_replicas_says_so_once_and_issues_nothing(tmp_path: Path) -> None:
-    records = run_ranks(tmp_path, "fsdp", 30)
+def test_fsdp_alone_has_no_replicas_says_so_once_and_issues_nothing(
+    four_ranks: Launch,
+) -> None:
+    records = four_ranks.records("fsdp")
 
     for logged in records.values():
         (off,) = [record for record in logged if record.get("event") == "replica_check"]
@@ -262,11 +312,11 @@ def test_the_first_check_gathers_hosts_on_the_parameters_device_not_as_objects(
 
 @pytest.mark.slow
 def test_replica_group_world_compares_a_model_attached_inside_its_ddp_wrapper(
-    tmp_path: Path,
+    four_ranks: Launch,
 ) -> None:
     # The adapters attach to the module DDP wraps: stabmon cannot see the wrapper, and the
     # user says every rank is a replica (replica_group: world).
-    records = run_ranks(tmp_path, "world", 70)
+    records = four_ranks.records("world")
 
     for logged in records.values():
         (first, *_) = mismatches(logged)
@@ -284,12 +334,12 @@ def outliers(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 @pytest.mark.slow
 def test_a_gradient_corrupted_before_the_all_reduce_names_its_rank_by_local_norm(
-    tmp_path: Path,
+    four_ranks: Launch,
 ) -> None:
     # Rank 2's backward multiplies a gradient by 10^6 at step 50: every replica applies the
     # same corrupted average, so the parameters stay identical (no mismatch), but rank 2's
     # own gradient before the reduction stood out: named at the next check, on every rank.
-    records = run_ranks(tmp_path, "local", 70)
+    records = four_ranks.records("local")
 
     for rank, logged in records.items():
         assert not mismatches(logged)
