@@ -3,8 +3,10 @@ local-norm hook (tests/probes/test_local_norms.py): three, because a group whose
 a power of two is where averaging by a division and by a multiplication with the
 reciprocal round differently. Rank 0 writes to ``argv[1]`` how many parameters differ.
 
-Run as ``python local_norms_trainee.py OUT``; it spawns its own ranks (a FileStore beside
-OUT), each ``OMP_NUM_THREADS=1``.
+Run as ``python local_norms_trainee.py OUT``; it forks its own ranks (a FileStore beside
+OUT), each ``OMP_NUM_THREADS=1``: forked after torch and stabmon are imported, and before
+torch runs anything (no thread pool to inherit), so three ranks do not pay three more imports
+of torch (issue 43).
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from stabmon.probes.local_norms import LocalGradNorms, install  # noqa: E402
+
 RANKS = 3
 
 
@@ -25,8 +30,6 @@ def rank_main(rank: int, out: str) -> None:
     torch.set_num_threads(1)
     store = dist.FileStore(out + ".store", RANKS)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=RANKS)
-    from stabmon.probes.local_norms import LocalGradNorms, install
-
     trained = []
     for hooked in (False, True):
         torch.manual_seed(0)
@@ -48,5 +51,4 @@ def rank_main(rank: int, out: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    mp.spawn(rank_main, args=(sys.argv[1],), nprocs=RANKS)
+    mp.start_processes(rank_main, args=(sys.argv[1],), nprocs=RANKS, start_method="fork")
