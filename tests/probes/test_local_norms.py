@@ -115,7 +115,7 @@ def test_the_wrapper_pickles_as_it_would_without_the_hook(one_rank: None) -> Non
     assert "stabmon" not in repr(pickle.dumps(hooked))
 
 
-@pytest.mark.slow  # three spawned gloo ranks: about 40 s on a loaded 2-core box
+@pytest.mark.slow  # three forked gloo ranks: about 6 CPU s, 10-20 s on a loaded 2-core box
 def test_the_hook_averages_as_ddp_does_where_the_group_size_is_not_a_power_of_two(
     tmp_path: Path,
 ) -> None:
