@@ -4,10 +4,13 @@ non-finite value, or every step with provenance_always), on a CPU model of 12 bl
     python bench/provenance_cost.py [--steps 20] [--rounds 60] [--width 256] [--model mlp|gpt]
     python bench/provenance_cost.py --floor [--width 256]   # bare hooks: what any design pays
 
-Four monitors on four copies of one model: without provenance (provenance_steps 0, the
-baseline), disarmed (the default: no hook until a NaN), forward (the forward watch alone,
-what a non-finite loss arms) and armed (provenance_always: every module's forward sums and
-gradient hooks, every step, what a non-finite gradient with a finite loss arms). They are
+Monitors on copies of one model: without provenance (provenance_steps 0, the baseline),
+disarmed (the default: no hook until a NaN), forward (the forward watch alone, what a
+non-finite loss arms) and armed (provenance_always: every module's forward sums and
+gradient hooks, every step, what a non-finite gradient with a finite loss arms on a model of
+at most 48 modules). On a model of more modules (``--model gpt``: 110), a non-finite value
+arms two stages, each timed too: first (the top of the module tree: here the 12 blocks and
+the head, forward and gradients) and inside (the modules inside block 5). They are
 stepped in alternating blocks of steps, each round starting with the next, so that the
 machine's load falls on all alike; prints the median step time of each and the ratios, as
 wall time and as the thread's CPU time (torch on one thread: the step's own work, which a
@@ -138,8 +141,11 @@ def main() -> None:
         _floor(build, batch, args.width, args.rounds * args.steps // 3)
         return
     always = {"provenance_always": True}
-    settings = {"without": {"provenance_steps": 0}, "disarmed": {}, "forward": always,
-                "armed": always}  # fmt: skip
+    settings: dict[str, dict[str, object]] = {
+        "without": {"provenance_steps": 0}, "disarmed": {}, "forward": always, "armed": always
+    }  # fmt: skip
+    if args.model == "gpt":
+        settings |= {"first": {}, "inside": {}}
     walls: dict[str, list[float]] = {name: [] for name in settings}
     cpus: dict[str, list[float]] = {name: [] for name in settings}
     with tempfile.TemporaryDirectory() as run_dir:
@@ -149,10 +155,16 @@ def main() -> None:
             optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
             monitor = stabmon.attach(model, optimizer, serve_metrics=False, run_dir=run_dir,
                                      run_id=name, **overrides)  # type: ignore[arg-type]  # fmt: skip
+            plugin = next(p for p in monitor._plugged.plugins
+                          if type(p).__name__ == "NanProvenance")  # fmt: skip
             if name == "forward":  # the forward watch alone: what a non-finite loss arms
-                for plugin in monitor._plugged.plugins:
-                    if type(plugin).__name__ == "NanProvenance":
-                        plugin._gradients = False
+                plugin._gradients = False
+            if name in ("first", "inside"):  # armed as a non-finite gradient arms it, for good
+                plugin._steps = 10**9
+                plugin._arm(0)
+                plugin._start_watching()
+                if name == "inside":
+                    plugin._start_refining("5")
             runs[name] = (model, optimizer, monitor)
             _steps(model, optimizer, monitor, 10, batch)  # warm up (and arm)
         names = list(runs)
@@ -170,9 +182,10 @@ def main() -> None:
         medians = {name: statistics.median(values) for name, values in times.items()}
         line = "  ".join(f"{name} {median * 1e3:.3f} ms" for name, median in medians.items())
         print(f"{label:4s} median step: {line}")
-        print(f"{label:4s} disarmed / without: x{medians['disarmed'] / medians['without']:.3f}"
-              f"  forward / disarmed: x{medians['forward'] / medians['disarmed']:.3f}"
-              f"  armed / disarmed: x{medians['armed'] / medians['disarmed']:.3f}")  # fmt: skip
+        base = medians["disarmed"]
+        print(f"{label:4s} disarmed / without: x{base / medians['without']:.3f}  "
+              + "  ".join(f"{name} / disarmed: x{medians[name] / base:.3f}"
+                          for name in list(settings)[2:]))  # fmt: skip
 
 
 if __name__ == "__main__":

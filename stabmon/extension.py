@@ -86,7 +86,7 @@ readers and mypy.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
@@ -239,11 +239,14 @@ class Context(Protocol):
         tensors; None when no gradient is present. Training thread, in ``gate_step`` or a
         ``before_step`` ``measure``; never a sync."""
 
-    def watch_modules(self, hook: Callable[[str, Any, Any], None]) -> Callable[[], None]:
+    def watch_modules(
+        self, hook: Callable[[str, Any, Any], None], names: Collection[str] | None = None
+    ) -> Callable[[], None]:
         """Call ``hook(module name, inputs, output)`` after every module's forward (the
-        unwrapped model's, root included, in completion order) until the returned callable
-        is called; call it from the training thread. For a few armed steps, not for good:
-        it costs a Python call per module. ``hook`` must not sync: record device tensors
+        unwrapped model's, root included, in completion order), or only those ``names``
+        (``""``: the root), until the returned callable is called; call it from the
+        training thread. For a few armed steps, not for good: it costs a Python call per
+        module watched. ``hook`` must not sync: record device tensors
         and return them from ``measure``. Held weakly; left out of copies and pickles."""
 
     def watch_gradient(self, tensor: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> None:

@@ -40,6 +40,14 @@ later:
 - **not reproduced**: every watched step was finite: a transient (that batch, the
   hardware); the event says which step to look at.
 
+A model of more than :data:`TWO_STAGES_ABOVE` modules is watched in two stages: a hook on
+every small layer of a big model would cost more than the step's own work. The first
+stage watches the top of the module tree, down to the depth that keeps both stages small
+(a transformer's blocks, stem and head); once it names a module, the second watches the
+modules inside it (and the root) for another ``provenance_steps`` steps, and the verdict
+names the inner producer, then the blocks that passed it on. If the fault does not recur
+meanwhile, the first stage's module is the verdict, and the message says so.
+
 The verdict is one ``provenance`` event and one log line. ``provenance_always`` watches
 from the first step, for a debugging session. A compiled forward is not watched (its
 module hooks are no-ops in traced code), nor an evaluation under ``no_grad``; checkpointed
@@ -55,7 +63,7 @@ import math
 import sys
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -64,7 +72,13 @@ from stabmon.probes.unwrap import unwrap_model
 if TYPE_CHECKING:
     from stabmon.extension import Context, GradSummary
 
-__all__ = ["MAX_WATCHED_CALLS", "NanProvenance", "backward_producer", "forward_producer"]
+__all__ = [
+    "MAX_WATCHED_CALLS",
+    "TWO_STAGES_ABOVE",
+    "NanProvenance",
+    "backward_producer",
+    "forward_producer",
+]
 
 #: Module calls watched per step at most (a model of thousands of modules, or a loop that
 #: never steps): the flags of the first ones are kept.
@@ -76,6 +90,12 @@ MAX_WATCHED_TENSORS = 2 * MAX_WATCHED_CALLS
 MAX_NO_GRAD_CALLS = MAX_WATCHED_CALLS // 4
 #: Propagators a verdict names at most.
 MAX_PROPAGATORS = 5
+#: A model of more modules is watched in two stages after a non-finite value: the top of its
+#: module tree first (down to the level that keeps both stages small: the blocks, stem and
+#: head of a transformer), then the inside of the module that stage named. A hook per module
+#: on every small layer of a big model costs more than the step's own work; a small model is
+#: watched whole at once.
+TWO_STAGES_ABOVE = 48
 #: The producer's name when the model's own input was already non-finite.
 INPUT = "<input>"
 #: The producer's name when the gradient was already non-finite where it entered the model.
@@ -153,9 +173,7 @@ class NanProvenance:
         self._step = _Step()
         # Measured steps' calls, their forward sums' count, gradients' slots, the weights'
         # owners and the forward's own calls (None: all of them), by step.
-        self._waiting: dict[
-            int, tuple[list[Call], int, list[int], list[str], tuple[set[int], set[int]] | None]
-        ] = {}
+        self._waiting: dict[int, _Waiting] = {}
         self._verdicts: list[_Verdict] = []
         self._measured = 0  # watched steps measured for the trigger under way
         self._backward: str | None = None  # where the parameters' gradients went non-finite
@@ -172,12 +190,22 @@ class NanProvenance:
         # non-finite then (an update applied the non-finite gradient before the watch).
         self._weights: tuple[list[str], torch.Tensor] | None = None
         self._bad_weights: list[str] = []
+        # Two stages (a model of over TWO_STAGES_ABOVE modules, not provenance_always): every
+        # module's name as the watch began, the first stage's verdict while the inside of its
+        # producer is watched, and that producer (set under the judging lock, read by
+        # measure()). Each watch is a generation: a step measured by an earlier one is not
+        # judged.
+        self._names: list[str] = []
+        self._first: frozenset[str] | None = None  # the first stage's modules (None: all)
+        self._coarse: _Verdict | None = None
+        self._refine: str | None = None
+        self._generation = 0
 
     @property
     def measuring(self) -> bool:
         """Whether :meth:`measure` has work at a step: a watch asked for or under way. Read by
         the Monitor after each judged value and measurement; disarmed, no call a step."""
-        return self._arm_pending or self._unwatch is not None
+        return self._arm_pending or self._unwatch is not None or self._refine is not None
 
     # --- judged values (under the judging lock) -----------------------------------------
 
@@ -223,10 +251,27 @@ class NanProvenance:
     def _start_watching(self) -> None:
         self._arm_pending = False
         if self._unwatch is None:
-            self._unwatch = self._context.watch_modules(self._forward)
+            first = None
+            if not self._always:
+                model = unwrap_model(self._context.model)  # as the module watch names them
+                self._names = [name for name, _ in model.named_modules()]
+                self._first = first = _first_stage(self._names)
+            self._watch(first)
             self._left = self._steps if not self._always else sys.maxsize
             if not self._always:
                 self._weights = _weight_norms(self._context.model)
+
+    def _watch(self, names: frozenset[str] | None) -> None:
+        self._generation += 1
+        self._unwatch = self._context.watch_modules(self._forward, names)
+
+    def _start_refining(self, producer: str) -> None:
+        """The second stage: the inside of the module the first named (and the root, which
+        tells the batch's own values from those made inside)."""
+        self._refine = None
+        self.detach()
+        self._watch(frozenset(n for n in self._names if n == "" or _contains(producer, n)))
+        self._left, self._measured, self._verdicts = self._steps, 0, []
 
     def _forward(self, name: str, inputs: Any, output: Any) -> None:
         step = self._step
@@ -304,6 +349,10 @@ class NanProvenance:
         if self._arm_pending:
             self._start_watching()  # from the next iteration's forward on
             return None
+        refine = self._refine
+        if refine is not None:  # this step's first-stage record has nothing to add
+            self._start_refining(refine)
+            return None
         if watched.error is not None:
             self.detach()  # a hook failed: stop watching (the guard counts and logs it)
             raise watched.error
@@ -312,7 +361,10 @@ class NanProvenance:
             self._left -= 1
             if self._left <= 0:
                 self.detach()
-                if not self._measured and not self._always:
+                if self._coarse is not None and not self._measured:  # e.g. compiled meanwhile
+                    with self._context.judging():  # the first stage's verdict is all there is
+                        self._report()
+                elif not self._measured and not self._always:
                     # Nothing was watched: no verdict (none could be right); the episode
                     # is over once the values are finite again, as after a verdict.
                     self._explained, self._trigger = True, None
@@ -329,7 +381,9 @@ class NanProvenance:
         tags = (
             (watched.no_grad, watched.recomputed) if watched.no_grad or watched.recomputed else None
         )
-        self._waiting[step] = (watched.calls, len(watched.sums), watched.grad_slots, owners, tags)
+        self._waiting[step] = _Waiting(
+            watched.calls, len(watched.sums), watched.grad_slots, owners, tags, self._generation
+        )
         self._measured += 1
         self._left -= 1
         if self._left <= 0:
@@ -345,9 +399,9 @@ class NanProvenance:
 
     def judge(self, step: int, values: list[float]) -> None:
         waiting = self._waiting.pop(step, None)
-        if waiting is None:
-            return
-        calls, count, grad_slots, owners, tags = waiting
+        if waiting is None or waiting.generation != self._generation or self._refine is not None:
+            return  # measured by a watch since replaced: the verdict it gave is being refined
+        calls, count, grad_slots, owners, tags, _ = waiting
         finite = [math.isfinite(v) for v in values]
         if owners:
             weights, finite = finite[len(finite) - len(owners) :], finite[: -len(owners)]
@@ -363,6 +417,10 @@ class NanProvenance:
             return
         if self._trigger is None:
             return
+        inside = self._refinable(verdict)
+        if inside is not None:  # the first stage named a module: now watch inside it
+            self._coarse, self._refine = verdict, inside
+            return
         self._verdicts.append(verdict)
         # Once the watch has ended, the steps it measured are all there will be (some of
         # its steps may have had no watched call).
@@ -370,9 +428,39 @@ class NanProvenance:
         if verdict.found or len(self._verdicts) >= needed:
             self._report()
 
+    def _refinable(self, verdict: _Verdict) -> str | None:
+        """The module a first-stage verdict names, when it has modules inside that the first
+        stage did not watch (None: one stage, a verdict already refined, or nothing to
+        look inside: the batch, the loss, a leaf)."""
+        if self._coarse is not None or self._always or self._bad_weights or not verdict.found:
+            return None
+        shown = verdict.forward[0] if verdict.forward[0] is not None else verdict.backward[0]
+        if shown in (INPUT, LOSS, ROOT, None):
+            return None
+        first = self._first
+        if first is None or not any(
+            name not in first and _contains(shown, name) for name in self._names
+        ):
+            return None
+        return shown
+
+    def finish(self) -> None:
+        """The run ends while the inside of a first-stage producer is watched: its verdict
+        is what there is."""
+        if self._coarse is not None:
+            self._report()
+
     def _report(self) -> None:
         verdicts, self._verdicts = self._verdicts, []
         found = next((v for v in verdicts if v.found), None)
+        inside_unseen: list[int] | None = None  # the second stage's steps, if it found nothing
+        coarse, self._coarse = self._coarse, None
+        if coarse is not None:
+            if found is not None and _refines(found, coarse):
+                found = _refined(found, coarse)
+            else:
+                found, inside_unseen = coarse, [v.step for v in verdicts]
+            verdicts = [coarse, *verdicts]
         trigger = self._trigger if self._trigger is not None else verdicts[0].step
         watched = [v.step for v in verdicts]
         context = self._context
@@ -387,11 +475,15 @@ class NanProvenance:
         elif found is not None and found.forward[0] is not None:
             step, producer, propagators = found.step, found.forward[0], found.forward[1]
             direction = "forward"
-            message = _forward_message(trigger, step, found.forward[0], propagators)
+            message = _forward_message(
+                trigger, step, found.forward[0], propagators, _inside(producer, inside_unseen)
+            )
         elif found is not None and found.backward[0] is not None:
             step, producer, propagators = found.step, found.backward[0], found.backward[1]
             direction, first = "backward", found.backward[2]
-            message = _backward_message(trigger, step, found.backward[0], propagators, first)
+            message = _backward_message(
+                trigger, step, producer, propagators, first, _inside(producer, inside_unseen)
+            )
         elif self._backward is not None:
             step, producer, direction = verdicts[-1].step, self._backward, "backward"
             message = _parameters_message(trigger, self._backward)
@@ -405,9 +497,20 @@ class NanProvenance:
         )  # fmt: skip
         context.log("provenance", logging.WARNING, "stabmon: rank %d: %s", context.rank, message)
         self._trigger, self._backward, self._explained = None, None, True
-        self._weights, self._bad_weights = None, []
+        self._weights, self._bad_weights, self._refine = None, [], None
         if not self._always:
             self._waiting.clear()  # steps still in flight for this trigger: explained already
+
+
+class _Waiting(NamedTuple):
+    """A measured step's record, until its sums are read back and judged."""
+
+    calls: list[Call]
+    forward_sums: int  # how many of the sums are the forward's (the gradients' follow)
+    grad_slots: list[int]
+    owners: list[str]  # the weights' owners (the first step of a watch), else empty
+    tags: tuple[set[int], set[int]] | None  # the calls under no_grad and recomputed
+    generation: int  # the watch that measured it
 
 
 class _Verdict:
@@ -501,6 +604,52 @@ def backward_producer(
         if name != producer and name not in propagators:
             propagators.append(name)
     return producer, propagators[:MAX_PROPAGATORS], where
+
+
+def _first_stage(names: Sequence[str]) -> frozenset[str] | None:
+    """The modules the first of two stages watches: every module down to the depth of the
+    module tree that keeps the larger of the two stages smallest (its own modules, or the
+    most modules inside one of them, which the second watches); None for a model of at most
+    TWO_STAGES_ABOVE modules, or one whose tree no depth splits into two smaller stages."""
+    if len(names) <= TWO_STAGES_ABOVE:
+        return None
+    depths = [name.count(".") + 1 if name else 0 for name in names]
+    best: tuple[int, int] | None = None  # (the larger stage, depth)
+    for depth in range(1, max(depths)):
+        top = [name for name, d in zip(names, depths, strict=True) if d == depth]
+        inside: dict[str, int] = dict.fromkeys(top, 0)
+        for name, d in zip(names, depths, strict=True):
+            if d > depth:
+                above = ".".join(name.split(".")[:depth])
+                inside[above] = inside.get(above, 0) + 1
+        stages = (sum(1 for d in depths if d <= depth), max(inside.values(), default=0) + 2)
+        if best is None or max(stages) < best[0]:
+            best = (max(stages), depth)
+    if best is None or best[0] * 2 > len(names):
+        return None  # two stages would not halve what one watch costs
+    return frozenset(name for name, d in zip(names, depths, strict=True) if d <= best[1])
+
+
+def _refines(inner: _Verdict, outer: _Verdict) -> bool:
+    """Whether a second-stage verdict names a module inside (or) the first stage's producer."""
+    outer_producer = outer.forward[0] if outer.forward[0] is not None else outer.backward[0]
+    inner_producer = inner.forward[0] if inner.forward[0] is not None else inner.backward[0]
+    if outer_producer is None or inner_producer in (None, INPUT, LOSS, ROOT):
+        return False
+    return _contains(outer_producer, inner_producer)
+
+
+def _refined(inner: _Verdict, outer: _Verdict) -> _Verdict:
+    """The second stage's producer, its propagators inside the first stage's producer, then
+    the first stage's propagators (the modules around it, each a block)."""
+
+    def joined(inside: list[str], around: list[str]) -> list[str]:
+        kept = inside[: MAX_PROPAGATORS - min(2, len(around))]  # room for the next blocks
+        return list(dict.fromkeys([*kept, *around]))[:MAX_PROPAGATORS]
+
+    forward = (inner.forward[0], joined(inner.forward[1], outer.forward[1]))
+    backward = (inner.backward[0], joined(inner.backward[1], outer.backward[1]), inner.backward[2])
+    return _Verdict(inner.step, forward, backward, inner.gradients or outer.gradients)
 
 
 def _drop_since_mark(step: _Step) -> None:
@@ -614,7 +763,9 @@ def _last_nonfinite_module(summary: GradSummary) -> str | None:
     return offenders[-1].rpartition(".")[0] or ROOT if offenders else None
 
 
-def _forward_message(trigger: int, step: int, producer: str, propagators: list[str]) -> str:
+def _forward_message(
+    trigger: int, step: int, producer: str, propagators: list[str], inside: str = ""
+) -> str:
     passed = f"; passed on by {', '.join(propagators)}" if propagators else ""
     if producer == INPUT:
         return (
@@ -625,13 +776,18 @@ def _forward_message(trigger: int, step: int, producer: str, propagators: list[s
     return (
         f"the non-finite value first seen at step {trigger} is produced in the forward pass by "
         f"module {producer} (watched at step {step}: its inputs were finite, its output was "
-        f"not){passed}; look at that module's inputs, weights and numerics (a log or division "
-        "of zero, an overflow in half precision)"
+        f"not){passed}{inside}; look at that module's inputs, weights and numerics (a log or "
+        "division of zero, an overflow in half precision)"
     )
 
 
 def _backward_message(
-    trigger: int, step: int, producer: str, propagators: list[str], first: str | None
+    trigger: int,
+    step: int,
+    producer: str,
+    propagators: list[str],
+    first: str | None,
+    inside: str = "",
 ) -> str:
     passed = f"; passed on by {', '.join(propagators)}" if propagators else ""
     at = f", the first non-finite one was the gradient of {first}" if first else ""
@@ -645,9 +801,9 @@ def _backward_message(
     return (
         f"the non-finite gradient first seen at step {trigger} is produced in the backward pass "
         f"by module {producer} (watched at step {step}: every forward output was finite; the "
-        f"gradient at {producer}'s output was finite{at}){passed}; look in {producer}'s own "
-        "forward code for a custom autograd Function or an unstable gradient (sqrt or log "
-        "near zero, an overflow in half precision)"
+        f"gradient at {producer}'s output was finite{at}){passed}{inside}; look in "
+        f"{producer}'s own forward code for a custom autograd Function or an unstable gradient "
+        "(sqrt or log near zero, an overflow in half precision)"
     )
 
 
@@ -658,6 +814,20 @@ def _parameters_message(trigger: int, module: str) -> str:
         f"weight gradient, at or just after module {module} (the last, in model order, whose "
         "gradients are non-finite): look for a custom autograd Function or an overflow in "
         "that module's weight gradient"
+    )
+
+
+def _inside(producer: str, steps: list[int] | None) -> str:
+    """What a message says when the inside of the module a first stage named was watched and
+    the fault did not recur there, or the run ended first."""
+    if steps is None:
+        return ""
+    if not steps:
+        return f"; the run ended before the modules inside {producer} were watched"
+    return (
+        f"; the modules inside {producer} were watched next, at steps "
+        f"{', '.join(map(str, steps))}, and it did not recur there, so which of them made it "
+        "is not known"
     )
 
 

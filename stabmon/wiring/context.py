@@ -8,7 +8,7 @@ layers. Built once at attach; it refers to no Monitor.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -72,10 +72,12 @@ class PluginContext:
             return None
         return self._norms()
 
-    def watch_modules(self, hook: Callable[[str, Any, Any], None]) -> Callable[[], None]:
+    def watch_modules(
+        self, hook: Callable[[str, Any, Any], None], names: Collection[str] | None = None
+    ) -> Callable[[], None]:
         if self._hooks is None:  # built without hooks (a unit test's rig): nothing to watch
             return _nothing
-        return self._hooks.watch_modules(hook)
+        return self._hooks.watch_modules(hook, names)
 
     #: No instance state to read: one Python call less a tensor, on an armed step.
     watch_gradient = staticmethod(watch_gradient)

@@ -33,7 +33,7 @@ from __future__ import annotations
 import types
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import torch
@@ -289,9 +289,12 @@ class HookSet:
             original = getattr(self._scaler, "update")  # noqa: B009 - the bound method, wrapped
             self._scaler.__dict__["update"] = _WrappedUpdate(original, hooks.scaler_update)
 
-    def watch_modules(self, hook: Callable[[str, Any, Any], None]) -> Callable[[], None]:
-        """A forward hook on every module of the (unwrapped) model, ``hook(name, inputs,
-        output)``, until the returned callable removes them (or ``remove()`` does).
+    def watch_modules(
+        self, hook: Callable[[str, Any, Any], None], names: Collection[str] | None = None
+    ) -> Callable[[], None]:
+        """A forward hook on every module of the (unwrapped) model, or on those ``names``
+        (``""``: the root), ``hook(name, inputs, output)``, until the returned callable
+        removes them (or ``remove()`` does).
 
         For a plug-in armed for a few steps (NaN provenance): held weakly, inert and left
         out when a model is copied or pickled meanwhile, as the root-module hooks are.
@@ -300,6 +303,8 @@ class HookSet:
         swapped: list[tuple[torch.nn.Module, tuple[str, ...]]] = []
         target = _WeakHook(hook)
         for name, module in unwrap_model(self._model).named_modules():
+            if names is not None and name not in names:
+                continue
             owned = _own_hook_dicts(module, ("_forward_hooks",))
             handle = module.register_forward_hook(_ModuleWatch(name, target))
             if owned:

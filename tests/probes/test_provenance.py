@@ -13,7 +13,13 @@ from conftest import MonitorFactory
 from helpers import events
 from torch import nn
 
-from stabmon.probes.provenance import INPUT, LOSS, backward_producer, forward_producer
+from stabmon.probes.provenance import (
+    INPUT,
+    LOSS,
+    _first_stage,
+    backward_producer,
+    forward_producer,
+)
 
 
 class _NanGrad(torch.autograd.Function):
@@ -356,6 +362,116 @@ def test_a_gpt_shaped_model_names_the_block_part_that_produced_the_nan(
         assert "transformer.h.0" in propagators or len(propagators) == 5  # type: ignore[operator]
         assert not any(str(p).startswith(("transformer.h.2", "transformer.h.3", "lm_head"))
                        for p in propagators)  # type: ignore[attr-defined]  # fmt: skip
+
+
+def _train_gpt(model: _Gpt, monitor: object, optimizer: torch.optim.Optimizer, steps: int,
+               watched: list[int] | None = None, until: Any = None) -> None:  # fmt: skip
+    """nanoGPT's loop; ``watched`` gets how many modules hold a forward hook at each step,
+    and ``until(step)``, when given, is called before each (to end a fault)."""
+    for step in range(steps):
+        if until is not None:
+            until(step)
+        if watched is not None:
+            watched.append(sum(bool(m._forward_hooks) for m in model.modules()))
+        idx = torch.randint(0, 32, (2, 8))
+        logits = model(idx)
+        loss = nn.functional.cross_entropy(logits.reshape(-1, 32), idx.reshape(-1))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        monitor.observe(loss=loss)  # type: ignore[attr-defined]
+
+
+def test_a_large_model_is_watched_by_its_blocks_first_and_inside_the_block_named_next(
+    attach: MonitorFactory,
+) -> None:
+    # 12 blocks: 126 modules. A hook on each would cost more than a small step's own work,
+    # so the first stage watches the 19 down to the blocks, the second block 7's inside.
+    model = _Gpt(layers=12)
+    model.transformer["h"][7].attn.log_zero = True  # type: ignore[index]
+    optimizer = _Frozen(model.parameters())
+    monitor = attach(model, optimizer, judge_seconds=0)
+    watched: list[int] = []
+    _train_gpt(model, monitor, optimizer, 8, watched)
+    (record,) = _provenance(monitor)
+    assert (record["producer"], record["direction"]) == ("transformer.h.7.attn", "forward")
+    assert record["propagators"][:2] == ["transformer.h.7.ln_2", "transformer.h.7.mlp.c_fc"]
+    assert "transformer.h.8" in record["propagators"]  # type: ignore[operator]
+    assert len(record["watched_steps"]) == 2  # type: ignore[arg-type]  # one step each
+    # Disarmed (the root's own step hooks), then the 19 modules down to the blocks, then the
+    # root, block 7 and its 9 modules.
+    assert watched[:2] == [1, 1] and 19 in watched and 11 in watched, watched
+    assert max(watched) == 19 and watched.index(19) < watched.index(11), watched
+
+
+def test_a_backward_fault_is_named_in_its_block_then_in_the_part_that_made_it(
+    attach: MonitorFactory,
+) -> None:
+    model = _Gpt(layers=12)
+    model.transformer["h"][7].mlp.nan_grad = True  # type: ignore[index]
+    optimizer = _Frozen(model.parameters())
+    monitor = attach(model, optimizer, judge_seconds=0)
+    _train_gpt(model, monitor, optimizer, 8)
+    (record,) = _provenance(monitor)
+    assert (record["producer"], record["direction"]) == ("transformer.h.7.mlp", "backward")
+    assert record["first_nonfinite"] == "transformer.h.7.mlp.gelu's output"
+    propagators = record["propagators"]
+    assert propagators[0] == "transformer.h.7.mlp.gelu"  # type: ignore[index]
+    assert "transformer.h.6" in propagators  # type: ignore[operator]  # towards the input
+    assert not any(str(p).startswith(("transformer.h.8", "lm_head"))
+                   for p in propagators)  # type: ignore[attr-defined]  # fmt: skip
+
+
+def test_a_fault_gone_before_the_inside_is_watched_names_the_block_and_says_so(
+    attach: MonitorFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = _Gpt(layers=12)
+    attention = model.transformer["h"][7].attn  # type: ignore[index]
+    attention.log_zero = True
+    optimizer = _Frozen(model.parameters())
+    monitor = attach(model, optimizer, judge_seconds=0)
+    watched: list[int] = []
+
+    def until(step: int) -> None:  # the fault lasts while the blocks are watched, no longer
+        if sum(bool(m._forward_hooks) for m in model.modules()) == 11:
+            attention.log_zero = False
+
+    _train_gpt(model, monitor, optimizer, 10, watched, until)
+    (record,) = _provenance(monitor)
+    assert (record["producer"], record["direction"]) == ("transformer.h.7", "forward")
+    assert len(record["watched_steps"]) == 4  # type: ignore[arg-type]  # 1 + provenance_steps
+    line = next(r.getMessage() for r in caplog.records if "did not recur" in r.getMessage())
+    assert "the modules inside transformer.h.7 were watched next" in line
+
+
+def test_a_run_that_ends_before_the_inside_is_watched_still_names_the_block(
+    attach: MonitorFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = _Gpt(layers=12)
+    model.transformer["h"][7].attn.log_zero = True  # type: ignore[index]
+    optimizer = _Frozen(model.parameters())
+    monitor = attach(model, optimizer, judge_seconds=0)
+    watched: list[int] = []
+    _train_gpt(model, monitor, optimizer, 4, watched)  # detached as the first stage ends
+    assert 11 not in watched, watched
+    (record,) = _provenance(monitor)
+    assert (record["producer"], record["direction"]) == ("transformer.h.7", "forward")
+    line = next(r.getMessage() for r in caplog.records if "provenance" in r.getMessage()
+                or "produced in the forward" in r.getMessage())  # fmt: skip
+    assert "the run ended before the modules inside transformer.h.7 were watched" in line
+
+
+def test_first_stage_is_the_depth_that_keeps_both_stages_small() -> None:
+    def names(model: nn.Module) -> list[str]:
+        return [name for name, _ in model.named_modules()]
+
+    assert _first_stage(names(_Gpt(layers=4))) is None  # 47 modules: watched whole at once
+    first = _first_stage(names(_Gpt(layers=12)))
+    assert first is not None and len(first) == 19
+    assert {"", "transformer.h.11", "transformer.wte", "lm_head"} <= first
+    assert not any(name.startswith("transformer.h.0.") for name in first)
+    flat = nn.Sequential(*(nn.Linear(2, 2) for _ in range(60)))  # no tree to split
+    assert _first_stage(names(flat)) is None
 
 
 def test_gradient_hooks_only_while_armed_after_a_nan_that_may_arise_in_the_backward(
