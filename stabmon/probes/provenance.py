@@ -399,6 +399,11 @@ class NanProvenance:
 
     def judge(self, step: int, values: list[float]) -> None:
         waiting = self._waiting.pop(step, None)
+        # Results come oldest first: a watched step still waiting from before this one was
+        # dropped by the read-back (bounded), and counts as measured no longer.
+        for lost in [earlier for earlier in self._waiting if earlier < step]:
+            if self._waiting.pop(lost).generation == self._generation:
+                self._measured -= 1
         if waiting is None or waiting.generation != self._generation or self._refine is not None:
             return  # measured by a watch since replaced: the verdict it gave is being refined
         calls, count, grad_slots, owners, tags, _ = waiting

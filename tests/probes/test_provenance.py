@@ -16,6 +16,7 @@ from torch import nn
 from stabmon.probes.provenance import (
     INPUT,
     LOSS,
+    NanProvenance,
     _first_stage,
     backward_producer,
     forward_producer,
@@ -497,6 +498,29 @@ def test_gradient_hooks_only_while_armed_after_a_nan_that_may_arise_in_the_backw
         (None, None), ("layers.7", "backward")]  # fmt: skip
 
 
+def test_a_watched_step_the_read_back_dropped_does_not_hold_the_verdict_back(
+    attach: MonitorFactory,
+) -> None:
+    model = _Deep()
+    optimizer = _Frozen(model.parameters())
+    monitor = attach(model, optimizer, judge_seconds=0)
+    plugin = next(p for p in monitor._plugged.plugins if isinstance(p, NanProvenance))  # type: ignore[attr-defined]
+    judge, dropped = plugin.judge, []
+
+    def lossy(step: int, values: list[float]) -> None:
+        if step in plugin._waiting and not dropped:  # the read-back drops the first watched step
+            dropped.append(step)
+            return
+        judge(step, values)
+
+    plugin.judge = lossy  # type: ignore[method-assign]
+    _train(model, monitor, optimizer, None, 12, batch_nan_at=0)  # a transient: three clean steps
+    (record,) = _provenance(monitor)
+    assert dropped and record["reproduced"] is False
+    assert dropped[0] not in record["watched_steps"]  # type: ignore[operator]
+    assert len(record["watched_steps"]) == 2  # type: ignore[arg-type]  # the two judged
+
+
 def test_a_nan_in_one_batch_with_healthy_weights_is_not_reproduced_with_its_step(
     attach: MonitorFactory,
 ) -> None:
@@ -601,6 +625,34 @@ def test_a_watched_model_compiled_with_fullgraph_still_trains(attach: MonitorFac
         optimizer.zero_grad()
         monitor.observe(loss=loss)
     assert _provenance(monitor) == []  # not watched under compile, and nothing broke
+
+
+def test_arming_and_refining_the_watch_of_a_compiled_model_compiles_nothing_again(
+    attach: MonitorFactory,
+) -> None:
+    # Hooks added and removed while armed (both stages, then disarmed) are not guarded on:
+    # a run with many NaN episodes never reaches dynamo's recompile limit (and so never
+    # falls back to eager) because of the watch.
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = _Gpt(layers=12)
+    compiled = torch.compile(model, backend="eager")
+    optimizer = _Frozen(model.parameters())
+    monitor = attach(model, optimizer, judge_seconds=0)
+    attention = model.transformer["h"][7].attn  # type: ignore[index]
+    watched: list[int] = []
+
+    def fault(step: int) -> None:  # two NaN episodes
+        attention.log_zero = step in (2, 3, 4, 14, 15, 16)
+
+    _train_gpt(compiled, monitor, optimizer, 26, watched, fault)  # type: ignore[arg-type]
+    assert max(watched) == 19  # armed: the first stage's hooks (never refined: not watched)
+    assert watched[-1] == 1  # and disarmed again
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs <= 2, dict(counters["stats"])  # the clean forward and the poisoned one
+    assert _provenance(monitor) == []  # a compiled forward is not watched
 
 
 class _Queries(nn.Module):
