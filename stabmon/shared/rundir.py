@@ -518,6 +518,10 @@ def _paths_by_owner(root: Path) -> dict[int, list[tuple[int, Path]]]:
     return by_owner
 
 
+#: A process record's name; the run directory holds other files of a rank's beside it.
+_RECORD_NAME = re.compile(r"^rank-\d{1,9}\.json$")
+
+
 def _listed(run: Path) -> list[Path]:
     """The ``rank-*.json`` files of one run directory, in name order (bounded)."""
     names: list[str] = []
@@ -526,7 +530,7 @@ def _listed(run: Path) -> list[Path]:
             for index, entry in enumerate(entries):
                 if index >= MAX_ENTRIES:
                     break
-                if entry.name.startswith("rank-") and entry.name.endswith(".json"):
+                if _RECORD_NAME.match(entry.name):  # not rank-N.skip_batches.json and the like
                     names.append(entry.name)
     except OSError:
         return []

@@ -43,6 +43,18 @@ def test_read_records_refuses_a_fifo_and_a_symlink_to_an_endless_device(tmp_path
     assert {p.path.name for p in problems} == {"rank-0.json", "rank-1.json"}
 
 
+def test_a_ranks_other_files_beside_its_record_are_neither_records_nor_problems(
+    tmp_path: Path,
+) -> None:
+    shutil.copytree(FIXTURES / "job", tmp_path / "job")
+    others = {"rank-5.skip_batches.json", "rank-5.verdict.json", "rank-5.checks.json"}
+    for name in others:
+        (tmp_path / "job" / name).write_text("[]")
+    records, problems = read_records(tmp_path)
+    assert [r.rank for r in records] == [5, 8]
+    assert not others & {problem.path.name for problem in problems}
+
+
 def test_read_records_of_a_missing_directory_is_empty(tmp_path: Path) -> None:
     assert read_records(tmp_path / "gone") == ([], [])
 
