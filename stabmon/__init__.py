@@ -24,6 +24,7 @@ from stabmon.extension import Plugin
 if TYPE_CHECKING:
     from stabmon.config import Config, load_config
     from stabmon.monitor import Monitor, attach
+    from stabmon.probes.sample_hash import sample_hashes
 
 
 def __getattr__(name: str) -> Any:
@@ -43,6 +44,10 @@ def __getattr__(name: str) -> Any:
         from stabmon import config
 
         return getattr(config, name)
+    if name == "sample_hashes":
+        from stabmon.probes import sample_hash
+
+        return sample_hash.sample_hashes
     raise AttributeError(f"module 'stabmon' has no attribute {name!r}")
 
 
@@ -59,4 +64,5 @@ __all__ = [
     "__version__",
     "attach",
     "load_config",
+    "sample_hashes",
 ]

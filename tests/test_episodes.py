@@ -48,7 +48,9 @@ def test_a_poisoned_run_records_one_nonfinite_episode_naming_every_module_group(
     path = monitor.event_log_path
     monitor.detach()
     records = events(path)
-    anomalies = [e for e in records if e.get("kind") == "nonfinite_grad"]
+    anomalies = [
+        e for e in records if e.get("event") == "anomaly" and e.get("kind") == "nonfinite_grad"
+    ]
     assert [(e["step"], e["modules"]) for e in anomalies] == [(10, ["encoder", "head"])]
     (end,) = [e for e in records if e["event"] == "nonfinite_grad_end"]
     assert (end["first_step"], end["last_step"], end["count"]) == (10, 29, 20)
@@ -91,7 +93,11 @@ def _loss_anomalies(attach: MonitorFactory, losses: list[float]) -> list[tuple[s
         monitor.observe(loss=loss)
     path = monitor.event_log_path
     monitor.detach()
-    return [(e["kind"], e["step"]) for e in events(path) if e.get("kind") == "loss_spike"]
+    return [
+        (e["kind"], e["step"])
+        for e in events(path)
+        if e.get("event") == "anomaly" and e.get("kind") == "loss_spike"
+    ]
 
 
 def _noisy(count: int) -> list[float]:

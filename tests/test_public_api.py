@@ -17,6 +17,7 @@ def test_public_api_exports_exactly_the_documented_names() -> None:
         "__version__",
         "attach",
         "load_config",
+        "sample_hashes",
     ]
     for name in stabmon.__all__:
         assert hasattr(stabmon, name), name

@@ -2,14 +2,15 @@
 skip.
 
 A bounded ring holds the identity of the last :data:`RING_STEPS` steps' batches: the
-dataset indices a ``DataLoader`` passed to ``track()`` drew for it, or the ids the loop
-passes to ``observe(batch_ids=...)``. When a spike or a non-finite episode is recorded,
-the identities of the last :data:`WINDOW_STEPS` steps up to it go to a
-``batch_identities`` event and to ``rank-<rank>.skip_batches.json`` in the run directory:
-a JSON list of ``{"step": int, "rank": int, "kind": str, "indices": [int, ...]}``
-(``"ids"`` for the loop's own; ``"top_samples"``, the highest per-sample losses, when the
-loop passes ``observe(sample_losses=...)``), ready for a loop to skip those samples when it
-resumes (docs/loops.md, "Skipping the batches of an incident").
+dataset indices a ``DataLoader`` passed to ``track()`` drew for it, the ids the loop
+passes to ``observe(batch_ids=...)``, or else its samples' content hashes. When a spike or
+a non-finite episode is recorded, the identities of the last :data:`WINDOW_STEPS` steps up
+to it go to a ``batch_identities`` event and to ``rank-<rank>.skip_batches.json`` in the
+run directory: a JSON list of ``{"step": int, "rank": int, "kind": str, "indices": [int,
+...]}`` (``"ids"`` for the loop's own, ``"hashes"`` for content hashes; ``"top_samples"``,
+the highest per-sample losses, when the loop passes ``observe(sample_losses=...)``), ready
+for a loop to skip those samples when it resumes (docs/loops.md, "The batches of an
+incident").
 
 Design: how a batch's indices are known. The loader's index sampler (its ``batch_sampler``,
 or its ``sampler`` without automatic batching) is read through by :class:`_IndexReader`:
@@ -48,7 +49,10 @@ the pass's start. Its draws are never changed, and the dataset is never touched.
   ``StatefulDataLoader``: read through, its checkpoint would lose that state), and the
   Lightning, Hugging Face and Ultralytics adapters, whose
   trainers iterate their loaders without ``track()``. For these,
-  ``observe(batch_ids=...)`` names the batches.
+  ``observe(batch_ids=...)`` names the batches; where the loop passes none, a batch the
+  model receives in host memory is named by its samples' content hashes
+  (:mod:`stabmon.probes.sample_hash`, ``"hashes"`` in the records). One on a GPU is named
+  nothing: hashing it would cost device work and a read-back every step.
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from stabmon.probes.sample_hash import row_hashes
 from stabmon.shared.guard import Guard
 from stabmon.shared.rundir import prepare_run_directory, write_atomic
 
@@ -106,6 +111,9 @@ class BatchIdentities:
         self._entries: list[dict[str, Any]] = []
         # The highest per-sample losses of recent steps: step -> [(position in batch, loss)].
         self._top: dict[int, list[tuple[int, float]]] = {}
+        # Content hashes of the batches nothing else names: (step, the samples' hashes).
+        self._hashes: deque[tuple[int, list[int]]] = deque(maxlen=RING_STEPS)
+        self._ids_given = False  # the loop names its batches (observe(batch_ids=...))
         self.judge_top = self._judge_top  # bound once: carried by each readback tag
         self._path = context.run_directory / f"rank-{context.rank}.skip_batches.json"
 
@@ -171,6 +179,25 @@ class BatchIdentities:
             ring.pop()
         ring.append((step, "indices", indices, number))  # a list at an incident only
 
+    def forward(self, step: int, args: Any, kwargs: Any) -> None:
+        """A training forward of ``step``: its input's content hashes, where no dataset
+        index or id names the batch and the input is in host memory (the module docstring
+        says why not on a GPU). Once per micro-batch: gradient accumulation adds each."""
+        if self._ids_given:
+            return
+        ring = self._ring
+        if ring and ring[-1][0] == step:  # track() named it by its sampler indices
+            return
+        batch = _first_tensor(args, kwargs)
+        if batch is None or not batch.is_cpu:
+            return
+        hashes: list[int] = row_hashes(batch).tolist()[:MAX_INDICES]  # host memory: no sync
+        kept = self._hashes
+        if kept and kept[-1][0] == step:
+            kept[-1][1].extend(hashes[: MAX_INDICES - len(kept[-1][1])])
+        else:
+            kept.append((step, hashes))
+
     def untrained(self, followed: Pass | None) -> None:
         """The pass ``followed`` ended without an optimizer step (a validation loader): its
         batches trained nothing, though numbered with the next training step's number."""
@@ -201,6 +228,7 @@ class BatchIdentities:
         else:
             values = list(itertools.islice(ids, MAX_INDICES))
         self._ring.append((step, "ids", [int(i) for i in values], None))
+        self._ids_given = True
 
     def top_samples(self, losses: torch.Tensor) -> torch.Tensor | None:
         """The batch's highest per-sample losses and their positions, on the device (read
@@ -223,9 +251,12 @@ class BatchIdentities:
         if kind not in INCIDENTS or step is None:
             return
         rank = self._context.rank
+        named = [(at, what, values) for at, what, values, _ in list(self._ring)]
+        steps = {at for at, _, _ in named}
+        named += [(at, "hashes", values) for at, values in list(self._hashes) if at not in steps]
         batches = [
             self._entry(at, rank, kind, what, values)
-            for at, what, values, _ in list(self._ring)
+            for at, what, values in sorted(named, key=lambda entry: entry[0])
             if step - WINDOW_STEPS < at <= step
         ]
         if not batches:
@@ -251,8 +282,9 @@ class BatchIdentities:
         entry: dict[str, Any] = {"step": at, "rank": rank, "kind": kind, what: list(values)}
         top = self._top.get(at)
         if top:  # the samples with the highest loss, by dataset index where known
+            key = "hash" if what == "hashes" else "index"
             entry["top_samples"] = [
-                {"position": p, "loss": loss, **({"index": values[p]} if p < len(values) else {})}
+                {"position": p, "loss": loss, **({key: values[p]} if p < len(values) else {})}
                 for p, loss in top
             ]
         return entry
@@ -383,6 +415,26 @@ class _Draws:
         if pending and pending[0][0] == number:
             return pending.popleft()[1]
         return None
+
+
+#: The keys under which a model takes its samples, in a dict batch (Ultralytics passes its
+#: whole batch: ``img`` beside per-object ``batch_idx``) or as keyword arguments (Hugging
+#: Face: ``input_ids`` before ``attention_mask``), looked for before the first tensor.
+_SAMPLE_KEYS = ("input_ids", "pixel_values", "input_values", "img", "images", "inputs", "x")
+
+
+def _first_tensor(args: Any, kwargs: Any) -> torch.Tensor | None:
+    """The model's samples: the first positional tensor (or the first inside a tuple or
+    list given first, or a dict's by :data:`_SAMPLE_KEYS`), else a keyword one."""
+    for value in (*args, kwargs):
+        if isinstance(value, torch.Tensor):
+            return value
+        if isinstance(value, dict):
+            named = (value.get(key) for key in _SAMPLE_KEYS)
+            value = [*(item for item in named if item is not None), *value.values()]
+        if isinstance(value, (tuple, list)) and value:
+            return next((item for item in value if isinstance(item, torch.Tensor)), None)
+    return None
 
 
 def _indices(batch: Any) -> array[int] | None:

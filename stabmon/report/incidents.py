@@ -75,7 +75,7 @@ def incidents_section(run: Run) -> str:
         rows = "".join(_batches_row(rank, record) for rank, record in batches)
         parts.append(
             '<table><tr><th class="num">step</th><th class="num">rank</th><th>kind</th>'
-            f"<th>batches (step: indices or ids)</th></tr>{rows}</table>"
+            f"<th>batches (step: indices, ids or sample hashes)</th></tr>{rows}</table>"
             "<p>The same batches are in each rank's <code>rank-N.skip_batches.json</code>, "
             "ready for a loop to skip them on resume (docs/loops.md).</p>"
         )
@@ -135,7 +135,7 @@ def _batches_row(rank: int, record: dict[str, Any]) -> str:
     listed = record.get("batches")
     entries = listed if isinstance(listed, list) else []
     shown = "; ".join(
-        f"{entry.get('step')}: {entry.get('indices', entry.get('ids'))}"
+        f"{entry.get('step')}: {entry.get('indices', entry.get('ids', entry.get('hashes')))}"
         for entry in entries[:_BATCHES_SHOWN]
         if isinstance(entry, dict)
     )

@@ -120,6 +120,10 @@ class StepHooks:
         # New gradients are coming: a clip measured before is stale.
         self._measurements.forget_preclip()
         try:
+            self._batches.forward(self._recorder.global_step, args, kwargs)
+        except Exception as error:
+            self._guard.record("hooks", error)
+        try:
             self._timer.forward_start()
             watch = self._throughput
             if self._readings.steps == watch.flops_step and not self._timer.in_named_phase:

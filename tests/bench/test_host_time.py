@@ -27,8 +27,10 @@ def test_a_step_reaches_each_entry_point_once_and_makes_a_bounded_number_of_call
     # small GPT over 80 steps: 83.0 before the cuts that took per-step property calls out,
     # 80.3 after).
     assert result["python_calls"] <= 85
-    assert result["torch_calls"] <= 8
-    assert result["operators"] <= 3
+    # 8 and 3, and 2 calls and 3 operators for the content hashes of a batch in host memory
+    # that nothing else names (issue 35; a batch on a GPU is not hashed).
+    assert result["torch_calls"] <= 10
+    assert result["operators"] <= 6
     assert "stabmon host time" in host_time.report(result)
 
 

@@ -90,6 +90,59 @@ def test_the_loops_own_batch_ids_name_the_batches_of_a_nonfinite_loss(
     }
 
 
+def test_a_get_batch_loop_names_its_micro_batches_by_content_and_a_resumed_loop_skips_them(
+    attach: MonitorFactory, tmp_path: Path
+) -> None:
+    # nanoGPT's loop: get_batch() draws random rows, no DataLoader, no ids; two micro-batches
+    # a step. The spike's batches are named by their samples' hashes, and a loop that
+    # resumes finds the poisoned samples again with stabmon.sample_hashes.
+    data = torch.randn(1000, 8, generator=torch.Generator().manual_seed(1))
+    targets = data.sum(dim=1, keepdim=True)
+    targets[[500, 501]] = 1e4  # two poisoned samples
+    model = torch.nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    monitor = attach(model, optimizer, judge_seconds=0, spike_warmup_steps=20)
+    generator = torch.Generator().manual_seed(2)
+
+    def get_batch(step: int, micro: int) -> torch.Tensor:
+        if step == 40 and micro == 1:
+            return torch.tensor([500, 3, 501, 7])
+        return torch.randint(0, 1000, (4,), generator=generator) % 400  # never 500 or 501
+
+    for step in range(44):
+        for micro in range(2):
+            rows = get_batch(step, micro)
+            loss = torch.nn.functional.mse_loss(model(data[rows]), targets[rows]) / 2
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        monitor.observe(loss=loss)
+    monitor.detach()
+    entries = json.loads((tmp_path / "test-run" / "rank-0.skip_batches.json").read_text())
+    spiked = next(entry for entry in entries if entry["step"] == 40)
+    assert len(spiked["hashes"]) == 8 and "indices" not in spiked  # both micro-batches
+    skip = {value for entry in entries for value in entry["hashes"]}
+    # On resume: hash each sample as the model receives it, and leave out those named.
+    found = [row for row in range(1000) if stabmon.sample_hashes(data[row : row + 1])[0] in skip]
+    assert {500, 501} <= set(found) and len(found) <= WINDOW_STEPS * 8
+
+
+def test_a_batch_on_a_device_is_not_hashed_and_ids_given_stop_the_hashing(
+    attach: MonitorFactory,
+) -> None:
+    model = torch.nn.Linear(8, 1)
+    monitor = attach(model, torch.optim.SGD(model.parameters(), lr=0.0))
+    identities = monitor._batches  # type: ignore[attr-defined]
+    identities.forward(0, (torch.empty(4, 8, device="meta"),), {})  # not in host memory
+    identities.forward(1, (), {"attention_mask": torch.ones(9, 3), "input_ids": torch.zeros(2, 3)})
+    batch = {"batch_idx": torch.zeros(7), "img": torch.zeros(2, 3, 4, 4)}  # Ultralytics' batch
+    identities.forward(2, (batch,), {})
+    assert [(step, len(hashes)) for step, hashes in identities._hashes] == [(1, 2), (2, 2)]
+    identities.observed(3, [5, 6])
+    identities.forward(4, (torch.zeros(2, 8),), {})
+    assert [step for step, _ in identities._hashes] == [1, 2]  # the loop names its batches now
+
+
 # --- loaders with worker processes ------------------------------------------------------
 
 
@@ -247,7 +300,7 @@ def _loaders() -> dict[str, DataLoader[Any]]:
 
 
 @pytest.mark.parametrize("case", list(_loaders()))
-def test_batches_that_cannot_be_named_exactly_are_named_nothing(
+def test_batches_no_index_names_exactly_are_named_by_content_never_by_a_wrong_index(
     attach: MonitorFactory, tmp_path: Path, case: str
 ) -> None:
     loader = _loaders()[case]
@@ -268,8 +321,10 @@ def test_batches_that_cannot_be_named_exactly_are_named_nothing(
     assert len(seen) == len(list(_loaders()[case]))  # every batch, as the loader yields it
     records = events(monitor.event_log_path)
     assert any(r["event"] == "anomaly" and r["kind"] == "nonfinite_loss" for r in records)
-    assert not [r for r in records if r["event"] == "batch_identities"]
-    assert not (tmp_path / "test-run" / "rank-0.skip_batches.json").exists()
+    entries = json.loads((tmp_path / "test-run" / "rank-0.skip_batches.json").read_text())
+    assert all("indices" not in entry for entry in entries)  # never a wrong index
+    by_step = {entry["step"]: entry for entry in entries}
+    assert by_step[10]["hashes"] == stabmon.sample_hashes(seen[10])  # the poisoned batch
 
 
 class _Checkpointed(DataLoader[Any]):

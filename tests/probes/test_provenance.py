@@ -106,7 +106,11 @@ def _provenance(monitor: object, kind: str = "provenance") -> list[dict[str, obj
 
 def _first_nonfinite_step(monitor: object) -> object:
     records = events(monitor.event_log_path)  # type: ignore[attr-defined]
-    return next(r["step"] for r in records if r.get("kind") == "nonfinite_loss")
+    return next(
+        r["step"]
+        for r in records
+        if r.get("event") == "anomaly" and r.get("kind") == "nonfinite_loss"
+    )
 
 
 def test_a_log_of_zero_in_layer_7_is_produced_there_in_the_forward_and_passed_on_after(

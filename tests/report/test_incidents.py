@@ -37,7 +37,11 @@ def test_the_rank_whose_own_loss_went_non_finite_is_first_though_all_reduce_spre
 ) -> None:
     run = tmp_path / "job"
     # Rank 1's batch held a NaN at step 10; the all-reduce made rank 0's gradients NaN too.
-    _log(run, 0, [("anomaly", {"kind": "nonfinite_grad", "step": 10, "detail": "grads"})])
+    _log(run, 0, [
+        ("anomaly", {"kind": "nonfinite_grad", "step": 10, "detail": "grads"}),
+        ("batch_identities", {"step": 10, "kind": "nonfinite_grad",  # a get_batch() loop's
+                              "batches": [{"step": 9, "rank": 0, "hashes": [-7, 12]}]}),
+    ])  # fmt: skip
     _log(run, 1, [
         ("anomaly", {"kind": "nonfinite_loss", "step": 10, "detail": "loss"}),
         ("anomaly", {"kind": "nonfinite_grad", "step": 10, "detail": "grads"}),
@@ -51,6 +55,7 @@ def test_the_rank_whose_own_loss_went_non_finite_is_first_though_all_reduce_spre
     assert "First non-finite: rank 1 at step 10 (of 2 rank(s))" in page
     assert "not reproduced: a transient" in page
     assert "10: [40, 41]" in page
+    assert "9: [-7, 12]" in page  # sample hashes where no index is known
 
 
 def test_a_forward_producer_breaks_a_tie_of_gradients_only(tmp_path: Path) -> None:
