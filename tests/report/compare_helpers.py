@@ -4,13 +4,12 @@ one way at a time, and event logs written by hand for the unit tests."""
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from helpers import tiny_model
+from helpers import LoopClock, tiny_model
 
 import stabmon
 
@@ -34,21 +33,32 @@ def train(
 ) -> Path:
     """``steps`` steps of a tiny model fed through ``mon.track``; returns the run's directory.
 
-    ``fetch_sleep`` is slept in each batch fetch (a slow input pipeline); ``nan_step`` puts a
+    The loop's clock moves as a real step's would, whatever the machine's load: 1 ms in
+    each batch fetch, 4 ms in the forward, 4 ms in the backward and 1 ms in the optimizer
+    step (a step of ``STEADY``'s shape), so identical runs time alike and a variant moves
+    only what it changes. ``fetch_sleep`` is added to each batch fetch (a slow input
+    pipeline); ``nan_step`` puts a
     NaN in one gradient of that step (its update undone, so later steps are clean);
     ``dataset`` samples make an epoch, its last batch short when ``batch`` does not divide
     it; ``record_seconds`` is throughput.record_seconds (60 s is the default: one block).
     """
     model = tiny_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    clock = LoopClock()
     with stabmon.attach(
         model, optimizer, port=0, address="127.0.0.1", run_dir=str(run_dir), run_id=run_id,
         sample_every=5, throughput={"record_seconds": record_seconds,
                                     "slowdown_block_seconds": record_seconds,
                                     "slowdown_warmup_steps": WARMUP_STEPS},
+        clock=clock,
     ) as monitor:  # fmt: skip
-        for step, inputs in enumerate(monitor.track(_batches(steps, batch, fetch_sleep, dataset))):
+        # Registered after stabmon's hooks, so inside the phases they time.
+        model.register_forward_pre_hook(lambda module, args: clock.advance(0.004))
+        optimizer.register_step_pre_hook(lambda *_: clock.advance(0.001))
+        batches = _batches(steps, batch, fetch_sleep, dataset, clock)
+        for step, inputs in enumerate(monitor.track(batches)):
             loss = model(inputs).pow(2).mean()
+            loss.register_hook(lambda grad: clock.advance(0.004))  # in the backward
             loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
             saved = [p.detach().clone() for p in model.parameters()] if step == nan_step else []
             if saved:
@@ -65,12 +75,11 @@ def train(
 
 
 def _batches(
-    steps: int, batch: int, fetch_sleep: float, dataset: int | None
+    steps: int, batch: int, fetch_sleep: float, dataset: int | None, clock: LoopClock
 ) -> Iterator[torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
     for step in range(steps):
-        if fetch_sleep:
-            time.sleep(fetch_sleep)
+        clock.advance(0.001 + fetch_sleep)
         per_epoch = -(-dataset // batch) if dataset else 1
         size = min(batch, dataset - step % per_epoch * batch) if dataset else batch
         yield torch.randn(size, 8, generator=generator)
