@@ -189,9 +189,11 @@ class BatchIdentities:
         if ring and ring[-1][0] == step:  # track() named it by its sampler indices
             return
         batch = _first_tensor(args, kwargs)
-        if batch is None or not batch.is_cpu:
-            return
-        hashes: list[int] = row_hashes(batch).tolist()[:MAX_INDICES]  # host memory: no sync
+        if batch is None or not batch.is_cpu or batch.layout != torch.strided or batch.is_quantized:
+            return  # on a GPU, or a kind of tensor (sparse, nested, quantized) not indexed so
+        if batch.ndim and batch.shape[0] > MAX_INDICES:
+            batch = batch[:MAX_INDICES]  # the rows kept: a large tabular batch pays for those
+        hashes: list[int] = row_hashes(batch).tolist()  # host memory: no sync
         kept = self._hashes
         if kept and kept[-1][0] == step:
             kept[-1][1].extend(hashes[: MAX_INDICES - len(kept[-1][1])])

@@ -173,7 +173,8 @@ class NanProvenance:
         self._step = _Step()
         # Measured steps' calls, their forward sums' count, gradients' slots, the weights'
         # owners and the forward's own calls (None: all of them), by step.
-        self._waiting: dict[int, _Waiting] = {}
+        # A list per step: the steps GradScaler skips are measured under one step number.
+        self._waiting: dict[int, list[_Waiting]] = {}
         self._verdicts: list[_Verdict] = []
         self._measured = 0  # watched steps measured for the trigger under way
         self._backward: str | None = None  # where the parameters' gradients went non-finite
@@ -198,6 +199,7 @@ class NanProvenance:
         self._names: list[str] = []
         self._first: frozenset[str] | None = None  # the first stage's modules (None: all)
         self._coarse: _Verdict | None = None
+        self._before: list[int] = []  # the first stage's steps before the one it named
         self._refine: str | None = None
         self._generation = 0
 
@@ -266,12 +268,17 @@ class NanProvenance:
         self._unwatch = self._context.watch_modules(self._forward, names)
 
     def _start_refining(self, producer: str) -> None:
-        """The second stage: the inside of the module the first named (and the root, which
-        tells the batch's own values from those made inside)."""
-        self._refine = None
-        self.detach()
-        self._watch(frozenset(n for n in self._names if n == "" or _contains(producer, n)))
-        self._left, self._measured, self._verdicts = self._steps, 0, []
+        """The second stage: the inside of the module the first named, and the first stage's
+        modules still (so a value already non-finite where it enters that module, or a
+        fault that moved, is named where it arose, not inside). Under the judging lock: the
+        judge thread reads what changes here."""
+        first = self._first or frozenset()
+        names = frozenset(n for n in self._names if n in first or _contains(producer, n))
+        with self._context.judging():
+            self.detach()
+            self._watch(names)  # a new generation first: the old watch's steps are not judged
+            self._refine = None
+            self._left, self._measured = self._steps, 0
 
     def _forward(self, name: str, inputs: Any, output: Any) -> None:
         step = self._step
@@ -381,8 +388,10 @@ class NanProvenance:
         tags = (
             (watched.no_grad, watched.recomputed) if watched.no_grad or watched.recomputed else None
         )
-        self._waiting[step] = _Waiting(
-            watched.calls, len(watched.sums), watched.grad_slots, owners, tags, self._generation
+        self._waiting.setdefault(step, []).append(
+            _Waiting(
+                watched.calls, len(watched.sums), watched.grad_slots, owners, tags, self._generation
+            )
         )
         self._measured += 1
         self._left -= 1
@@ -398,12 +407,16 @@ class NanProvenance:
     # --- the verdict (under the judging lock) -------------------------------------------
 
     def judge(self, step: int, values: list[float]) -> None:
-        waiting = self._waiting.pop(step, None)
+        queue = self._waiting.get(step)
+        waiting = queue.pop(0) if queue else None
+        if queue is not None and not queue:
+            del self._waiting[step]
         # Results come oldest first: a watched step still waiting from before this one was
         # dropped by the read-back (bounded), and counts as measured no longer.
         for lost in [earlier for earlier in self._waiting if earlier < step]:
-            if self._waiting.pop(lost).generation == self._generation:
-                self._measured -= 1
+            for entry in self._waiting.pop(lost):
+                if entry.generation == self._generation:
+                    self._measured -= 1
         if waiting is None or waiting.generation != self._generation or self._refine is not None:
             return  # measured by a watch since replaced: the verdict it gave is being refined
         calls, count, grad_slots, owners, tags, _ = waiting
@@ -425,6 +438,7 @@ class NanProvenance:
         inside = self._refinable(verdict)
         if inside is not None:  # the first stage named a module: now watch inside it
             self._coarse, self._refine = verdict, inside
+            self._before, self._verdicts = [v.step for v in self._verdicts], []
             return
         self._verdicts.append(verdict)
         # Once the watch has ended, the steps it measured are all there will be (some of
@@ -461,13 +475,15 @@ class NanProvenance:
         inside_unseen: list[int] | None = None  # the second stage's steps, if it found nothing
         coarse, self._coarse = self._coarse, None
         if coarse is not None:
-            if found is not None and _refines(found, coarse):
-                found = _refined(found, coarse)
-            else:
+            if found is None:
                 found, inside_unseen = coarse, [v.step for v in verdicts]
+            elif _refines(found, coarse):
+                found = _refined(found, coarse)
+            # else: the second stage, seeing the first's modules too, named another (the
+            # fault moved, or came from outside): what it saw stands.
             verdicts = [coarse, *verdicts]
         trigger = self._trigger if self._trigger is not None else verdicts[0].step
-        watched = [v.step for v in verdicts]
+        watched = sorted({*self._before, *(v.step for v in verdicts)})
         context = self._context
         producer: str | None = None
         propagators: list[str] = []
@@ -502,7 +518,7 @@ class NanProvenance:
         )  # fmt: skip
         context.log("provenance", logging.WARNING, "stabmon: rank %d: %s", context.rank, message)
         self._trigger, self._backward, self._explained = None, None, True
-        self._weights, self._bad_weights, self._refine = None, [], None
+        self._weights, self._bad_weights, self._refine, self._before = None, [], None, []
         if not self._always:
             self._waiting.clear()  # steps still in flight for this trigger: explained already
 

@@ -519,7 +519,7 @@ def _paths_by_owner(root: Path) -> dict[int, list[tuple[int, Path]]]:
 
 
 #: A process record's name; the run directory holds other files of a rank's beside it.
-_RECORD_NAME = re.compile(r"^rank-\d{1,9}\.json$")
+_RECORD_NAME = re.compile(r"rank-[0-9]{1,9}\.json")
 
 
 def _listed(run: Path) -> list[Path]:
@@ -530,7 +530,7 @@ def _listed(run: Path) -> list[Path]:
             for index, entry in enumerate(entries):
                 if index >= MAX_ENTRIES:
                     break
-                if _RECORD_NAME.match(entry.name):  # not rank-N.skip_batches.json and the like
+                if _RECORD_NAME.fullmatch(entry.name):  # not rank-N.skip_batches.json and the like
                     names.append(entry.name)
     except OSError:
         return []

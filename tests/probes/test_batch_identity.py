@@ -134,13 +134,17 @@ def test_a_batch_on_a_device_is_not_hashed_and_ids_given_stop_the_hashing(
     monitor = attach(model, torch.optim.SGD(model.parameters(), lr=0.0))
     identities = monitor._batches  # type: ignore[attr-defined]
     identities.forward(0, (torch.empty(4, 8, device="meta"),), {})  # not in host memory
+    identities.forward(0, (torch.eye(4).to_sparse(),), {})  # not indexed so: left, no error
+    assert not identities._hashes
     identities.forward(1, (), {"attention_mask": torch.ones(9, 3), "input_ids": torch.zeros(2, 3)})
     batch = {"batch_idx": torch.zeros(7), "img": torch.zeros(2, 3, 4, 4)}  # Ultralytics' batch
     identities.forward(2, (batch,), {})
     assert [(step, len(hashes)) for step, hashes in identities._hashes] == [(1, 2), (2, 2)]
+    identities.forward(3, (torch.zeros(5000, 2),), {})  # a large tabular batch: rows bounded
+    assert len(identities._hashes[-1][1]) == 4096
     identities.observed(3, [5, 6])
     identities.forward(4, (torch.zeros(2, 8),), {})
-    assert [step for step, _ in identities._hashes] == [1, 2]  # the loop names its batches now
+    assert [step for step, _ in identities._hashes] == [1, 2, 3]  # the loop names them now
 
 
 # --- loaders with worker processes ------------------------------------------------------

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import MonitorFactory
-from helpers import events
+from helpers import LoopClock, events
 from torch import nn
 
 from stabmon.probes.provenance import (
@@ -127,6 +127,25 @@ def test_a_log_of_zero_in_layer_7_is_produced_there_in_the_forward_and_passed_on
         str(name).startswith(("layers.8", "layers.9", "layers.10", "layers.11", "head"))
         for name in record["propagators"]  # type: ignore[attr-defined]
     )
+
+
+def test_steps_gradscaler_skips_measured_under_one_step_number_are_each_judged_in_turn(
+    attach: MonitorFactory,
+) -> None:
+    # GradScaler skips every step of the episode, so the watched steps share one step
+    # number; judged together at the end (a judge interval longer than the run), each
+    # measurement must meet its own record.
+    clock = LoopClock()
+    model = _Deep()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    monitor = attach(model, optimizer, scaler=scaler, judge_seconds=0.035, clock=clock)
+    for step in range(60):  # judged every fourth step, four results at a time
+        clock.advance(0.01)
+        _train(model, monitor, optimizer, scaler, 1, poison_from=0 if step >= 40 else None)
+    (record,) = _provenance(monitor)
+    assert (record["producer"], record["direction"]) == ("layers.7", "forward")
+    assert record["observed_step"] == 40
 
 
 def test_a_nan_already_applied_to_the_weights_is_said_so_not_blamed_on_the_first_layer(
@@ -403,10 +422,10 @@ def test_a_large_model_is_watched_by_its_blocks_first_and_inside_the_block_named
     assert record["propagators"][:2] == ["transformer.h.7.ln_2", "transformer.h.7.mlp.c_fc"]
     assert "transformer.h.8" in record["propagators"]  # type: ignore[operator]
     assert len(record["watched_steps"]) == 2  # type: ignore[arg-type]  # one step each
-    # Disarmed (the root's own step hooks), then the 19 modules down to the blocks, then the
-    # root, block 7 and its 9 modules.
-    assert watched[:2] == [1, 1] and 19 in watched and 11 in watched, watched
-    assert max(watched) == 19 and watched.index(19) < watched.index(11), watched
+    # Disarmed (the root's own step hooks), then the 19 modules down to the blocks, then
+    # those and block 7's 9 modules.
+    assert watched[:2] == [1, 1] and 19 in watched and 28 in watched, watched
+    assert max(watched) == 28 and watched.index(19) < watched.index(28), watched
 
 
 def test_a_backward_fault_is_named_in_its_block_then_in_the_part_that_made_it(
@@ -438,7 +457,7 @@ def test_a_fault_gone_before_the_inside_is_watched_names_the_block_and_says_so(
     watched: list[int] = []
 
     def until(step: int) -> None:  # the fault lasts while the blocks are watched, no longer
-        if sum(bool(m._forward_hooks) for m in model.modules()) == 11:
+        if sum(bool(m._forward_hooks) for m in model.modules()) == 28:
             attention.log_zero = False
 
     _train_gpt(model, monitor, optimizer, 10, watched, until)
@@ -447,6 +466,27 @@ def test_a_fault_gone_before_the_inside_is_watched_names_the_block_and_says_so(
     assert len(record["watched_steps"]) == 4  # type: ignore[arg-type]  # 1 + provenance_steps
     line = next(r.getMessage() for r in caplog.records if "did not recur" in r.getMessage())
     assert "the modules inside transformer.h.7 were watched next" in line
+
+
+def test_a_fault_that_moved_before_the_inside_is_watched_is_named_where_it_went(
+    attach: MonitorFactory,
+) -> None:
+    # The second stage watches the blocks too: block 7's input, non-finite from block 2 on,
+    # must not make block 7 the producer.
+    model = _Gpt(layers=12)
+    blocks = model.transformer["h"]  # type: ignore[index]
+    blocks[7].attn.log_zero = True
+    optimizer = _Frozen(model.parameters())
+    monitor = attach(model, optimizer, judge_seconds=0)
+
+    def moved(step: int) -> None:
+        if sum(bool(m._forward_hooks) for m in model.modules()) == 28:
+            blocks[7].attn.log_zero, blocks[2].attn.log_zero = False, True
+
+    _train_gpt(model, monitor, optimizer, 10, [], moved)
+    (record,) = _provenance(monitor)
+    assert (record["producer"], record["direction"]) == ("transformer.h.2", "forward")
+    assert record["propagators"][0] == "transformer.h.3"  # type: ignore[index]
 
 
 def test_a_run_that_ends_before_the_inside_is_watched_still_names_the_block(
@@ -458,7 +498,7 @@ def test_a_run_that_ends_before_the_inside_is_watched_still_names_the_block(
     monitor = attach(model, optimizer, judge_seconds=0)
     watched: list[int] = []
     _train_gpt(model, monitor, optimizer, 4, watched)  # detached as the first stage ends
-    assert 11 not in watched, watched
+    assert 28 not in watched, watched
     (record,) = _provenance(monitor)
     assert (record["producer"], record["direction"]) == ("transformer.h.7", "forward")
     line = next(r.getMessage() for r in caplog.records if "provenance" in r.getMessage()
