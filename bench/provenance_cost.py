@@ -10,7 +10,7 @@ non-finite loss arms) and armed (provenance_always: every module's forward sums 
 gradient hooks, every step, what a non-finite gradient with a finite loss arms on a model of
 at most 48 modules). On a model of more modules (``--model gpt``: 110), a non-finite value
 arms two stages, each timed too: first (the top of the module tree: here the 12 blocks and
-the head, forward and gradients) and inside (the modules inside block 5). They are
+the head, forward and gradients) and inside (those and the modules inside block 5). They are
 stepped in alternating blocks of steps, each round starting with the next, so that the
 machine's load falls on all alike; prints the median step time of each and the ratios, as
 wall time and as the thread's CPU time (torch on one thread: the step's own work, which a

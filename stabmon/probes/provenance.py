@@ -44,9 +44,10 @@ A model of more than :data:`TWO_STAGES_ABOVE` modules is watched in two stages: 
 every small layer of a big model would cost more than the step's own work. The first
 stage watches the top of the module tree, down to the depth that keeps both stages small
 (a transformer's blocks, stem and head); once it names a module, the second watches the
-modules inside it (and the root) for another ``provenance_steps`` steps, and the verdict
-names the inner producer, then the blocks that passed it on. If the fault does not recur
-meanwhile, the first stage's module is the verdict, and the message says so.
+modules inside it, and the first stage's still, for another ``provenance_steps`` steps,
+and the verdict names the inner producer, then the blocks that passed it on (or, where
+the fault moved meanwhile, where it arose then). If the fault does not recur meanwhile,
+the first stage's module is the verdict, and the message says so.
 
 The verdict is one ``provenance`` event and one log line. ``provenance_always`` watches
 from the first step, for a debugging session. A compiled forward is not watched (its
