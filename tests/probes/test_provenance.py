@@ -352,42 +352,6 @@ class _Gpt(nn.Module):
         return logits
 
 
-@pytest.mark.parametrize(
-    ("poison", "producer", "direction", "propagator"),
-    [
-        ("attn.log_zero", "transformer.h.1.attn", "forward", "transformer.h.1.ln_2"),
-        ("mlp.nan_grad", "transformer.h.1.mlp", "backward", "transformer.h.1.mlp.gelu"),
-        ("residual_nan_grad", "transformer.h.1", "backward", "transformer.h.1.attn"),
-    ],
-    ids=["forward-attention", "backward-mlp", "backward-residual-branch"],
-)
-def test_a_gpt_shaped_model_names_the_block_part_that_produced_the_nan(
-    attach: MonitorFactory, poison: str, producer: str, direction: str, propagator: str
-) -> None:
-    model = _Gpt()
-    part, _, flag = poison.rpartition(".")
-    block = model.transformer["h"][1]  # type: ignore[index]
-    setattr(block.get_submodule(part) if part else block, flag, True)
-    optimizer = _Frozen(model.parameters())
-    monitor = attach(model, optimizer, judge_seconds=0)
-    for _ in range(5):
-        idx = torch.randint(0, 32, (2, 8))
-        logits = model(idx)
-        loss = nn.functional.cross_entropy(logits.reshape(-1, 32), idx.reshape(-1))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        monitor.observe(loss=loss)  # type: ignore[attr-defined]
-    (record,) = _provenance(monitor)
-    assert (record["producer"], record["direction"]) == (producer, direction)
-    assert record["propagators"][0] == propagator  # type: ignore[index]
-    if direction == "backward":  # the blocks before it pass the gradient on, not after it
-        propagators = record["propagators"]
-        assert "transformer.h.0" in propagators or len(propagators) == 5  # type: ignore[operator]
-        assert not any(str(p).startswith(("transformer.h.2", "transformer.h.3", "lm_head"))
-                       for p in propagators)  # type: ignore[attr-defined]  # fmt: skip
-
-
 def _train_gpt(model: _Gpt, monitor: object, optimizer: torch.optim.Optimizer, steps: int,
                watched: list[int] | None = None, until: Any = None) -> None:  # fmt: skip
     """nanoGPT's loop; ``watched`` gets how many modules hold a forward hook at each step,
@@ -406,15 +370,51 @@ def _train_gpt(model: _Gpt, monitor: object, optimizer: torch.optim.Optimizer, s
         monitor.observe(loss=loss)  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize(
+    ("poison", "producer", "direction", "propagator"),
+    [
+        ("attn.log_zero", "transformer.h.1.attn", "forward", "transformer.h.1.ln_2"),
+        ("mlp.nan_grad", "transformer.h.1.mlp", "backward", "transformer.h.1.mlp.gelu"),
+        ("residual_nan_grad", "transformer.h.1", "backward", "transformer.h.1.attn"),
+    ],
+    ids=["forward-attention", "backward-mlp", "backward-residual-branch"],
+)
+def test_a_gpt_shaped_model_names_the_block_part_that_produced_the_nan(
+    attach: MonitorFactory, poison: str, producer: str, direction: str, propagator: str
+) -> None:
+    model = _Gpt()
+    part, _, flag = poison.rpartition(".")
+    block = model.transformer["h"][1]  # type: ignore[index]
+    setattr(block.get_submodule(part) if part else block, flag, True)
+    optimizer = _Frozen(model.parameters())
+    monitor = attach(model, optimizer, judge_seconds=0)
+    _train_gpt(model, monitor, optimizer, 5)
+    (record,) = _provenance(monitor)
+    assert (record["producer"], record["direction"]) == (producer, direction)
+    assert record["propagators"][0] == propagator  # type: ignore[index]
+    if direction == "backward":  # the blocks before it pass the gradient on, not after it
+        propagators = record["propagators"]
+        assert "transformer.h.0" in propagators or len(propagators) == 5  # type: ignore[operator]
+        assert not any(str(p).startswith(("transformer.h.2", "transformer.h.3", "lm_head"))
+                       for p in propagators)  # type: ignore[attr-defined]  # fmt: skip
+
+
+def _big_gpt(attach: MonitorFactory) -> tuple[_Gpt, Any, Any, torch.optim.Optimizer]:
+    """A 12-block GPT (126 modules: watched in two stages), its blocks, its Monitor and a
+    frozen optimizer (the weights stay finite, so a fault recurs)."""
+    model = _Gpt(layers=12)
+    optimizer = _Frozen(model.parameters())
+    monitor = attach(model, optimizer, judge_seconds=0)
+    return model, model.transformer["h"], monitor, optimizer
+
+
 def test_a_large_model_is_watched_by_its_blocks_first_and_inside_the_block_named_next(
     attach: MonitorFactory,
 ) -> None:
     # 12 blocks: 126 modules. A hook on each would cost more than a small step's own work,
     # so the first stage watches the 19 down to the blocks, the second block 7's inside.
-    model = _Gpt(layers=12)
-    model.transformer["h"][7].attn.log_zero = True  # type: ignore[index]
-    optimizer = _Frozen(model.parameters())
-    monitor = attach(model, optimizer, judge_seconds=0)
+    model, blocks, monitor, optimizer = _big_gpt(attach)
+    blocks[7].attn.log_zero = True
     watched: list[int] = []
     _train_gpt(model, monitor, optimizer, 8, watched)
     (record,) = _provenance(monitor)
@@ -431,10 +431,8 @@ def test_a_large_model_is_watched_by_its_blocks_first_and_inside_the_block_named
 def test_a_backward_fault_is_named_in_its_block_then_in_the_part_that_made_it(
     attach: MonitorFactory,
 ) -> None:
-    model = _Gpt(layers=12)
-    model.transformer["h"][7].mlp.nan_grad = True  # type: ignore[index]
-    optimizer = _Frozen(model.parameters())
-    monitor = attach(model, optimizer, judge_seconds=0)
+    model, blocks, monitor, optimizer = _big_gpt(attach)
+    blocks[7].mlp.nan_grad = True
     _train_gpt(model, monitor, optimizer, 8)
     (record,) = _provenance(monitor)
     assert (record["producer"], record["direction"]) == ("transformer.h.7.mlp", "backward")
@@ -449,11 +447,9 @@ def test_a_backward_fault_is_named_in_its_block_then_in_the_part_that_made_it(
 def test_a_fault_gone_before_the_inside_is_watched_names_the_block_and_says_so(
     attach: MonitorFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
-    model = _Gpt(layers=12)
-    attention = model.transformer["h"][7].attn  # type: ignore[index]
+    model, blocks, monitor, optimizer = _big_gpt(attach)
+    attention = blocks[7].attn
     attention.log_zero = True
-    optimizer = _Frozen(model.parameters())
-    monitor = attach(model, optimizer, judge_seconds=0)
     watched: list[int] = []
 
     def until(step: int) -> None:  # the fault lasts while the blocks are watched, no longer
@@ -473,11 +469,8 @@ def test_a_fault_that_moved_before_the_inside_is_watched_is_named_where_it_went(
 ) -> None:
     # The second stage watches the blocks too: block 7's input, non-finite from block 2 on,
     # must not make block 7 the producer.
-    model = _Gpt(layers=12)
-    blocks = model.transformer["h"]  # type: ignore[index]
+    model, blocks, monitor, optimizer = _big_gpt(attach)
     blocks[7].attn.log_zero = True
-    optimizer = _Frozen(model.parameters())
-    monitor = attach(model, optimizer, judge_seconds=0)
 
     def moved(step: int) -> None:
         if sum(bool(m._forward_hooks) for m in model.modules()) == 28:
@@ -492,10 +485,8 @@ def test_a_fault_that_moved_before_the_inside_is_watched_is_named_where_it_went(
 def test_a_run_that_ends_before_the_inside_is_watched_still_names_the_block(
     attach: MonitorFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
-    model = _Gpt(layers=12)
-    model.transformer["h"][7].attn.log_zero = True  # type: ignore[index]
-    optimizer = _Frozen(model.parameters())
-    monitor = attach(model, optimizer, judge_seconds=0)
+    model, blocks, monitor, optimizer = _big_gpt(attach)
+    blocks[7].attn.log_zero = True
     watched: list[int] = []
     _train_gpt(model, monitor, optimizer, 4, watched)  # detached as the first stage ends
     assert 28 not in watched, watched
