@@ -50,6 +50,8 @@ def sample_hashes(batch: torch.Tensor) -> list[int]:
     dimension), as stabmon names a batch in ``skip_batches.json`` where no dataset index
     is known. Hash the tensor as the model receives it (the same dtype) to find the samples
     a skip file names."""
+    # The caller's own read (a resuming loop's), never stabmon's step: a GPU tensor syncs
+    # here, as the caller chose; stabmon hashes host tensors only (BatchIdentities.forward).
     hashes: list[int] = row_hashes(batch).tolist()
     return hashes
 
