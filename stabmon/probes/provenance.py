@@ -454,7 +454,7 @@ class NanProvenance:
         look inside: the batch, the loss, a leaf)."""
         if self._coarse is not None or self._always or self._bad_weights or not verdict.found:
             return None
-        shown = verdict.forward[0] if verdict.forward[0] is not None else verdict.backward[0]
+        shown = verdict.producer
         if shown in (INPUT, LOSS, ROOT, None):
             return None
         first = self._first
@@ -552,7 +552,12 @@ class _Verdict:
 
     @property
     def found(self) -> bool:
-        return self.forward[0] is not None or self.backward[0] is not None
+        return self.producer is not None
+
+    @property
+    def producer(self) -> str | None:
+        """The forward producer, else the backward one (None: every value was finite)."""
+        return self.forward[0] if self.forward[0] is not None else self.backward[0]
 
 
 def forward_producer(calls: Sequence[Call], finite: Sequence[bool]) -> tuple[str | None, list[str]]:
@@ -654,8 +659,7 @@ def _first_stage(names: Sequence[str]) -> frozenset[str] | None:
 
 def _refines(inner: _Verdict, outer: _Verdict) -> bool:
     """Whether a second-stage verdict names a module inside (or) the first stage's producer."""
-    outer_producer = outer.forward[0] if outer.forward[0] is not None else outer.backward[0]
-    inner_producer = inner.forward[0] if inner.forward[0] is not None else inner.backward[0]
+    outer_producer, inner_producer = outer.producer, inner.producer
     if outer_producer is None or inner_producer in (None, INPUT, LOSS, ROOT):
         return False
     return _contains(outer_producer, inner_producer)
