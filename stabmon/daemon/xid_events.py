@@ -26,6 +26,7 @@ from stabmon.daemon.xid_state import XidState
 from stabmon.hardware.nvml import GpuIdentity, NvmlError, NvmlReader
 from stabmon.shared.guard import Guard
 from stabmon.shared.log import LogLimiter
+from stabmon.shared.threads import start_without_signals
 
 __all__ = ["XidWatcher"]
 
@@ -82,7 +83,7 @@ class XidWatcher:
         if self._stopping.is_set():
             return False
         if self._thread.ident is None:
-            self._thread.start()
+            start_without_signals(self._thread)
         return True
 
     def request_stop(self) -> None:

@@ -51,6 +51,7 @@ from stabmon.export.limits import (
 from stabmon.export.security import Security
 from stabmon.shared.guard import Guard
 from stabmon.shared.log import LogLimiter
+from stabmon.shared.threads import start_without_signals
 
 if TYPE_CHECKING:
     from stabmon.export.http_server import ThreadingServer
@@ -178,7 +179,7 @@ class Exporter:
                 name="stabmon-exporter",
                 daemon=True,
             )
-            thread.start()
+            start_without_signals(thread)
             self._server, self._thread = server, thread
             self.port = int(server.server_address[1])
             if failures:

@@ -46,6 +46,7 @@ from stabmon.errors import StabmonError
 from stabmon.export.security import Security
 from stabmon.report.status_targets import RegisteredTarget, may_authenticate
 from stabmon.shared.safefs import read_regular
+from stabmon.shared.threads import start_without_signals
 
 __all__ = [
     "Credentials",
@@ -298,7 +299,9 @@ def _scrape_all(
             done.release()
 
     for _ in range(min(len(jobs), MAX_PARALLEL)):
-        threading.Thread(target=work, name="stabmon-status-scrape", daemon=True).start()
+        start_without_signals(
+            threading.Thread(target=work, name="stabmon-status-scrape", daemon=True)
+        )
     for _ in jobs:
         if not done.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
             break

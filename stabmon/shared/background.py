@@ -12,6 +12,7 @@ import threading
 from collections.abc import Callable
 
 from stabmon.shared.guard import Guard
+from stabmon.shared.threads import start_without_signals
 
 __all__ = ["PeriodicThread"]
 
@@ -36,7 +37,7 @@ class PeriodicThread:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
-        self._thread.start()
+        start_without_signals(self._thread)
 
     def stop(self, timeout: float = 1.0) -> None:
         """Ask the thread to end and wait up to ``timeout`` seconds for it."""

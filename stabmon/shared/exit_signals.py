@@ -38,6 +38,8 @@ import time
 from collections.abc import Callable
 from types import FrameType
 
+from stabmon.shared.threads import start_without_signals
+
 __all__ = ["SigtermRecorder"]
 
 _STOP = b"\x00"
@@ -91,7 +93,7 @@ class SigtermRecorder:
                 after_in_child=cls._after_fork_in_child,
             )
             cls._fork_hook = True
-        recorder._thread.start()
+        start_without_signals(recorder._thread)
         return recorder
 
     def uninstall(self) -> None:

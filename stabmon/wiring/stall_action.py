@@ -48,6 +48,7 @@ from stabmon.probes.loader import WorkerWatch
 from stabmon.probes.worker_stacks import WorkerStack, WorkerStacks
 from stabmon.shared.own_record import Registration
 from stabmon.shared.rundir import write_atomic
+from stabmon.shared.threads import start_without_signals
 from stabmon.wiring.node_peers import NodePeers
 
 __all__ = ["STALL_ACTIONS", "STALL_EXIT_CODE", "StallResponder"]
@@ -337,7 +338,7 @@ class _FlightReads:
                     target=self._read, args=(self._generation,), daemon=True,
                     name="stabmon-flight-recorder",
                 )  # fmt: skip
-                self._thread.start()
+                start_without_signals(self._thread)
             thread = self._thread
         if wait > 0 and thread is not None:
             thread.join(wait)
