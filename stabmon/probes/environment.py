@@ -189,6 +189,24 @@ def set_in_process(env: Mapping[str, str], at_start: Mapping[str, str]) -> list[
     return [name for name in relevant_variables(env) if at_start.get(name) != env.get(name)]
 
 
+def _platform() -> str:
+    """``platform.platform()``'s words (``Linux-6.8.0-x86_64-with-glibc2.35``), without its fork.
+
+    ``platform.platform()`` asks for the processor, which runs ``uname -p`` in a subprocess:
+    at attach, in the training process's main thread. A process spawned there is one more
+    thing that must not happen in someone's training loop, and under load it has been seen
+    to leave a SIGTERM sent just after attach to another thread, so that the user's handler
+    waited until the main thread woke up by itself. Everything below comes from ``uname(2)``
+    and ``confstr``, in this process.
+    """
+    uname = platform.uname()  # system, release, machine: no processor, so no subprocess
+    libc, version = platform.libc_ver()
+    words = [uname.system, uname.release, uname.machine]
+    if libc:
+        words.append(f"with-{libc}{version}")
+    return "-".join(word for word in words if word)
+
+
 def environment_record(
     versions: Mapping[str, str],
     gpus: Sequence[Mapping[str, str]],
@@ -207,7 +225,7 @@ def environment_record(
         "versions": dict(versions),
         "driver_version": driver,
         "hostname": socket.gethostname(),
-        "platform": platform.platform(),
+        "platform": _platform(),
         "python_executable": sys.executable,
         "cpu_count": os.cpu_count() or 0,
         "torch_threads": torch.get_num_threads(),

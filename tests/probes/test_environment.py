@@ -8,7 +8,9 @@ which cannot exist here: the one test of a failing driver stands ``identify_gpus
 from __future__ import annotations
 
 import os
+import platform
 import socket
+import subprocess
 from typing import Any
 
 import pytest
@@ -119,6 +121,27 @@ def test_environment_record_keeps_only_relevant_variables_redacted() -> None:
     }
     assert record["cuda_visible_devices"] is None
     assert record["torch_threads"] == torch.get_num_threads()
+
+
+def test_the_environment_record_names_the_platform_without_starting_a_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # platform.platform() runs `uname -p` for the processor: a subprocess in the main thread
+    # of a training process at attach, after which a SIGTERM sent at once could reach another
+    # thread and wait (tests/shared/test_exit_signals.py). A fresh uname cache, so a test
+    # before this one cannot have run it already.
+    monkeypatch.setattr(platform, "_uname_cache", None)
+    started: list[object] = []
+
+    def refuse(self: subprocess.Popen[bytes], args: object, *rest: Any, **kwargs: Any) -> None:
+        started.append(args)
+        raise OSError("no process may be started here")
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    record = environment_record({"torch_version": "2"}, [], "", {})
+    assert started == []
+    monkeypatch.undo()  # platform.platform() may fork again: the words must be its own
+    assert record["platform"] == platform.platform()
 
 
 def test_format_environment_says_unset_and_none_set_when_so() -> None:
