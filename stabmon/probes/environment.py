@@ -192,12 +192,11 @@ def set_in_process(env: Mapping[str, str], at_start: Mapping[str, str]) -> list[
 def _platform() -> str:
     """``platform.platform()``'s words (``Linux-6.8.0-x86_64-with-glibc2.35``), without its fork.
 
-    ``platform.platform()`` asks for the processor, which runs ``uname -p`` in a subprocess:
-    at attach, in the training process's main thread. A process spawned there is one more
-    thing that must not happen in someone's training loop, and under load it has been seen
-    to leave a SIGTERM sent just after attach to another thread, so that the user's handler
-    waited until the main thread woke up by itself. Everything below comes from ``uname(2)``
-    and ``confstr``, in this process.
+    ``platform.platform()`` asks for the processor, which runs ``uname -p`` in a subprocess,
+    here in the training process's main thread at attach. That fork is not stabmon's to make:
+    beside it, under load, a SIGTERM sent just after attach was seen (with the kernel's signal
+    tracepoints) going to another thread, so that the user's own handler waited until the
+    main thread's sleep ended by itself. ``uname(2)`` and ``confstr`` give the same words.
     """
     uname = platform.uname()  # system, release, machine: no processor, so no subprocess
     libc, version = platform.libc_ver()

@@ -156,7 +156,8 @@ class SigtermRecorder:
             return
         # Until the child has let go of the wakeup fd, a SIGTERM sent to it would reach the
         # parent's thread: the forking thread blocks SIGTERM, and the child inherits the mask.
-        # (A SIGTERM for the parent meanwhile goes to one of its other threads.)
+        # (A SIGTERM for the parent meanwhile waits until the fork is done, or goes to a thread
+        # that does not block it: never one of stabmon's, see stabmon.shared.threads.)
         previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         cls._forking.was_blocked = signal.SIGTERM in previous
 
