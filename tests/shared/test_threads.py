@@ -14,6 +14,10 @@ import sys
 import threading
 from pathlib import Path
 
+import torch
+from conftest import MonitorFactory
+from helpers import tiny_model
+
 from stabmon.shared.threads import start_without_signals
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,9 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _blocked(native_id: int) -> set[int]:
     status = Path(f"/proc/self/task/{native_id}/status").read_text()
-    mask = int(
-        next(line.split()[1] for line in status.splitlines() if line.startswith("SigBlk")), 16
-    )
+    (line,) = [line for line in status.splitlines() if line.startswith("SigBlk:")]
+    mask = int(line.split()[1], 16)
     return {number for number in range(1, 65) if mask >> (number - 1) & 1}
 
 
@@ -78,20 +81,12 @@ def test_a_signal_the_main_thread_blocks_waits_for_it_instead_of_going_to_our_th
 
 
 def test_every_thread_an_attached_monitor_starts_leaves_signals_to_the_main_thread(
-    tmp_path: Path,
+    attach: MonitorFactory,
 ) -> None:
-    import torch
-
-    import stabmon
-
-    model = torch.nn.Linear(2, 1)
-    monitor = stabmon.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), port=0,
-                             address="127.0.0.1", run_dir=str(tmp_path), run_id="job")  # fmt: skip
-    try:
-        ours = [thread for thread in threading.enumerate() if thread.name.startswith("stabmon-")]
-        assert len(ours) >= 5  # the exporter, the sampler, the heartbeat, the watchdog...
-        for thread in ours:
-            assert thread.native_id is not None
-            assert signal.SIGTERM in _blocked(thread.native_id), thread.name
-    finally:
-        monitor.detach()
+    model = tiny_model()
+    attach(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    ours = [thread for thread in threading.enumerate() if thread.name.startswith("stabmon-")]
+    assert len(ours) >= 5  # the exporter, the sampler, the heartbeat, the watchdog...
+    for thread in ours:
+        assert thread.native_id is not None
+        assert signal.SIGTERM in _blocked(thread.native_id), thread.name
